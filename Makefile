@@ -1,0 +1,27 @@
+# One entry point for people and CI: `make test` (runs `make setup` first when needed).
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup test lint bench clean
+
+setup: $(STAMP)
+
+# torch first, pinned: anything that lets pip choose torch by itself may pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml constraints.txt
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q -c constraints.txt torch
+	$(PY) -m pip install -q -c constraints.txt -e ".[test,bench]"
+	touch $(STAMP)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+test: lint
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) benchmarks/run.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

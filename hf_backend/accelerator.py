@@ -1,0 +1,528 @@
+"""`Accelerator`: the facade a training script talks to, with Accelerate's public API.
+
+It holds one process state, one strategy (chosen once), one precision policy and the gradient-accumulation state,
+and routes every call to the piece that owns it. It never branches on the kind of strategy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import gc
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from . import checkpoint, collectives
+from .config import environment as env
+from .data import PreparedDataLoader, prepare_dataloader
+from .errors import HfBackendError
+from .gradient_state import GradientState
+from .log import note, warn
+from .optim import AcceleratedOptimizer, AcceleratedScheduler
+from .options import (
+    KWARGS_HANDLERS,
+    DataLoaderConfiguration,
+    GradientAccumulationPlugin,
+    Handlers,
+    ProjectConfiguration,
+)
+from .precision import Precision
+from .state import DistributedType, ProcessState, get_process_state, shutdown_process_group
+from .strategies import select_strategy
+
+_HANDLER_SLOTS = dict(zip(KWARGS_HANDLERS, ("ddp", "scaler", "init", "autocast")))
+# Accelerate arguments that change nothing here; anything else unknown is an error, never silently dropped.
+_ACCEPTED_NOOPS = {"rng_types": "the epoch order comes from the sampler's own generator, shared from rank 0",
+                   "dispatch_batches": "every process reads its own shard", "use_seedable_sampler": "always on"}
+
+
+def _resolve(name: str, explicit: Any, env_name: str, parse: Callable[[str], Any], default: Any) -> Any:
+    """An explicit argument wins over what a launcher put in the environment, with a warning when they differ."""
+    raw = env.launcher_setting(env_name)
+    from_env = None
+    if raw is not None:
+        try:
+            from_env = parse(raw)
+        except ValueError:
+            raise HfBackendError(f"environment variable {env_name}={raw!r} is not valid for {name}") from None
+    if explicit is None:
+        return default if from_env is None else from_env
+    if from_env is not None and from_env != explicit:
+        warn(f"{name}={explicit!r} given to Accelerator() overrides the launcher's {env_name}={raw}")
+    return explicit
+
+
+def _parse_bool(raw: str) -> bool:
+    lowered = raw.strip().lower()
+    if lowered in ("1", "true", "yes"):
+        return True
+    if lowered in ("0", "false", "no"):
+        return False
+    raise ValueError(raw)
+
+
+class Accelerator:
+    def __init__(
+        self,
+        device_placement: bool = True,
+        split_batches: bool | None = None,
+        mixed_precision: str | None = None,
+        gradient_accumulation_steps: int | None = None,
+        cpu: bool | None = None,
+        dataloader_config: DataLoaderConfiguration | None = None,
+        project_dir: str | os.PathLike | None = None,
+        project_config: ProjectConfiguration | None = None,
+        gradient_accumulation_plugin: GradientAccumulationPlugin | None = None,
+        step_scheduler_with_optimizer: bool = True,
+        kwargs_handlers: list[Any] | None = None,
+        even_batches: bool | None = None,
+        **unsupported: Any,
+    ) -> None:
+        for key, why in _ACCEPTED_NOOPS.items():
+            if unsupported.pop(key, None) is not None:
+                note(f"Accelerator({key}=...) is accepted and has nothing to do: {why}")
+        if unsupported:
+            raise HfBackendError(f"Accelerator() does not support {', '.join(sorted(unsupported))} in hf_backend; "
+                                 "remove the argument (see docs/engine.md for what is supported)")
+
+        self.handlers = Handlers()
+        for handler in kwargs_handlers or []:
+            slot = _HANDLER_SLOTS.get(type(handler))
+            if slot is None:
+                raise HfBackendError(f"kwargs_handlers: {type(handler).__name__} is not supported; use one of "
+                                     f"{', '.join(c.__name__ for c in KWARGS_HANDLERS)}")
+            setattr(self.handlers, slot, handler)
+
+        cpu = _resolve("cpu", cpu, env.USE_CPU, _parse_bool, False)
+        init = self.handlers.init
+        self.state: ProcessState = get_process_state(cpu=cpu, timeout=init.timeout, backend=init.backend)
+
+        mixed_precision = _resolve("mixed_precision", mixed_precision, env.MIXED_PRECISION, str, "no")
+        self.precision = Precision(str(mixed_precision), self.state.device, self.handlers.scaler,
+                                   self.handlers.autocast)
+
+        if gradient_accumulation_plugin is not None and gradient_accumulation_steps not in (None, 1):
+            raise HfBackendError("pass gradient_accumulation_steps or gradient_accumulation_plugin, not both")
+        if gradient_accumulation_plugin is None:
+            steps = _resolve("gradient_accumulation_steps", gradient_accumulation_steps,
+                             env.GRADIENT_ACCUMULATION_STEPS, int, 1)
+            gradient_accumulation_plugin = GradientAccumulationPlugin(num_steps=steps)
+        if int(gradient_accumulation_plugin.num_steps) < 1:
+            raise HfBackendError(f"gradient_accumulation_steps={gradient_accumulation_plugin.num_steps} must be >= 1")
+        self.gradient_state = GradientState(gradient_accumulation_plugin)
+
+        self.dataloader_config = dataloader_config or DataLoaderConfiguration()
+        if split_batches is not None:
+            self.dataloader_config.split_batches = split_batches
+        if even_batches is not None:
+            self.dataloader_config.even_batches = even_batches
+
+        self.project_configuration = project_config or ProjectConfiguration()
+        if project_dir is not None:
+            self.project_configuration.set_directories(str(project_dir))
+
+        self.device_placement = device_placement
+        self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
+        self.strategy = select_strategy(self.state, self.precision, self.handlers)
+        self._objects = checkpoint.Checkpointable()
+        self.step = 0  # micro steps seen by accumulate() since the last sync
+
+    # -- process state ---------------------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.state.device
+
+    @property
+    def num_processes(self) -> int:
+        return self.state.num_processes
+
+    @property
+    def process_index(self) -> int:
+        return self.state.process_index
+
+    @property
+    def local_process_index(self) -> int:
+        return self.state.local_process_index
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.state.is_main_process
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.state.is_local_main_process
+
+    @property
+    def is_last_process(self) -> bool:
+        return self.state.is_last_process
+
+    @property
+    def use_distributed(self) -> bool:
+        return self.state.distributed
+
+    @property
+    def distributed_type(self) -> DistributedType:
+        return self.strategy.distributed_type
+
+    @property
+    def mixed_precision(self) -> str:
+        return self.precision.mode
+
+    @property
+    def scaler(self) -> torch.amp.GradScaler | None:
+        return self.precision.scaler
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.gradient_state.num_steps
+
+    @property
+    def sync_gradients(self) -> bool:
+        return self.gradient_state.sync_gradients
+
+    @property
+    def split_batches(self) -> bool:
+        return self.dataloader_config.split_batches
+
+    @property
+    def even_batches(self) -> bool:
+        return self.dataloader_config.even_batches
+
+    @property
+    def project_dir(self) -> str | None:
+        return self.project_configuration.project_dir
+
+    @property
+    def save_iteration(self) -> int:
+        return self.project_configuration.iteration
+
+    @property
+    def optimizer_step_was_skipped(self) -> bool:
+        return any(opt.step_was_skipped for opt in self._objects.optimizers)
+
+    def wait_for_everyone(self) -> None:
+        self.state.wait_for_everyone()
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        if self.is_local_main_process:
+            print(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def main_process_first(self) -> Iterator[None]:
+        with self._first(self.is_main_process):
+            yield
+
+    @contextlib.contextmanager
+    def local_main_process_first(self) -> Iterator[None]:
+        with self._first(self.is_local_main_process):
+            yield
+
+    @contextlib.contextmanager
+    def _first(self, is_first: bool) -> Iterator[None]:
+        if not is_first:
+            self.wait_for_everyone()
+        yield
+        if is_first:
+            self.wait_for_everyone()
+
+    @contextlib.contextmanager
+    def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:
+        yield collectives.split_between(inputs, self.num_processes, self.process_index, apply_padding)
+
+    def on_main_process(self, function: Callable) -> Callable:
+        return self._only_if(function, lambda: self.is_main_process)
+
+    def on_local_main_process(self, function: Callable) -> Callable:
+        return self._only_if(function, lambda: self.is_local_main_process)
+
+    def on_last_process(self, function: Callable) -> Callable:
+        return self._only_if(function, lambda: self.is_last_process)
+
+    @staticmethod
+    def _only_if(function: Callable, condition: Callable[[], bool]) -> Callable:
+        @functools.wraps(function)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return function(*args, **kwargs) if condition() else None
+
+        return wrapper
+
+    # -- prepare ---------------------------------------------------------------------------------------------------
+    def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
+        """Prepare models, optimizers, dataloaders and schedulers; returns them in the order given.
+
+        Models go first (optimizers may need the wrapped parameters), then dataloaders, optimizers and schedulers.
+        An object that is already prepared comes back as it is.
+        """
+        placement = device_placement or [None] * len(args)
+        if len(placement) != len(args):
+            raise HfBackendError(f"prepare(): device_placement has {len(placement)} entries for {len(args)} objects")
+        result = list(args)
+        passes = (
+            (torch.nn.Module, lambda obj, p: self.prepare_model(obj, device_placement=p)),
+            (DataLoader, lambda obj, p: self.prepare_data_loader(obj, device_placement=p)),
+            (torch.optim.Optimizer, lambda obj, p: self.prepare_optimizer(obj)),
+            (torch.optim.lr_scheduler.LRScheduler, lambda obj, p: self.prepare_scheduler(obj)),
+        )
+        for kind, prepare_one in passes:
+            for i, obj in enumerate(args):
+                if isinstance(obj, kind):
+                    result[i] = prepare_one(obj, placement[i])
+        return result[0] if len(result) == 1 else tuple(result)
+
+    def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None,
+                      evaluation_mode: bool = False) -> torch.nn.Module:
+        if any(model is m for m in self._objects.models):
+            return model
+        placement = self.device_placement if device_placement is None else device_placement
+        prepared = self.strategy.setup_model(model, device_placement=placement)
+        self._objects.models.append(prepared)
+        return prepared
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> AcceleratedOptimizer:
+        if isinstance(optimizer, AcceleratedOptimizer):
+            return optimizer
+        wrapped = AcceleratedOptimizer(self.strategy.setup_optimizer(optimizer), self.gradient_state, self.scaler)
+        self._objects.optimizers.append(wrapped)
+        return wrapped
+
+    def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
+        if isinstance(scheduler, AcceleratedScheduler):
+            return scheduler
+        inner = getattr(scheduler, "optimizer", None)
+        linked = [opt for opt in self._objects.optimizers if opt.optimizer is inner] or list(self._objects.optimizers)
+        wrapped = AcceleratedScheduler(scheduler, linked, self.gradient_state, self.step_scheduler_with_optimizer,
+                                       self.split_batches, self.num_processes)
+        self._objects.schedulers.append(wrapped)
+        return wrapped
+
+    def prepare_data_loader(self, data_loader: DataLoader, device_placement: bool | None = None) -> PreparedDataLoader:
+        if isinstance(data_loader, PreparedDataLoader):
+            return data_loader
+        placement = self.device_placement if device_placement is None else device_placement
+        prepared = prepare_dataloader(
+            data_loader, num_processes=self.num_processes, process_index=self.process_index,
+            device=self.device if placement else None, split_batches=self.split_batches,
+            even_batches=self.even_batches, gradient_state=self.gradient_state,
+            non_blocking=self.dataloader_config.non_blocking,
+        )
+        self._objects.dataloaders.append(prepared)
+        return prepared
+
+    def skip_first_batches(self, dataloader: DataLoader, num_batches: int = 0) -> PreparedDataLoader:
+        """Start the next pass of a prepared loader at batch `num_batches` (absolute: it replaces, never adds to, the
+        position `load_state` restored, so Accelerate scripts that skip by hand after resuming stay correct)."""
+        if not isinstance(dataloader, PreparedDataLoader):
+            raise HfBackendError("skip_first_batches() needs a dataloader returned by accelerator.prepare()")
+        return dataloader.skip_first_batches(num_batches)
+
+    # -- training step ---------------------------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        if not self._objects.models:
+            raise HfBackendError("backward() before prepare(): call model, optimizer, ... = accelerator.prepare(...) "
+                                 "first")
+        steps = self.gradient_state.num_steps
+        self.strategy.backward(loss / steps if steps > 1 else loss, **kwargs)
+
+    def _do_sync(self) -> None:
+        state = self.gradient_state
+        if state.plugin.sync_each_batch:
+            state.sync_gradients = True
+        elif state.plugin.sync_with_dataloader and state.end_of_dataloader:
+            self.step = 0
+            state.sync_gradients = True
+        else:
+            self.step += 1
+            state.sync_gradients = self.step % state.num_steps == 0
+
+    @contextlib.contextmanager
+    def accumulate(self, *models: torch.nn.Module) -> Iterator[None]:
+        """One micro step: gradients are synchronized (and optimizers step) only every `gradient_accumulation_steps`
+        micro steps and at the end of the dataloader."""
+        self._do_sync()
+        if self.sync_gradients or not models:
+            yield
+            return
+        with contextlib.ExitStack() as stack:
+            for model in models:
+                stack.enter_context(self.strategy.no_sync(model))
+            yield
+
+    @contextlib.contextmanager
+    def no_sync(self, model: torch.nn.Module) -> Iterator[None]:
+        with self.strategy.no_sync(model):
+            yield
+
+    def unscale_gradients(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        if self.scaler is None:
+            return
+        targets = [optimizer] if optimizer is not None else self._objects.optimizers
+        for opt in targets:
+            self.scaler.unscale_(opt.optimizer if isinstance(opt, AcceleratedOptimizer) else opt)
+
+    def clip_grad_norm_(self, parameters: Iterable[torch.nn.Parameter], max_norm: float,
+                        norm_type: float = 2.0) -> torch.Tensor | None:
+        """Clip the synchronized gradients; returns their total norm. On a non-sync micro step it does nothing and
+        returns None: clipping a partial sum is never what accumulation means."""
+        if not self.sync_gradients:
+            return None
+        self.unscale_gradients()
+        return self.strategy.clip_grad_norm_(parameters, max_norm, norm_type)
+
+    def clip_grad_value_(self, parameters: Iterable[torch.nn.Parameter], clip_value: float) -> None:
+        if not self.sync_gradients:
+            return
+        self.unscale_gradients()
+        self.strategy.clip_grad_value_(parameters, clip_value)
+
+    def autocast(self, autocast_handler: Any = None) -> contextlib.AbstractContextManager:
+        return self.precision.autocast(enabled=getattr(autocast_handler, "enabled", True))
+
+    # -- collectives -----------------------------------------------------------------------------------------------
+    def gather(self, tensor: Any) -> Any:
+        return collectives.gather(tensor)
+
+    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
+        """Gather predictions or labels of an evaluation batch: exactly one row per dataset item over the whole loop
+        (the padding a short last batch got is dropped)."""
+        tensors_only = all(isinstance(t, torch.Tensor) for t in _leaves(input_data))
+        loader = self.gradient_state.active_dataloader
+        uneven = loader is not None and not getattr(loader.batch_sampler, "even_batches", True)
+        if use_gather_object or not tensors_only:
+            data = collectives.gather_object(input_data)
+        else:
+            data = collectives.gather_uneven(input_data) if uneven else collectives.gather(input_data)
+        remainder = self.gradient_state.remainder
+        if not self.gradient_state.end_of_dataloader or remainder <= 0 or uneven:
+            return data
+        if isinstance(data, list):
+            return data[:remainder]
+        return collectives.recursively_apply(lambda t: t[:remainder], data)
+
+    def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
+        return collectives.reduce(tensor, reduction, scale)
+
+    def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
+        return collectives.pad_across_processes(tensor, dim, pad_index, pad_first)
+
+    # -- models and saving -----------------------------------------------------------------------------------------
+    def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True) -> torch.nn.Module:
+        inner = self.strategy.unwrap_model(model)
+        if not keep_fp32_wrapper:
+            Precision.unwrap_forward(inner)
+        return inner
+
+    def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
+        """The full state dict (gathered when sharded: call it on every process)."""
+        return self.strategy.model_state_dict(model) if unwrap else model.state_dict()
+
+    def save(self, obj: Any, f: str | os.PathLike, safe_serialization: bool = False) -> None:
+        """Save `obj` from the main process only (safetensors for a dict of tensors when asked)."""
+        if not self.is_main_process:
+            return
+        if safe_serialization:
+            from safetensors.torch import save_file
+
+            save_file({k: v.contiguous() for k, v in obj.items()}, str(f), metadata={"format": "pt"})
+        else:
+            torch.save(obj, f)
+
+    def save_model(self, model: torch.nn.Module, save_directory: str | os.PathLike,
+                   max_shard_size: int | str = "10GB", safe_serialization: bool = True) -> None:
+        """Write the full weights in the layout `from_pretrained` reads (with config.json for transformers models)."""
+        state_dict = self.strategy.model_state_dict(model)
+        if not self.is_main_process:
+            return
+        save_directory = Path(save_directory)
+        if save_directory.is_file():
+            raise HfBackendError(f"save_model: {save_directory} is a file; pass a directory")
+        save_directory.mkdir(parents=True, exist_ok=True)
+        inner = self.unwrap_model(model)
+        checkpoint.write_weights(state_dict, save_directory, max_shard_size=max_shard_size,
+                                 safe_serialization=safe_serialization, tied_keys=checkpoint.tied_weight_keys(inner))
+        config = getattr(inner, "config", None)
+        if hasattr(config, "save_pretrained"):
+            config.save_pretrained(save_directory)
+
+    def register_for_checkpointing(self, *objects: Any) -> None:
+        bad = [type(o).__name__ for o in objects if not (hasattr(o, "state_dict") and hasattr(o, "load_state_dict"))]
+        if bad:
+            raise HfBackendError(f"register_for_checkpointing: {', '.join(bad)} lack state_dict()/load_state_dict(); "
+                                 "give them both methods")
+        self._objects.custom.extend(objects)
+
+    def save_state(self, output_dir: str | os.PathLike | None = None, safe_serialization: bool = True) -> str:
+        """Save everything needed to continue training exactly where it stands; returns the directory."""
+        config = self.project_configuration
+        automatic = output_dir is None and config.automatic_checkpoint_naming
+        if automatic:
+            if config.project_dir is None:
+                raise HfBackendError("save_state(): automatic checkpoint naming needs project_dir; pass "
+                                     "Accelerator(project_dir=...) or ProjectConfiguration(project_dir=...)")
+            output_dir = checkpoint.auto_checkpoint_dir(config.project_dir, config.iteration)
+        elif output_dir is None:
+            raise HfBackendError("save_state() needs a directory, or ProjectConfiguration(automatic_checkpoint_naming="
+                                 "True, project_dir=...)")
+        target = checkpoint.save_checkpoint(
+            output_dir, self._objects, state=self.state, strategy=self.strategy, scaler=self.scaler,
+            extra={"accumulation_step": self.step, "iteration": config.iteration},
+            safe_serialization=safe_serialization,
+        )
+        if automatic:
+            config.iteration += 1
+            if config.total_limit is not None and self.is_main_process:
+                checkpoint.rotate(config.project_dir, config.total_limit)
+            self.wait_for_everyone()
+        return str(target)
+
+    def load_state(self, input_dir: str | os.PathLike | None = None) -> None:
+        """Restore what `save_state` wrote. The next pass over each prepared dataloader continues with the batch after
+        the last one seen, in the same order: no manual skipping."""
+        config = self.project_configuration
+        if input_dir is None:
+            found = checkpoint.list_auto_checkpoints(config.project_dir) if config.project_dir else []
+            if not found:
+                raise HfBackendError(f"load_state(): no checkpoint under {config.project_dir}/checkpoints; pass the "
+                                     "directory save_state wrote")
+            input_dir = found[-1]
+        meta = checkpoint.load_checkpoint(input_dir, self._objects, state=self.state, strategy=self.strategy,
+                                          scaler=self.scaler)
+        saved_world = meta["num_processes"]
+        if saved_world != self.num_processes:
+            note(f"load_state: {input_dir} was saved by {saved_world} processes and is resumed by "
+                 f"{self.num_processes}; random states of processes the checkpoint lacks start fresh")
+        self.step = meta.get("accumulation_step", 0)
+        if config.automatic_checkpoint_naming and checkpoint.list_auto_checkpoints(config.project_dir or ""):
+            config.iteration = max(config.iteration, meta.get("iteration", -1) + 1)
+
+    # -- lifecycle -------------------------------------------------------------------------------------------------
+    def free_memory(self, *objects: Any) -> list[None]:
+        """Drop every reference this Accelerator holds to prepared objects (and return `None` for each argument)."""
+        self._objects = checkpoint.Checkpointable()
+        self.step = 0
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return [None] * len(objects)
+
+    clear = free_memory
+
+    def end_training(self) -> None:
+        """Tear down the process group if this process created it (a group given by Ray or the user stays)."""
+        self.wait_for_everyone()
+        shutdown_process_group()
+
+
+def _leaves(data: Any) -> Iterator[Any]:
+    if isinstance(data, Mapping):
+        for value in data.values():
+            yield from _leaves(value)
+    elif isinstance(data, (list, tuple)):
+        for value in data:
+            yield from _leaves(value)
+    else:
+        yield data

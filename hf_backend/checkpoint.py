@@ -1,0 +1,245 @@
+"""Every byte hf_backend writes or reads for checkpoints: layout, naming, rotation, safetensors weights, RNG.
+
+`save_state(dir)` writes into `dir.incomplete` and renames it into place once every process has written its part, so
+an interrupted save never leaves a half-written checkpoint under the real name (nor destroys the previous one).
+
+Layout of a state checkpoint (model i > 0 and friends get an `_i` suffix):
+    hf_backend_checkpoint.json   what was saved: counts, world size, accumulation step, versions
+    model.safetensors            full weights of model 0 (sharded with an index JSON when large)
+    optimizer.bin  scheduler.bin  scaler.pt  dataloader.bin  custom_checkpoint_0.pkl
+    rng_state_{rank}.pt          python, numpy, torch (and CUDA) generator states of each process
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from huggingface_hub import load_torch_model, save_torch_state_dict
+
+from .errors import HfBackendError
+from .state import ProcessState
+
+METADATA = "hf_backend_checkpoint.json"
+FORMAT_VERSION = 1
+_AUTO_NAME = re.compile(r"checkpoint_(\d+)$")
+
+
+@dataclass
+class Checkpointable:
+    """The objects an Accelerator saves and restores, in prepare order."""
+
+    models: list[torch.nn.Module] = field(default_factory=list)
+    optimizers: list[Any] = field(default_factory=list)
+    schedulers: list[Any] = field(default_factory=list)
+    dataloaders: list[Any] = field(default_factory=list)
+    custom: list[Any] = field(default_factory=list)
+
+
+def _name(stem: str, index: int, ext: str) -> str:
+    return f"{stem}{'' if index == 0 else f'_{index}'}{ext}"
+
+
+# -- weights ---------------------------------------------------------------------------------------------------------
+def write_weights(state_dict: dict[str, torch.Tensor], directory: str | os.PathLike, *, filename_stem: str = "model",
+                  max_shard_size: int | str = "10GB", safe_serialization: bool = True,
+                  tied_keys: list[str] | None = None) -> None:
+    """Write a full state dict as safetensors shards (with an index JSON when there is more than one shard)."""
+    ext = ".safetensors" if safe_serialization else ".bin"
+    save_torch_state_dict(
+        {k: v.detach().cpu() for k, v in state_dict.items()}, directory,
+        filename_pattern=filename_stem + "{suffix}" + ext, max_shard_size=max_shard_size,
+        safe_serialization=safe_serialization, shared_tensors_to_discard=tied_keys or None,
+    )
+
+
+def read_weights(model: torch.nn.Module, directory: str | os.PathLike, *, filename_stem: str = "model") -> None:
+    """Load weights written by `write_weights` into `model`; a key that is missing must be a tied alias."""
+    pattern = filename_stem + "{suffix}.safetensors"
+    if not any(Path(directory).glob(filename_stem + "*.safetensors*")):
+        pattern = filename_stem + "{suffix}.bin"
+    result = load_torch_model(model, directory, strict=False, filename_pattern=pattern, map_location="cpu",
+                              safe=pattern.endswith(".safetensors"))
+    shared = _tied_names(model)
+    missing = [k for k in result.missing_keys if k not in shared]
+    if missing or result.unexpected_keys:
+        raise HfBackendError(
+            f"weights in {directory} do not fit the model: missing {missing[:5]}, unexpected "
+            f"{list(result.unexpected_keys)[:5]}; load them into the model they were saved from"
+        )
+
+
+def _tied_names(model: torch.nn.Module) -> set[str]:
+    seen: dict[int, str] = {}
+    tied: set[str] = set()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        ptr = tensor.data_ptr()
+        if ptr in seen and tensor.numel():
+            tied.update((name, seen[ptr]))
+        seen.setdefault(ptr, name)
+    return tied
+
+
+def tied_weight_keys(model: torch.nn.Module) -> list[str]:
+    """The names transformers drops when saving tied weights (a list in v4, a mapping target -> source in v5)."""
+    keys = getattr(model, "_tied_weights_keys", None) or []
+    return list(keys.keys()) if isinstance(keys, dict) else list(keys)
+
+
+# -- RNG -------------------------------------------------------------------------------------------------------------
+def capture_rng() -> dict[str, Any]:
+    np_state = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": (np_state[0], np_state[1].tolist(), *np_state[2:]),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), *rest))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# -- directories -----------------------------------------------------------------------------------------------------
+def auto_checkpoint_dir(project_dir: str, iteration: int) -> Path:
+    return Path(project_dir) / "checkpoints" / f"checkpoint_{iteration}"
+
+
+def list_auto_checkpoints(project_dir: str) -> list[Path]:
+    """Automatic checkpoints, oldest first."""
+    root = Path(project_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _AUTO_NAME.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def rotate(project_dir: str, total_limit: int) -> None:
+    for old in list_auto_checkpoints(project_dir)[:-total_limit]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _staged_write(target: Path, state: ProcessState, write: Callable[[Path], None]) -> None:
+    """Run `write(staging_dir)` on every process, then move the staging dir to `target` in one rename."""
+    staging = target.with_name(target.name + ".incomplete")
+    if state.is_main_process:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+    state.wait_for_everyone()
+    write(staging)
+    state.wait_for_everyone()
+    if state.is_main_process:
+        previous = target.with_name(target.name + ".previous")
+        if target.exists():
+            shutil.rmtree(previous, ignore_errors=True)
+            target.rename(previous)
+        staging.rename(target)
+        shutil.rmtree(previous, ignore_errors=True)
+    state.wait_for_everyone()
+
+
+# -- state checkpoints ------------------------------------------------------------------------------------------------
+def save_checkpoint(target: str | os.PathLike, objects: Checkpointable, *, state: ProcessState, strategy: Any,
+                    scaler: torch.amp.GradScaler | None, extra: dict[str, Any],
+                    safe_serialization: bool = True) -> Path:
+    target = Path(target)
+    # Gathering full states is collective: every process takes part, only the main process writes them.
+    model_states = [strategy.model_state_dict(m) for m in objects.models]
+    optim_states = [strategy.optimizer_state_dict(o) for o in objects.optimizers]
+
+    def write(directory: Path) -> None:
+        torch.save(capture_rng(), directory / f"rng_state_{state.process_index}.pt")
+        if not state.is_main_process:
+            return
+        for i, (model, sd) in enumerate(zip(objects.models, model_states)):
+            write_weights(sd, directory, filename_stem=_name("model", i, ""), safe_serialization=safe_serialization,
+                          tied_keys=tied_weight_keys(strategy.unwrap_model(model)))
+        for i, sd in enumerate(optim_states):
+            torch.save(sd, directory / _name("optimizer", i, ".bin"))
+        for i, sched in enumerate(objects.schedulers):
+            torch.save(sched.state_dict(), directory / _name("scheduler", i, ".bin"))
+        for i, loader in enumerate(objects.dataloaders):
+            torch.save(loader.state_dict(), directory / _name("dataloader", i, ".bin"))
+        for i, obj in enumerate(objects.custom):
+            torch.save(obj.state_dict(), directory / f"custom_checkpoint_{i}.pkl")
+        if scaler is not None:
+            torch.save(scaler.state_dict(), directory / "scaler.pt")
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "num_processes": state.num_processes,
+            "counts": {k: len(getattr(objects, k)) for k in ("models", "optimizers", "schedulers", "dataloaders",
+                                                              "custom")},
+            "scaler": scaler is not None,
+            **extra,
+        }
+        (directory / METADATA).write_text(json.dumps(meta, indent=2))
+
+    _staged_write(target, state, write)
+    return target
+
+
+def read_metadata(source: str | os.PathLike) -> dict[str, Any]:
+    source = Path(source)
+    if not source.is_dir():
+        raise HfBackendError(f"load_state: no checkpoint directory at {source}; pass the directory save_state wrote")
+    meta_path = source / METADATA
+    if not meta_path.is_file():
+        raise HfBackendError(f"load_state: {source} is not an hf_backend checkpoint (no {METADATA}); "
+                             "pass a directory written by Accelerator.save_state")
+    try:
+        return json.loads(meta_path.read_text())
+    except json.JSONDecodeError as err:
+        raise HfBackendError(f"load_state: {meta_path} is corrupt (line {err.lineno}); use another checkpoint") \
+            from None
+
+
+def load_checkpoint(source: str | os.PathLike, objects: Checkpointable, *, state: ProcessState, strategy: Any,
+                    scaler: torch.amp.GradScaler | None) -> dict[str, Any]:
+    source = Path(source)
+    meta = read_metadata(source)
+    for kind, saved in meta["counts"].items():
+        have = len(getattr(objects, kind))
+        if saved != have:
+            raise HfBackendError(
+                f"load_state: {source} holds {saved} {kind} but {have} are prepared/registered; prepare and register "
+                "the same objects, in the same order, as the run that saved it"
+            )
+    for i, model in enumerate(objects.models):
+        strategy.load_model_state(model, source, _name("model", i, ""))
+    for i, opt in enumerate(objects.optimizers):
+        strategy.load_optimizer_state_dict(opt, _load(source / _name("optimizer", i, ".bin")))
+    for i, sched in enumerate(objects.schedulers):
+        sched.load_state_dict(_load(source / _name("scheduler", i, ".bin")))
+    for i, loader in enumerate(objects.dataloaders):
+        loader.load_state_dict(_load(source / _name("dataloader", i, ".bin")))
+    for i, obj in enumerate(objects.custom):
+        obj.load_state_dict(torch.load(source / f"custom_checkpoint_{i}.pkl", weights_only=False))
+    if scaler is not None and meta.get("scaler"):
+        scaler.load_state_dict(_load(source / "scaler.pt"))
+    rng_file = source / f"rng_state_{state.process_index}.pt"
+    if rng_file.is_file():
+        restore_rng(_load(rng_file))
+    return meta
+
+
+def _load(path: Path) -> Any:
+    if not path.is_file():
+        raise HfBackendError(f"load_state: {path} is missing; the checkpoint is incomplete, use another one")
+    return torch.load(path, map_location="cpu", weights_only=True)

@@ -1,0 +1,170 @@
+"""Collectives on tensors and nested structures of them (dicts, lists, tuples, ModelOutput).
+
+Every function is a cheap identity in a single process, so training scripts call them unconditionally.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .errors import HfBackendError
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def recursively_apply(fn: Callable[[torch.Tensor], Any], data: Any) -> Any:
+    """Apply `fn` to every tensor inside `data`, rebuilding the containers around the results."""
+    if isinstance(data, torch.Tensor):
+        return fn(data)
+    if isinstance(data, Mapping):
+        items = {k: recursively_apply(fn, v) for k, v in data.items()}
+        try:
+            return type(data)(**items) if hasattr(data, "to_tuple") else type(data)(items)
+        except TypeError:
+            return items
+    if isinstance(data, (list, tuple)):
+        values = [recursively_apply(fn, v) for v in data]
+        if hasattr(data, "_fields"):  # namedtuple
+            return type(data)(*values)
+        return type(data)(values)
+    return data
+
+
+def send_to_device(data: Any, device: torch.device | str, non_blocking: bool = False) -> Any:
+    """Move every tensor in `data` to `device`; objects with their own `.to` (BatchEncoding) are moved as a whole."""
+    if isinstance(data, torch.Tensor):
+        return data.to(device, non_blocking=non_blocking)
+    if hasattr(data, "to") and not isinstance(data, (Mapping, list, tuple)):
+        try:
+            return data.to(device, non_blocking=non_blocking)
+        except TypeError:
+            return data.to(device)
+    return recursively_apply(lambda t: t.to(device, non_blocking=non_blocking), data)
+
+
+def _all_gather_cat(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.ndim == 0:
+        tensor = tensor[None]
+    is_bool = tensor.dtype == torch.bool
+    send = tensor.to(torch.uint8) if is_bool else tensor
+    out = [torch.empty_like(send) for _ in range(world_size())]
+    dist.all_gather(out, send.contiguous())
+    result = torch.cat(out, dim=0)
+    return result.bool() if is_bool else result
+
+
+def gather(data: Any) -> Any:
+    """Concatenate every process's tensors along dim 0 (0-dim tensors become one row each).
+
+    Shapes must match across processes: use `pad_across_processes` first when they do not.
+    """
+    if world_size() == 1:
+        return recursively_apply(lambda t: t[None] if t.ndim == 0 else t, data)
+    return recursively_apply(_all_gather_cat, data)
+
+
+def gather_object(obj: Any) -> list:
+    """Gather a picklable object from every process; lists are concatenated, anything else becomes one item each."""
+    if world_size() == 1:
+        return list(obj) if isinstance(obj, list) else [obj]
+    out: list = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    if all(isinstance(o, list) for o in out):
+        return [item for sub in out for item in sub]
+    return out
+
+
+def reduce(data: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
+    if reduction not in ("sum", "mean", "none"):
+        raise HfBackendError(f"reduce(reduction={reduction!r}): use 'sum', 'mean' or 'none'")
+    n = world_size()
+
+    def _reduce(t: torch.Tensor) -> torch.Tensor:
+        out = t.clone()
+        if n > 1 and reduction != "none":
+            dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        if reduction == "mean":
+            out = out / n
+        return out * scale if scale != 1.0 else out
+
+    return recursively_apply(_reduce, data)
+
+
+def broadcast(data: Any, from_process: int = 0) -> Any:
+    """Every process ends with `from_process`'s tensors (same shapes and dtypes required)."""
+    if world_size() == 1:
+        return data
+
+    def _bcast(t: torch.Tensor) -> torch.Tensor:
+        t = t.contiguous()
+        dist.broadcast(t, src=from_process)
+        return t
+
+    return recursively_apply(_bcast, data)
+
+
+def broadcast_object_list(objects: list, from_process: int = 0) -> list:
+    if world_size() > 1:
+        dist.broadcast_object_list(objects, src=from_process)
+    return objects
+
+
+def pad_across_processes(data: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
+    """Pad each tensor along `dim` to the largest size any process has, so that they can be gathered."""
+    if world_size() == 1:
+        return data
+
+    def _pad(t: torch.Tensor) -> torch.Tensor:
+        if t.ndim == 0 or dim >= t.ndim or dim < -t.ndim:
+            return t
+        size = torch.tensor([t.shape[dim]], device=t.device)
+        largest = int(_all_gather_cat(size).max())
+        if largest == t.shape[dim]:
+            return t
+        shape = list(t.shape)
+        shape[dim] = largest
+        out = t.new_full(shape, pad_index)
+        index = [slice(None)] * t.ndim
+        index[dim] = slice(largest - t.shape[dim], largest) if pad_first else slice(0, t.shape[dim])
+        out[tuple(index)] = t
+        return out
+
+    return recursively_apply(_pad, data)
+
+
+def gather_uneven(data: Any) -> Any:
+    """Like `gather`, but dim 0 may differ between processes (a last batch without padding)."""
+    if world_size() == 1:
+        return gather(data)
+
+    def _gather(t: torch.Tensor) -> torch.Tensor:
+        if t.ndim == 0:
+            t = t[None]
+        sizes = _all_gather_cat(torch.tensor([t.shape[0]], device=t.device)).tolist()
+        padded = pad_across_processes(t)
+        chunks = _all_gather_cat(padded).split(max(sizes))
+        return torch.cat([chunk[:n] for chunk, n in zip(chunks, sizes)])
+
+    return recursively_apply(_gather, data)
+
+
+def split_between(inputs: Any, num_processes: int, process_index: int, apply_padding: bool = False) -> Any:
+    """This process's contiguous part of a list, tuple, tensor or dict of them (the first parts are one longer)."""
+    if isinstance(inputs, Mapping):
+        return type(inputs)({k: split_between(v, num_processes, process_index, apply_padding)
+                             for k, v in inputs.items()})
+    length = len(inputs)
+    per, extra = divmod(length, num_processes)
+    start = process_index * per + min(process_index, extra)
+    end = start + per + (1 if process_index < extra else 0)
+    part = inputs[start:end]
+    if apply_padding and extra and process_index >= extra and length:
+        last = inputs[-1:]
+        part = torch.cat([part, last]) if isinstance(part, torch.Tensor) else part + type(part)(last)
+    return part

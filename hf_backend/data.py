@@ -1,0 +1,327 @@
+"""Prepared dataloaders: sharded across processes in the user's sampler order, placed on the device, resumable.
+
+Sharding keeps the user's order: step i of N processes covers the same samples as step i of one process whose batch
+is N times larger (with `split_batches`, the loader's batch is that global batch and each process takes a slice).
+When the last global batch is short and `even_batches` is set, it is padded with samples from the start of the epoch
+so every process takes the same number of equal batches; `gather_for_metrics` drops the padding again.
+
+Resuming: the loader records, for the epoch in progress, the state its sampler's random generator had when the epoch
+started and how many steps it has handed out. `load_state_dict` makes the next `iter()` replay that epoch's order and
+skip those steps (only indices are skipped; no sample is loaded twice).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from .collectives import broadcast_object_list, send_to_device
+from .errors import HfBackendError
+from .gradient_state import GradientState
+
+# DataLoader arguments carried over from the user's loader to the prepared one.
+_LOADER_ATTRS = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context",
+                 "generator", "persistent_workers", "pin_memory_device", "in_order")
+
+
+def sampler_generator(batch_sampler: Any) -> torch.Generator | None:
+    """The random generator that decides the order of an epoch, if the sampler has one."""
+    sampler = getattr(batch_sampler, "sampler", None)
+    gen = getattr(sampler, "generator", None)
+    return gen if isinstance(gen, torch.Generator) else None
+
+
+class ShardedBatchSampler:
+    """Yields this process's part of each global batch built from `batch_sampler`."""
+
+    def __init__(self, batch_sampler: Any, num_processes: int, process_index: int,
+                 split_batches: bool = False, even_batches: bool = True) -> None:
+        batch_size = getattr(batch_sampler, "batch_size", None)
+        if split_batches and batch_size is not None and batch_size % num_processes:
+            raise HfBackendError(
+                f"split_batches=True needs a batch size that divides by the {num_processes} processes, "
+                f"got {batch_size}; change the batch size or use split_batches=False"
+            )
+        self.batch_sampler = batch_sampler
+        self.num_processes = num_processes
+        self.process_index = process_index
+        self.split_batches = split_batches
+        self.even_batches = even_batches
+        self.batch_size = batch_size
+        self.drop_last = bool(getattr(batch_sampler, "drop_last", False))
+        self.skip = 0  # steps to skip at the start of the next iteration (set by the loader on resume)
+        self.remainder = 0  # real rows in the global batch last yielded, 0 when it was full
+
+    @property
+    def sampler(self) -> Any:
+        return getattr(self.batch_sampler, "sampler", None)
+
+    @property
+    def global_batch_size(self) -> int | None:
+        if self.batch_size is None:
+            return None
+        return self.batch_size if self.split_batches else self.batch_size * self.num_processes
+
+    def __len__(self) -> int:
+        n, world, rank = len(self.batch_sampler), self.num_processes, self.process_index
+        if self.split_batches:
+            if self.even_batches or self.batch_size is None or n == 0:
+                return n
+            last = self._last_batch_len()
+            return n - 1 + (1 if last > rank * (self.batch_size // world) else 0)
+        if self.even_batches:
+            full_groups, rest = divmod(n, world)
+            if self.drop_last:
+                return full_groups
+            return full_groups + (1 if rest else 0)
+        return n // world + (1 if rank < n % world else 0)
+
+    def _last_batch_len(self) -> int:
+        dataset_len = len(self.sampler) if self.sampler is not None else 0
+        return dataset_len - (len(self.batch_sampler) - 1) * self.batch_size if self.batch_size else 0
+
+    def __iter__(self) -> Iterator[list]:
+        skip, self.skip = self.skip, 0
+        steps = self._split_steps() if self.split_batches else self._grouped_steps()
+        for step, (batch, remainder) in enumerate(steps):
+            if step < skip:
+                continue
+            self.remainder = remainder
+            yield batch
+
+    def _padded(self, real: list, size: int, first: list) -> list:
+        """`real` followed by samples from the start of the epoch (cycled) up to `size` items."""
+        pad = list(first) or list(real)
+        out = list(real)
+        while len(out) < size:
+            out.extend(pad[: size - len(out)])
+        return out
+
+    def _split_steps(self) -> Iterator[tuple[list, int]]:
+        world, rank = self.num_processes, self.process_index
+        first: list = []
+        for batch in self.batch_sampler:
+            batch = list(batch)
+            size = self.batch_size or len(batch)
+            if not first:
+                first = batch
+            remainder = len(batch) if len(batch) < size else 0
+            if remainder and self.even_batches:
+                batch = self._padded(batch, size, first)
+            per_rank = size // world
+            mine = batch[rank * per_rank:(rank + 1) * per_rank]
+            if mine:
+                yield mine, remainder
+
+    def _grouped_steps(self) -> Iterator[tuple[list, int]]:
+        world, rank = self.num_processes, self.process_index
+        group: list[list] = []
+        first: list = []
+        for batch in self.batch_sampler:
+            group.append(list(batch))
+            if len(group) < world:
+                continue
+            if not first:
+                first = [i for b in group for i in b]
+            full = self.batch_size is None or all(len(b) == self.batch_size for b in group)
+            if full or not self.even_batches:
+                yield group[rank], 0 if full else sum(len(b) for b in group)
+            else:
+                yield self._even_part(group, first)
+            group = []
+        if group and not self.drop_last:
+            if not first:
+                first = [i for b in group for i in b]
+            if self.even_batches:
+                yield self._even_part(group, first)
+            elif rank < len(group):
+                yield group[rank], sum(len(b) for b in group)
+
+    def _even_part(self, group: list[list], first: list) -> tuple[list, int]:
+        """This rank's equal share of a short last global batch, padded from the start of the epoch."""
+        per_rank = self.batch_size or max(len(b) for b in group)
+        real = [i for b in group for i in b]
+        padded = self._padded(real, per_rank * self.num_processes, first)
+        start = self.process_index * per_rank
+        return padded[start:start + per_rank], len(real)
+
+
+class PreparedDataLoader(DataLoader):
+    """A DataLoader over this process's shard that puts batches on the device and can resume mid-epoch.
+
+    `epoch` is the index of the pass the next `iter()` serves (or the one in progress); `end_of_dataloader` is True
+    while the last batch of a pass is being processed.
+    """
+
+    def __init__(self, loader: DataLoader, batch_sampler: ShardedBatchSampler | None, device: torch.device | None,
+                 gradient_state: GradientState, non_blocking: bool = False) -> None:
+        kwargs = {attr: getattr(loader, attr) for attr in _LOADER_ATTRS if hasattr(loader, attr)}
+        if loader.num_workers > 0:
+            kwargs["prefetch_factor"] = loader.prefetch_factor
+        self._iterable = batch_sampler is None
+        if self._iterable:
+            super().__init__(loader.dataset, batch_size=loader.batch_size, drop_last=loader.drop_last, **kwargs)
+        else:
+            super().__init__(loader.dataset, batch_sampler=batch_sampler, **kwargs)
+        self.base_dataloader = loader
+        self.device = device
+        self.non_blocking = non_blocking
+        self.gradient_state = gradient_state
+        self.end_of_dataloader = False
+        self.remainder = -1
+        self._next_epoch = 0
+        self._current_epoch: int | None = None  # the pass in progress
+        self._steps = 0  # steps handed out in the pass in progress
+        self._epoch_rng: torch.Tensor | None = None
+        self._resume: tuple[int, int, torch.Tensor | None] | None = None
+
+    # -- position --------------------------------------------------------------------------------------------------
+    @property
+    def generator_of_order(self) -> torch.Generator | None:
+        return None if self._iterable else sampler_generator(self.batch_sampler.batch_sampler)
+
+    @property
+    def epoch(self) -> int:
+        if self._resume is not None:
+            return self._resume[0]
+        return self._current_epoch if self._in_progress() else self._next_epoch
+
+    def _in_progress(self) -> bool:
+        return self._current_epoch is not None and (self._iterable or self._steps < len(self))
+
+    def set_epoch(self, epoch: int) -> None:
+        """Serve pass `epoch` on the next `iter()` (for scripts that call `set_epoch` themselves)."""
+        if self._resume is None:
+            self._next_epoch = epoch
+
+    def state_dict(self) -> dict[str, Any]:
+        gen = self.generator_of_order
+        if self._resume is not None:
+            epoch, steps, rng = self._resume
+        elif self._in_progress():
+            epoch, steps, rng = self._current_epoch, self._steps, self._epoch_rng
+        else:
+            epoch, steps, rng = self._next_epoch, 0, gen.get_state() if gen is not None else None
+        sampler = None if self._iterable else self.batch_sampler
+        return {
+            "epoch": epoch,
+            "steps": steps,
+            "rng_state": rng,
+            "num_processes": sampler.num_processes if sampler else 1,
+            "global_batch_size": sampler.global_batch_size if sampler else None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        steps = int(state["steps"])
+        sampler = None if self._iterable else self.batch_sampler
+        if sampler is not None and steps and state["num_processes"] != sampler.num_processes:
+            saved, now = state["global_batch_size"], sampler.global_batch_size
+            if not saved or not now or (steps * saved) % now:
+                raise HfBackendError(
+                    f"the checkpoint stopped {steps} steps into an epoch with {state['num_processes']} processes "
+                    f"(global batch {saved}); that point is not a whole step with {sampler.num_processes} processes "
+                    f"(global batch {now}): resume with {state['num_processes']} processes or from an epoch boundary"
+                )
+            steps = steps * saved // now
+        self._resume = (int(state["epoch"]), steps, state.get("rng_state"))
+        self._current_epoch = None
+
+    def skip_first_batches(self, num_batches: int) -> PreparedDataLoader:
+        """Start the next pass at step `num_batches` (an absolute position: it replaces a position from load_state)."""
+        if self._resume is not None:
+            epoch, _, rng = self._resume
+        else:
+            gen = self.generator_of_order
+            epoch, rng = self._next_epoch, gen.get_state() if gen is not None else None
+        self._resume = (epoch, int(num_batches), rng)
+        return self
+
+    # -- iteration -------------------------------------------------------------------------------------------------
+    def _start_pass(self) -> tuple[int, bool]:
+        gen = self.generator_of_order
+        resuming = self._resume is not None
+        if resuming:
+            epoch, skip, rng = self._resume
+            self._resume = None
+            if rng is not None and gen is not None:
+                gen.set_state(rng)
+        else:
+            epoch, skip = self._next_epoch, 0
+        self._epoch_rng = gen.get_state() if gen is not None else None
+        self._current_epoch, self._next_epoch, self._steps = epoch, epoch + 1, skip
+        if not self._iterable:
+            self.batch_sampler.skip = skip
+            for obj in (self.batch_sampler.batch_sampler, self.batch_sampler.sampler):
+                if hasattr(obj, "set_epoch"):
+                    obj.set_epoch(epoch)
+        return skip, resuming
+
+    def __iter__(self) -> Iterator[Any]:
+        skip, resuming = self._start_pass()
+        self.end_of_dataloader = False
+        self.remainder = -1
+        self.gradient_state.enter_dataloader(self)
+        try:
+            # Starting an iterator draws its workers' base seed from the global RNG. A resumed pass made that draw
+            # before the checkpoint was taken, so it must not draw again from the restored state.
+            rng = torch.get_rng_state() if resuming else None
+            it = super().__iter__()
+            if rng is not None:
+                torch.set_rng_state(rng)
+            if self._iterable:
+                for _ in range(skip):
+                    if next(it, None) is None:
+                        break
+            current = next(it, _END)
+            while current is not _END:
+                upcoming = next(it, _END)
+                if upcoming is _END:
+                    self.end_of_dataloader = True
+                    self.remainder = -1 if self._iterable else self.batch_sampler.remainder
+                batch = current if self.device is None else send_to_device(current, self.device, self.non_blocking)
+                self._steps += 1
+                yield batch
+                current = upcoming
+            self._current_epoch = None
+        finally:
+            self.gradient_state.exit_dataloader(self)
+
+
+_END = object()
+
+
+def prepare_dataloader(loader: DataLoader, *, num_processes: int, process_index: int, device: torch.device | None,
+                       split_batches: bool, even_batches: bool, gradient_state: GradientState,
+                       non_blocking: bool = False) -> PreparedDataLoader:
+    if isinstance(loader, PreparedDataLoader):
+        return loader
+    if isinstance(loader.dataset, IterableDataset):
+        if num_processes > 1:
+            raise HfBackendError(
+                "prepare() cannot shard a DataLoader over an IterableDataset across processes: give each process its "
+                "own stream (e.g. split by RANK in the dataset) and pass the batches to the model directly"
+            )
+        return PreparedDataLoader(loader, None, device, gradient_state, non_blocking)
+    batch_sampler = loader.batch_sampler
+    if batch_sampler is None:
+        raise HfBackendError("prepare() needs a DataLoader that batches (batch_size=None gives it nothing to shard)")
+    if isinstance(getattr(batch_sampler, "sampler", None), torch.utils.data.DistributedSampler):
+        num_processes, process_index = 1, 0  # the user's sampler shards already: do not split twice
+    _share_order_generator(batch_sampler)
+    sharded = ShardedBatchSampler(batch_sampler, num_processes, process_index, split_batches, even_batches)
+    return PreparedDataLoader(loader, sharded, device, gradient_state, non_blocking)
+
+
+def _share_order_generator(batch_sampler: Any) -> None:
+    """Give a random sampler its own generator, with rank 0's state on every rank: one epoch order for all ranks,
+    reproducible from the global seed, and resumable from its saved state."""
+    sampler = getattr(batch_sampler, "sampler", None)
+    if sampler is None or not hasattr(sampler, "generator"):
+        return
+    if sampler.generator is None:
+        seed = int(torch.empty((), dtype=torch.int64).random_().item())
+        sampler.generator = torch.Generator().manual_seed(seed)
+    sampler.generator.set_state(broadcast_object_list([sampler.generator.get_state()])[0])

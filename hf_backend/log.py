@@ -1,0 +1,33 @@
+"""hf_backend's one-line notes and warnings, printed by the main process only (N ranks would repeat them N times)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+logger = logging.getLogger("hf_backend")
+if not logger.handlers:
+    _handler = logging.StreamHandler()
+    _handler.setFormatter(logging.Formatter("hf_backend: %(message)s"))
+    logger.addHandler(_handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+_said: set[str] = set()
+
+
+def _is_main() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def note(message: str) -> None:
+    """An informational one-liner, once per process."""
+    if _is_main() and message not in _said:
+        _said.add(message)
+        logger.info(message)
+
+
+def warn(message: str) -> None:
+    if _is_main() and message not in _said:
+        _said.add(message)
+        logger.warning(message)

@@ -1,0 +1,126 @@
+"""Optimizer and scheduler wrappers that know about gradient accumulation, grad scaling and skipped steps."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .gradient_state import GradientState
+
+
+class AcceleratedOptimizer(torch.optim.Optimizer):
+    """Steps (and zeroes) only on gradient-sync steps; with fp16, steps through the GradScaler.
+
+    `step_was_skipped` is True after a step the scaler skipped because of inf/nan gradients.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, gradient_state: GradientState,
+                 scaler: torch.amp.GradScaler | None = None) -> None:
+        # Deliberately not calling Optimizer.__init__: this object only forwards to `optimizer`.
+        self.optimizer = optimizer
+        self.gradient_state = gradient_state
+        self.scaler = scaler
+        self.step_was_skipped = False
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.optimizer.add_param_group(param_group)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.gradient_state.sync_gradients:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure: Any = None) -> Any:
+        if not self.gradient_state.sync_gradients:
+            return None
+        if self.scaler is None:
+            self.step_was_skipped = False
+            return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        scale_before = self.scaler.get_scale()
+        self.scaler.step(self.optimizer, closure) if closure is not None else self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.step_was_skipped = self.scaler.get_scale() < scale_before
+        return None
+
+    def train(self) -> None:
+        if hasattr(self.optimizer, "train"):
+            self.optimizer.train()
+
+    def eval(self) -> None:
+        if hasattr(self.optimizer, "eval"):
+            self.optimizer.eval()
+
+    def __repr__(self) -> str:
+        return f"AcceleratedOptimizer({self.optimizer!r})"
+
+
+class AcceleratedScheduler:
+    """Advances only when its optimizers really stepped.
+
+    A schedule is usually sized from `len(dataloader)` before `prepare`; each process then sees 1/N of the batches,
+    so unless `split_batches` the scheduler advances N times per optimizer step, spanning the run as planned.
+    """
+
+    def __init__(self, scheduler: Any, optimizers: list[AcceleratedOptimizer], gradient_state: GradientState,
+                 step_with_optimizer: bool = True, split_batches: bool = False, num_processes: int = 1) -> None:
+        self.scheduler = scheduler
+        self.optimizers = optimizers
+        self.gradient_state = gradient_state
+        self.step_with_optimizer = step_with_optimizer
+        self.steps_per_update = 1 if split_batches else num_processes
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        if not self.step_with_optimizer:
+            self.scheduler.step(*args, **kwargs)
+            return
+        if not self.gradient_state.sync_gradients:
+            if self.gradient_state.adjust_scheduler:
+                self.scheduler._step_count += 1
+            return
+        if any(opt.step_was_skipped for opt in self.optimizers):
+            return
+        total = getattr(self.scheduler, "total_steps", None)
+        for _ in range(self.steps_per_update):
+            if total is not None and self.scheduler._step_count > total:
+                break  # OneCycleLR raises past its end
+            self.scheduler.step(*args, **kwargs)
+
+    def get_last_lr(self) -> list[float]:
+        return self.scheduler.get_last_lr()
+
+    def get_lr(self) -> list[float]:
+        return self.scheduler.get_lr()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state_dict)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for attributes not found on the wrapper: forward to the scheduler (last_epoch, base_lrs, ...).
+        if name == "scheduler":
+            raise AttributeError(name)
+        return getattr(self.scheduler, name)

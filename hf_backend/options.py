@@ -1,0 +1,106 @@
+"""Small option objects that `Accelerator(...)` accepts; names and fields match Accelerate's so scripts port as is."""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+@dataclass
+class ProjectConfiguration:
+    """Where `save_state` writes, and how automatic checkpoint names rotate.
+
+    With `automatic_checkpoint_naming`, checkpoints go to `project_dir/checkpoints/checkpoint_{iteration}` and only the
+    newest `total_limit` are kept.
+    """
+
+    project_dir: str | None = None
+    logging_dir: str | None = None
+    automatic_checkpoint_naming: bool = False
+    total_limit: int | None = None
+    iteration: int = 0
+    save_on_each_node: bool = False
+
+    def set_directories(self, project_dir: str | None = None) -> None:
+        self.project_dir = project_dir
+        if self.logging_dir is None:
+            self.logging_dir = project_dir
+
+
+@dataclass
+class DataLoaderConfiguration:
+    """How prepared dataloaders are sharded.
+
+    split_batches: the loader's batch is the global batch and is split across processes (its size must divide by the
+        number of processes); otherwise each process gets whole batches and the global batch is N times larger.
+    even_batches: pad the last global batch with samples from the start of the epoch so that every process gets the
+        same number of equally sized batches (`gather_for_metrics` drops the padding again).
+    """
+
+    split_batches: bool = False
+    even_batches: bool = True
+    non_blocking: bool = False
+
+
+@dataclass
+class GradientAccumulationPlugin:
+    num_steps: int = 1
+    adjust_scheduler: bool = True
+    sync_with_dataloader: bool = True
+    sync_each_batch: bool = False
+
+
+@dataclass
+class _KwargsHandler:
+    def to_kwargs(self) -> dict[str, Any]:
+        """The fields whose value differs from the default: only those are passed on."""
+        default = self.__class__()
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if getattr(self, f.name) != getattr(default, f.name)}
+
+
+@dataclass
+class DistributedDataParallelKwargs(_KwargsHandler):
+    dim: int = 0
+    broadcast_buffers: bool = True
+    bucket_cap_mb: int = 25
+    find_unused_parameters: bool = False
+    check_reduction: bool = False
+    gradient_as_bucket_view: bool = False
+    static_graph: bool = False
+
+
+@dataclass
+class GradScalerKwargs(_KwargsHandler):
+    init_scale: float = 65536.0
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    enabled: bool = True
+
+
+@dataclass
+class InitProcessGroupKwargs(_KwargsHandler):
+    backend: str | None = None
+    init_method: str | None = None
+    timeout: datetime.timedelta | None = None
+
+
+@dataclass
+class AutocastKwargs(_KwargsHandler):
+    enabled: bool = True
+    cache_enabled: bool | None = None
+
+
+KWARGS_HANDLERS = (DistributedDataParallelKwargs, GradScalerKwargs, InitProcessGroupKwargs, AutocastKwargs)
+
+
+@dataclass
+class Handlers:
+    """The kwargs handlers a user passed, at most one of each kind."""
+
+    ddp: DistributedDataParallelKwargs = field(default_factory=DistributedDataParallelKwargs)
+    scaler: GradScalerKwargs = field(default_factory=GradScalerKwargs)
+    init: InitProcessGroupKwargs = field(default_factory=InitProcessGroupKwargs)
+    autocast: AutocastKwargs = field(default_factory=AutocastKwargs)
