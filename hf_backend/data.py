@@ -72,12 +72,10 @@ class ShardedBatchSampler:
                 return n
             last = self._last_batch_len()
             return n - 1 + (1 if last > rank * (self.batch_size // world) else 0)
-        if self.even_batches:
-            full_groups, rest = divmod(n, world)
-            if self.drop_last:
-                return full_groups
-            return full_groups + (1 if rest else 0)
-        return n // world + (1 if rank < n % world else 0)
+        full_groups, rest = divmod(n, world)
+        if self.drop_last or rest == 0:
+            return full_groups
+        return full_groups + (1 if self.even_batches or rank < rest else 0)
 
     def _last_batch_len(self) -> int:
         dataset_len = len(self.sampler) if self.sampler is not None else 0

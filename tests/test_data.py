@@ -1,0 +1,160 @@
+"""Sharding and resuming of prepared dataloaders, checked rank by rank without starting processes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler
+
+from hf_backend import HfBackendError
+from hf_backend.data import PreparedDataLoader, ShardedBatchSampler, prepare_dataloader
+from hf_backend.gradient_state import GradientState
+from hf_backend.options import GradientAccumulationPlugin
+
+
+def _shards(n: int, batch: int, world: int, split: bool = False, even: bool = True, drop_last: bool = False):
+    base = BatchSampler(SequentialSampler(range(n)), batch, drop_last)
+    return [list(ShardedBatchSampler(base, world, rank, split, even)) for rank in range(world)], base
+
+
+def test_step_i_covers_the_same_samples_as_one_process_with_n_times_the_batch():
+    per_rank, _ = _shards(40, 4, 2)
+    one, _ = _shards(40, 8, 1)
+    assert [a + b for a, b in zip(*per_rank)] == one[0]
+
+
+def test_short_last_global_batch_is_padded_from_the_epoch_start():
+    per_rank, sampler = _shards(21, 4, 2)  # 2 full steps of 8, then 5 real samples
+    assert [len(r) for r in per_rank] == [3, 3]
+    assert per_rank[0][-1] == [16, 17, 18, 19] and per_rank[1][-1] == [20, 0, 1, 2]
+    assert sampler.batch_size == 4
+
+
+def test_split_batches_slices_each_batch():
+    per_rank, _ = _shards(16, 8, 2, split=True)
+    assert per_rank[0][0] == [0, 1, 2, 3] and per_rank[1][0] == [4, 5, 6, 7]
+    with pytest.raises(HfBackendError, match="divides by the 2 processes"):
+        _shards(16, 5, 2, split=True)
+
+
+def test_uneven_batches_do_not_pad():
+    per_rank, _ = _shards(20, 4, 3, even=False)
+    assert sorted(i for r in per_rank for b in r for i in b) == list(range(20))
+    assert [len(r) for r in per_rank] == [2, 2, 1]
+
+
+def test_drop_last_drops_the_short_global_batch():
+    per_rank, _ = _shards(30, 4, 2, drop_last=True)  # 7 full batches of 4: 3 full global steps
+    assert [len(r) for r in per_rank] == [3, 3]
+
+
+@settings(max_examples=300, deadline=None)
+@given(n=st.integers(1, 60), batch=st.integers(1, 9), world=st.integers(1, 4), split=st.booleans(),
+       even=st.booleans(), drop_last=st.booleans())
+def test_every_sample_is_seen_once_and_lengths_are_right(n, batch, world, split, even, drop_last):
+    if split:
+        batch *= world
+    per_rank, base = _shards(n, batch, world, split, even, drop_last)
+    for rank, batches in enumerate(per_rank):
+        assert len(batches) == len(ShardedBatchSampler(base, world, rank, split, even))
+    if even:
+        assert len({len(b) for b in per_rank}) == 1, "even_batches: every rank takes the same number of steps"
+    # Interleave the ranks step by step, cut each step to its real samples: that is the one-process order.
+    seen = []
+    for step in range(max(len(b) for b in per_rank)):
+        row = [i for b in per_rank if step < len(b) for i in b[step]]
+        seen.extend(row)
+    dataset_order = [i for b in base for i in b]
+    expected_len = len(dataset_order)
+    if not split and drop_last:
+        expected_len = (len(base) // world) * world * batch
+    assert seen[:expected_len] == dataset_order[:expected_len]
+    assert set(seen) <= set(range(n))
+
+
+def _loader(n: int = 40, batch: int = 4, world: int = 1, rank: int = 0, seed: int = 0) -> PreparedDataLoader:
+    torch.manual_seed(seed)
+    data = torch.arange(n)
+    return prepare_dataloader(DataLoader(data, batch_size=batch, shuffle=True), num_processes=world,
+                              process_index=rank, device=None, split_batches=False, even_batches=True,
+                              gradient_state=GradientState(GradientAccumulationPlugin()))
+
+
+def test_a_resumed_loader_continues_mid_epoch_with_the_same_order():
+    reference = _loader()
+    epochs = [[b.tolist() for b in reference] for _ in range(3)]
+    live = _loader()
+    list(live)  # epoch 0
+    it = iter(live)
+    seen = [next(it).tolist() for _ in range(3)]  # 3 steps into epoch 1
+    state = live.state_dict()
+    assert state["epoch"] == 1 and state["steps"] == 3
+
+    resumed = _loader(seed=123)  # another seed: the order must come from the state, not the global RNG
+    resumed.load_state_dict(state)
+    assert resumed.epoch == 1
+    rest = [b.tolist() for b in resumed]
+    assert seen + rest == epochs[1]
+    assert [b.tolist() for b in resumed] == epochs[2]
+
+
+def test_state_at_an_epoch_boundary_starts_the_next_epoch():
+    live = _loader()
+    for _ in live:
+        pass
+    state = live.state_dict()
+    assert (state["epoch"], state["steps"]) == (1, 0)
+    resumed = _loader(seed=5)
+    resumed.load_state_dict(state)
+    assert [b.tolist() for b in resumed] == [b.tolist() for b in live]
+
+
+def test_skip_first_batches_is_absolute_after_load_state():
+    live = _loader()
+    it = iter(live)
+    first = [next(it).tolist() for _ in range(4)]
+    state = live.state_dict()
+    resumed = _loader()
+    resumed.load_state_dict(state)
+    # An Accelerate script skips by hand after load_state: that must not skip twice.
+    skipped = resumed.skip_first_batches(4)
+    assert skipped is resumed
+    assert first + [b.tolist() for b in resumed] == [b.tolist() for b in _loader()]
+
+
+def test_position_maps_to_another_world_size_only_at_whole_steps():
+    two = _loader(world=2)
+    it = iter(two)
+    next(it)
+    state = two.state_dict()  # 1 step of global batch 8
+    one = _loader(batch=8)
+    one.load_state_dict(state)
+    assert one.epoch == 0
+    one_big = _loader(batch=16)
+    with pytest.raises(HfBackendError, match="not a whole step"):
+        one_big.load_state_dict(state)
+
+
+def test_end_of_dataloader_and_remainder_are_known_on_the_last_batch():
+    loader = prepare_dataloader(DataLoader(torch.arange(10), batch_size=4), num_processes=1, process_index=0,
+                                device=None, split_batches=False, even_batches=True,
+                                gradient_state=GradientState(GradientAccumulationPlugin()))
+    flags = [(loader.end_of_dataloader, loader.remainder) for _ in loader]
+    assert flags == [(False, -1), (False, -1), (True, 2)]
+
+
+def test_distributed_sampler_is_not_sharded_twice():
+    data = torch.arange(8)
+    sampler = torch.utils.data.DistributedSampler(data, num_replicas=2, rank=1, shuffle=False)
+    loader = prepare_dataloader(DataLoader(data, batch_size=2, sampler=sampler), num_processes=2, process_index=1,
+                                device=None, split_batches=False, even_batches=True,
+                                gradient_state=GradientState(GradientAccumulationPlugin()))
+    assert [b.tolist() for b in loader] == [[1, 3], [5, 7]]
+
+
+def test_random_sampler_gets_its_own_generator():
+    loader = _loader()
+    sampler = loader.batch_sampler.sampler
+    assert isinstance(sampler, RandomSampler) and isinstance(sampler.generator, torch.Generator)
