@@ -304,9 +304,11 @@ class Accelerator:
         if isinstance(data_loader, PreparedDataLoader):
             return data_loader
         placement = self.device_placement if device_placement is None else device_placement
+        # Batches are built on the CPU: placing them on a CPU device would only cost time.
+        device = self.device if placement and self.device.type != "cpu" else None
         prepared = prepare_dataloader(
             data_loader, num_processes=self.num_processes, process_index=self.process_index,
-            device=self.device if placement else None, split_batches=self.split_batches,
+            device=device, split_batches=self.split_batches,
             even_batches=self.even_batches, gradient_state=self.gradient_state,
             non_blocking=self.dataloader_config.non_blocking,
         )

@@ -83,7 +83,10 @@ class ShardedBatchSampler:
 
     def __iter__(self) -> Iterator[list]:
         skip, self.skip = self.skip, 0
-        steps = self._split_steps() if self.split_batches else self._grouped_steps()
+        if self.num_processes == 1:
+            steps = self._single_steps()
+        else:
+            steps = self._split_steps() if self.split_batches else self._grouped_steps()
         for step, (batch, remainder) in enumerate(steps):
             if step < skip:
                 continue
@@ -97,6 +100,11 @@ class ShardedBatchSampler:
         while len(out) < size:
             out.extend(pad[: size - len(out)])
         return out
+
+    def _single_steps(self) -> Iterator[tuple[list, int]]:
+        """One process: the user's batches as they are (a short last batch has no padding to drop)."""
+        for batch in self.batch_sampler:
+            yield batch, 0
 
     def _split_steps(self) -> Iterator[tuple[list, int]]:
         world, rank = self.num_processes, self.process_index
