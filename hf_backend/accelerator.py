@@ -10,7 +10,7 @@ import contextlib
 import functools
 import gc
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ from .config import environment as env
 from .data import PreparedDataLoader, prepare_dataloader
 from .errors import HfBackendError
 from .gradient_state import GradientState
-from .log import note, warn
+from .log import note
 from .optim import AcceleratedOptimizer, AcceleratedScheduler
 from .options import (
     KWARGS_HANDLERS,
@@ -39,31 +39,6 @@ _HANDLER_SLOTS = dict(zip(KWARGS_HANDLERS, ("ddp", "scaler", "init", "autocast")
 # Accelerate arguments that change nothing here; anything else unknown is an error, never silently dropped.
 _ACCEPTED_NOOPS = {"rng_types": "the epoch order comes from the sampler's own generator, shared from rank 0",
                    "dispatch_batches": "every process reads its own shard", "use_seedable_sampler": "always on"}
-
-
-def _resolve(name: str, explicit: Any, env_name: str, parse: Callable[[str], Any], default: Any) -> Any:
-    """An explicit argument wins over what a launcher put in the environment, with a warning when they differ."""
-    raw = env.launcher_setting(env_name)
-    from_env = None
-    if raw is not None:
-        try:
-            from_env = parse(raw)
-        except ValueError:
-            raise HfBackendError(f"environment variable {env_name}={raw!r} is not valid for {name}") from None
-    if explicit is None:
-        return default if from_env is None else from_env
-    if from_env is not None and from_env != explicit:
-        warn(f"{name}={explicit!r} given to Accelerator() overrides the launcher's {env_name}={raw}")
-    return explicit
-
-
-def _parse_bool(raw: str) -> bool:
-    lowered = raw.strip().lower()
-    if lowered in ("1", "true", "yes"):
-        return True
-    if lowered in ("0", "false", "no"):
-        return False
-    raise ValueError(raw)
 
 
 class Accelerator:
@@ -98,18 +73,18 @@ class Accelerator:
                                      f"{', '.join(c.__name__ for c in KWARGS_HANDLERS)}")
             setattr(self.handlers, slot, handler)
 
-        cpu = _resolve("cpu", cpu, env.USE_CPU, _parse_bool, False)
+        cpu = env.resolve("cpu", cpu, env.USE_CPU, env.parse_bool, False)
         init = self.handlers.init
         self.state: ProcessState = get_process_state(cpu=cpu, timeout=init.timeout, backend=init.backend)
 
-        mixed_precision = _resolve("mixed_precision", mixed_precision, env.MIXED_PRECISION, str, "no")
+        mixed_precision = env.resolve("mixed_precision", mixed_precision, env.MIXED_PRECISION, str, "no")
         self.precision = Precision(str(mixed_precision), self.state.device, self.handlers.scaler,
                                    self.handlers.autocast)
 
         if gradient_accumulation_plugin is not None and gradient_accumulation_steps not in (None, 1):
             raise HfBackendError("pass gradient_accumulation_steps or gradient_accumulation_plugin, not both")
         if gradient_accumulation_plugin is None:
-            steps = _resolve("gradient_accumulation_steps", gradient_accumulation_steps,
+            steps = env.resolve("gradient_accumulation_steps", gradient_accumulation_steps,
                              env.GRADIENT_ACCUMULATION_STEPS, int, 1)
             gradient_accumulation_plugin = GradientAccumulationPlugin(num_steps=steps)
         if int(gradient_accumulation_plugin.num_steps) < 1:
@@ -391,7 +366,7 @@ class Accelerator:
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
         """Gather predictions or labels of an evaluation batch: exactly one row per dataset item over the whole loop
         (the padding a short last batch got is dropped)."""
-        tensors_only = all(isinstance(t, torch.Tensor) for t in _leaves(input_data))
+        tensors_only = all(isinstance(t, torch.Tensor) for t in collectives.leaves(input_data))
         loader = self.gradient_state.active_dataloader
         uneven = loader is not None and not getattr(loader.batch_sampler, "even_batches", True)
         if use_gather_object or not tensors_only:
@@ -518,13 +493,3 @@ class Accelerator:
         self.wait_for_everyone()
         shutdown_process_group()
 
-
-def _leaves(data: Any) -> Iterator[Any]:
-    if isinstance(data, Mapping):
-        for value in data.values():
-            yield from _leaves(value)
-    elif isinstance(data, (list, tuple)):
-        for value in data:
-            yield from _leaves(value)
-    else:
-        yield data

@@ -5,7 +5,7 @@ Every function is a cheap identity in a single process, so training scripts call
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -168,3 +168,15 @@ def split_between(inputs: Any, num_processes: int, process_index: int, apply_pad
         last = inputs[-1:]
         part = torch.cat([part, last]) if isinstance(part, torch.Tensor) else part + type(part)(last)
     return part
+
+
+
+def leaves(data: Any) -> Iterator[Any]:
+    if isinstance(data, Mapping):
+        for value in data.values():
+            yield from leaves(value)
+    elif isinstance(data, (list, tuple)):
+        for value in data:
+            yield from leaves(value)
+    else:
+        yield data
