@@ -7,6 +7,7 @@ and routes every call to the piece that owns it. It never branches on the kind o
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import gc
 import os
@@ -77,6 +78,7 @@ class Accelerator:
         init = self.handlers.init
         self.state: ProcessState = get_process_state(cpu=cpu, timeout=init.timeout, backend=init.backend)
 
+        mixed_precision = getattr(mixed_precision, "value", mixed_precision)  # Accelerate's PrecisionType enum
         mixed_precision = env.resolve("mixed_precision", mixed_precision, env.MIXED_PRECISION, str, "no")
         self.precision = Precision(str(mixed_precision), self.state.device, self.handlers.scaler,
                                    self.handlers.autocast)
@@ -85,17 +87,15 @@ class Accelerator:
             raise HfBackendError("pass gradient_accumulation_steps or gradient_accumulation_plugin, not both")
         if gradient_accumulation_plugin is None:
             steps = env.resolve("gradient_accumulation_steps", gradient_accumulation_steps,
-                             env.GRADIENT_ACCUMULATION_STEPS, int, 1)
+                                env.GRADIENT_ACCUMULATION_STEPS, int, 1)
             gradient_accumulation_plugin = GradientAccumulationPlugin(num_steps=steps)
         if int(gradient_accumulation_plugin.num_steps) < 1:
             raise HfBackendError(f"gradient_accumulation_steps={gradient_accumulation_plugin.num_steps} must be >= 1")
         self.gradient_state = GradientState(gradient_accumulation_plugin)
 
-        self.dataloader_config = dataloader_config or DataLoaderConfiguration()
-        if split_batches is not None:
-            self.dataloader_config.split_batches = split_batches
-        if even_batches is not None:
-            self.dataloader_config.even_batches = even_batches
+        overrides = {k: v for k, v in (("split_batches", split_batches), ("even_batches", even_batches))
+                     if v is not None}
+        self.dataloader_config = dataclasses.replace(dataloader_config or DataLoaderConfiguration(), **overrides)
 
         self.project_configuration = project_config or ProjectConfiguration()
         if project_dir is not None:

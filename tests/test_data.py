@@ -160,3 +160,26 @@ def test_random_sampler_gets_its_own_generator():
     loader = _loader()
     sampler = loader.batch_sampler.sampler
     assert isinstance(sampler, RandomSampler) and isinstance(sampler.generator, torch.Generator)
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(range(10))
+
+
+def test_an_iterable_dataset_works_and_resumes_in_one_process():
+    def make():
+        return prepare_dataloader(DataLoader(_Stream(), batch_size=3), num_processes=1, process_index=0, device=None,
+                                  split_batches=False, even_batches=True,
+                                  gradient_state=GradientState(GradientAccumulationPlugin()))
+
+    live = make()
+    it = iter(live)
+    first = next(it).tolist()
+    resumed = make()
+    resumed.load_state_dict(live.state_dict())
+    assert [first] + [b.tolist() for b in resumed] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
+    with pytest.raises(HfBackendError, match="IterableDataset across processes"):
+        prepare_dataloader(DataLoader(_Stream(), batch_size=3), num_processes=2, process_index=0, device=None,
+                           split_batches=False, even_batches=True,
+                           gradient_state=GradientState(GradientAccumulationPlugin()))
