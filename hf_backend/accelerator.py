@@ -103,7 +103,9 @@ class Accelerator:
 
         self.device_placement = device_placement
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
-        self.strategy = select_strategy(self.state, self.precision, self.handlers)
+        self.launch_config = env.read_launch_config()  # what `hf-backend launch` handed over, or None
+        launched_type = self.launch_config.distributed_type if self.launch_config else None
+        self.strategy = select_strategy(self.state, self.precision, self.handlers, launched_type)
         self._objects = checkpoint.Checkpointable()
         self.step = 0  # micro steps seen by accumulate() since the last sync
 

@@ -1,4 +1,4 @@
-"""`hf-backend`: the command line. Subcommands (config, launch, env) register here."""
+"""`hf-backend`: the command line (config, launch, env)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,17 @@ import sys
 
 import hf_backend
 
+from ..errors import HfBackendError
+from . import config_cmd, env_cmd, launch
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-backend", description="hf_backend command line")
     parser.add_argument("--version", action="version", version=f"hf-backend {hf_backend.__version__}")
-    parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    config_cmd.add_parser(sub)
+    launch.add_parser(sub)
+    env_cmd.add_parser(sub)
     return parser
 
 
@@ -21,7 +27,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    return 0
+    try:
+        return args.func(args)
+    except HfBackendError as err:
+        print(f"hf-backend {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

@@ -1,7 +1,11 @@
-"""The environment variables through which a launcher hands settings to `Accelerator()` in each process."""
+"""The environment variables through which a launcher hands settings to `Accelerator()` in each process.
+
+`hf-backend launch` writes them (`to_environment`); `Accelerator()` reads them (`resolve`, `read_launch_config`).
+"""
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from typing import Any
@@ -13,12 +17,54 @@ PREFIX = "HF_BACKEND_"
 MIXED_PRECISION = PREFIX + "MIXED_PRECISION"
 GRADIENT_ACCUMULATION_STEPS = PREFIX + "GRADIENT_ACCUMULATION_STEPS"
 USE_CPU = PREFIX + "USE_CPU"
+DISTRIBUTED_TYPE = PREFIX + "DISTRIBUTED_TYPE"
+FSDP_CONFIG = PREFIX + "FSDP_CONFIG"  # JSON of the validated fsdp_config section
+DEEPSPEED_CONFIG = PREFIX + "DEEPSPEED_CONFIG"  # JSON of the validated deepspeed_config section
+CONFIG_FILE = PREFIX + "CONFIG_FILE"  # the file the launcher read, for `hf-backend env` and messages
 
 
 def launcher_setting(name: str) -> str | None:
     """The value a launcher set for `name`, or None; empty strings count as unset."""
     value = os.environ.get(name, "")
     return value or None
+
+
+def to_environment(config: Any, config_file: str | None = None) -> dict[str, str]:
+    """The variables that carry a LaunchConfig to the processes."""
+    env = {
+        MIXED_PRECISION: config.mixed_precision,
+        GRADIENT_ACCUMULATION_STEPS: str(config.gradient_accumulation_steps),
+        USE_CPU: "true" if config.use_cpu else "false",
+        DISTRIBUTED_TYPE: config.distributed_type,
+    }
+    if config.distributed_type == "FSDP":
+        env[FSDP_CONFIG] = json.dumps(config.fsdp_config)
+    if config.distributed_type == "DEEPSPEED":
+        env[DEEPSPEED_CONFIG] = json.dumps(config.deepspeed_config)
+    if config_file:
+        env[CONFIG_FILE] = str(config_file)
+    return env
+
+
+def read_launch_config() -> Any | None:
+    """The LaunchConfig a launcher handed to this process (validated again), or None outside a launch."""
+    from .loader import validate
+
+    if launcher_setting(DISTRIBUTED_TYPE) is None:
+        return None
+    raw: dict[str, Any] = {"distributed_type": launcher_setting(DISTRIBUTED_TYPE)}
+    for key, name in (("mixed_precision", MIXED_PRECISION), ("use_cpu", USE_CPU),
+                      ("gradient_accumulation_steps", GRADIENT_ACCUMULATION_STEPS)):
+        if launcher_setting(name) is not None:
+            raw[key] = launcher_setting(name)
+    for key, name in (("fsdp_config", FSDP_CONFIG), ("deepspeed_config", DEEPSPEED_CONFIG)):
+        if launcher_setting(name) is not None:
+            try:
+                raw[key] = json.loads(launcher_setting(name))
+            except json.JSONDecodeError:
+                raise HfBackendError(f"environment variable {name} is not JSON; start the job with hf-backend "
+                                     "launch, or unset it") from None
+    return validate(raw, source=f"the launcher's environment ({PREFIX}*)")
 
 
 def resolve(name: str, explicit: Any, env_name: str, parse: Callable[[str], Any], default: Any) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..errors import HfBackendError
 from ..options import Handlers
 from ..precision import Precision
 from ..state import ProcessState
@@ -10,8 +11,14 @@ from .ddp import DDPStrategy
 from .single import SingleDeviceStrategy
 
 
-def select_strategy(state: ProcessState, precision: Precision, handlers: Handlers) -> Strategy:
-    """Chosen once per Accelerator."""
+def select_strategy(state: ProcessState, precision: Precision, handlers: Handlers,
+                    distributed_type: str | None = None) -> Strategy:
+    """Chosen once per Accelerator; `distributed_type` is what a launcher's config asked for, if anything."""
+    if distributed_type in ("FSDP", "DEEPSPEED"):
+        raise HfBackendError(
+            f"distributed_type {distributed_type} (from the launcher's config) needs a strategy this version of "
+            "hf_backend does not have yet; launch with MULTI_CPU/MULTI_GPU (plain --num_processes) for DDP"
+        )
     cls = DDPStrategy if state.distributed else SingleDeviceStrategy
     return cls(state, precision, handlers)
 

@@ -1,0 +1,162 @@
+"""`hf-backend launch`: start a script on N processes (and M machines) through torch elastic (`torch.distributed.run`).
+
+The effective config is built once, in this order of precedence (highest first): command-line flags, HF_BACKEND_*
+variables already in the environment, the config file, built-in defaults. It reaches every process as HF_BACKEND_*
+variables, which `Accelerator()` reads (an explicit `Accelerator(...)` argument in the script wins over them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+from ..config import environment as env
+from ..config.loader import ConfigError, default_config_path, read_mapping, validate
+from ..config.schema import DeepSpeedSection, FsdpSection, LaunchConfig, fields_of
+
+_TOP_FLAGS = ("num_processes", "num_machines", "machine_rank", "main_process_ip", "main_process_port",
+              "rdzv_backend", "mixed_precision", "gradient_accumulation_steps", "distributed_type", "gpu_ids")
+_ENV_KEYS = {"mixed_precision": env.MIXED_PRECISION, "gradient_accumulation_steps": env.GRADIENT_ACCUMULATION_STEPS,
+             "use_cpu": env.USE_CPU}
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("launch", help="run a training script on several processes or machines",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config_file", help="config file (default: the one `hf-backend config` wrote, if any)")
+    top = fields_of(LaunchConfig)
+    for name in _TOP_FLAGS:
+        meta = top[name].metadata
+        p.add_argument(f"--{name}", default=None, help=meta["help"],
+                       choices=meta["choices"] if name != "num_processes" else None)
+    p.add_argument("--cpu", action="store_true", default=None, help="train on the CPU (gloo) even with GPUs")
+    p.add_argument("--max_restarts", type=int, default=0, help="restart the workers this many times after a failure")
+    p.add_argument("--num_cpu_threads_per_process", type=int, default=None,
+                   help="OMP threads per process (default: the cores divided by the processes on this machine)")
+    p.add_argument("--debug", action="store_true", default=None, help="TORCH_DISTRIBUTED_DEBUG=DETAIL")
+    p.add_argument("--use_fsdp", action="store_true", help="distributed_type FSDP; --fsdp_* flags set its options")
+    for name, f in fields_of(FsdpSection).items():
+        p.add_argument(f"--{name}", default=None, metavar="VALUE", help=f.metadata["help"])
+    p.add_argument("--use_deepspeed", action="store_true", help="distributed_type DEEPSPEED; the flags below set it")
+    for name, f in fields_of(DeepSpeedSection).items():
+        if name != "gradient_accumulation_steps" and not f.metadata["unused"]:
+            p.add_argument(f"--{name}", default=None, metavar="VALUE", help=f.metadata["help"])
+    p.add_argument("-m", "--module", action="store_true", help="run training_script as a module (python -m)")
+    p.add_argument("training_script", help="the script (or module, with -m) to run in every process")
+    p.add_argument("training_script_args", nargs=argparse.REMAINDER, help="its arguments")
+    p.set_defaults(func=run_launch)
+
+
+def effective_config(args: argparse.Namespace) -> tuple[LaunchConfig, str | None]:
+    """Flags over environment over config file over defaults."""
+    path = args.config_file
+    if path is None and default_config_path().is_file():
+        path = str(default_config_path())
+    raw: dict[str, Any] = read_mapping(path) if path else {}
+    for key, var in _ENV_KEYS.items():
+        if env.launcher_setting(var) is not None:
+            raw[key] = env.launcher_setting(var)
+    flags = vars(args)
+    for name in _TOP_FLAGS:
+        if flags.get(name) is not None:
+            raw[name] = flags[name]
+    if args.cpu:
+        raw["use_cpu"] = True
+    if args.debug:
+        raw["debug"] = True
+    for section, model in (("fsdp_config", FsdpSection), ("deepspeed_config", DeepSpeedSection)):
+        given = {name: flags[name] for name in fields_of(model) if flags.get(name) is not None}
+        if given:
+            raw[section] = {**(raw.get(section) or {}), **given}
+    if args.use_fsdp and args.use_deepspeed:
+        raise ConfigError("launch: --use_fsdp and --use_deepspeed exclude each other; pick one")
+    if args.use_fsdp:
+        raw["distributed_type"] = "FSDP"
+    elif args.use_deepspeed:
+        raw["distributed_type"] = "DEEPSPEED"
+    source = " + ".join(filter(None, [path, "command line"]))
+    config = validate(raw, source=source)
+    return _settle_distributed_type(config, args), path
+
+
+def _settle_distributed_type(config: LaunchConfig, args: argparse.Namespace) -> LaunchConfig:
+    import torch
+
+    on_cpu = config.use_cpu or not torch.cuda.is_available()
+    if config.distributed_type in ("NO", "MULTI_CPU", "MULTI_GPU") and config.num_processes > 1:
+        config.distributed_type = "MULTI_CPU" if on_cpu else "MULTI_GPU"
+    if on_cpu:
+        config.use_cpu = True
+    return config
+
+
+def torchrun_arguments(config: LaunchConfig, args: argparse.Namespace) -> list[str]:
+    per_machine = config.num_processes // config.num_machines
+    out = [f"--nproc_per_node={per_machine}", f"--nnodes={config.num_machines}", f"--max_restarts={args.max_restarts}",
+           "--monitor_interval=0.1"]
+    if config.num_machines == 1 and config.main_process_port is None:
+        out.append("--standalone")
+    else:
+        address, port = config.main_process_ip or "127.0.0.1", config.main_process_port or 29500
+        if config.rdzv_backend == "static":
+            out += [f"--node_rank={config.machine_rank}", f"--master_addr={address}", f"--master_port={port}"]
+        else:
+            out += [f"--rdzv_backend={config.rdzv_backend}", f"--rdzv_endpoint={address}:{port}",
+                    "--rdzv_id=hf-backend", f"--node_rank={config.machine_rank}"]
+    target = ["--module", args.training_script] if args.module else [args.training_script]
+    return [*out, "-m", "hf_backend.cli.worker", *target, *args.training_script_args]
+
+
+def process_environment(config: LaunchConfig, args: argparse.Namespace, path: str | None) -> dict[str, str]:
+    out = env.to_environment(config, path)
+    per_machine = config.num_processes // config.num_machines
+    if args.num_cpu_threads_per_process is not None:
+        out["OMP_NUM_THREADS"] = str(args.num_cpu_threads_per_process)
+    elif "OMP_NUM_THREADS" not in os.environ:
+        out["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // per_machine))
+    if config.debug:
+        out["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+    if config.gpu_ids and config.gpu_ids != "all":
+        out["CUDA_VISIBLE_DEVICES"] = config.gpu_ids
+    return out
+
+
+def run_launch(args: argparse.Namespace) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    config, path = effective_config(args)
+    if not args.module and not os.path.isfile(args.training_script):
+        raise ConfigError(f"launch: no script at {args.training_script}; pass a path, or -m for a module")
+    os.environ.update(process_environment(config, args, path))
+    try:
+        run(get_args_parser().parse_args(torchrun_arguments(config, args)))
+    except ChildFailedError as err:
+        print(f"hf-backend launch: {describe_failure(err)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def describe_failure(err: Any) -> str:
+    """One line: which rank failed first, how, and the last line of its error."""
+    rank, failure = min(err.failures.items(), key=lambda item: _failure_time(item[1]))
+    if failure.exitcode < 0:
+        how = f"was killed by {failure.signal_name()}"
+    else:
+        how = f"exited with code {failure.exitcode}"
+    message = failure.message
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    lines = [line.strip() for line in str(message or "").splitlines() if line.strip()]
+    detail = f": {lines[-1]}" if lines and failure.exitcode >= 0 else ""
+    return f"rank {rank} (local rank {failure.local_rank}) {how}{detail}; the other workers were stopped"
+
+
+def _failure_time(failure: Any) -> float:
+    """When the worker failed: the exact time our worker recorded, else torch's whole seconds; no record, last."""
+    message = failure.error_file_data.get("message") if isinstance(failure.error_file_data, dict) else None
+    if isinstance(message, dict) and "time" in message.get("extraInfo", {}):
+        return float(message["extraInfo"]["time"])
+    return float(failure.timestamp or 0) if failure.error_file_data.get("message") else float("inf")

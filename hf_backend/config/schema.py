@@ -1,0 +1,156 @@
+"""The config model: every key a config file may hold, its type, allowed values, default and meaning.
+
+It reads the files `accelerate config` writes (same key names, same layout) and is the one source for validation,
+`hf-backend config` questions, and the generated reference in docs/config.md. Each field's metadata says:
+help (one line), choices (canonical spellings), minimum, unused (accepted from Accelerate, means nothing here),
+aliases (older or prefix-less spellings), question (asked by the interactive `hf-backend config`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+DISTRIBUTED_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU", "FSDP", "DEEPSPEED")
+SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
+
+
+def key(default: Any, help: str, *, choices: tuple | None = None, minimum: float | None = None,
+        unused: bool = False, aliases: tuple[str, ...] = (), question: str | None = None,
+        int_choices: dict[int, str] | None = None) -> Any:
+    meta = {"help": help, "choices": choices, "minimum": minimum, "unused": unused, "aliases": aliases,
+            "question": question, "int_choices": int_choices}
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class FsdpSection:
+    """`fsdp_config:`, read by the FSDP strategy (FSDP2). Keys may be written with or without the `fsdp_` prefix."""
+
+    fsdp_version: int = key(2, "1 is accepted and mapped onto FSDP2 (fully_shard), the only implementation used",
+                            choices=(1, 2))
+    fsdp_sharding_strategy: str = key(
+        "FULL_SHARD", "how parameters, gradients and optimizer state are sharded (1-5 as accelerate writes them)",
+        choices=SHARDING_STRATEGIES, int_choices=dict(enumerate(SHARDING_STRATEGIES, start=1)),
+        question="Sharding strategy")
+    fsdp_reshard_after_forward: bool = key(True, "free gathered parameters after forward (FSDP2's FULL_SHARD)")
+    fsdp_offload_params: bool = key(False, "keep parameters and gradients on the CPU between uses",
+                                    aliases=("cpu_offload",), question="Offload parameters to the CPU")
+    fsdp_auto_wrap_policy: str = key("TRANSFORMER_BASED_WRAP", "which submodules become their own FSDP unit",
+                                     choices=("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"),
+                                     question="Auto wrap policy")
+    fsdp_transformer_layer_cls_to_wrap: str | None = key(
+        None, "comma-separated block class names to wrap (default: the model's _no_split_modules)",
+        question="Transformer layer class names to wrap (empty: the model's own)")
+    fsdp_min_num_params: int = key(100_000_000, "smallest module size wrapped by SIZE_BASED_WRAP", minimum=0)
+    fsdp_backward_prefetch: str = key("BACKWARD_PRE", "prefetch of the next unit's parameters in backward",
+                                      choices=("BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"),
+                                      aliases=("fsdp_backward_prefetch_policy",))
+    fsdp_forward_prefetch: bool = key(False, "prefetch the next unit's parameters in forward")
+    fsdp_state_dict_type: str = key("FULL_STATE_DICT", "checkpoint format of save_state",
+                                    choices=("FULL_STATE_DICT", "SHARDED_STATE_DICT", "LOCAL_STATE_DICT"),
+                                    question="State dict type")
+    fsdp_cpu_ram_efficient_loading: bool = key(False, "only rank 0 materializes pretrained weights")
+    fsdp_sync_module_states: bool = key(True, "broadcast rank 0's weights at wrap time")
+    fsdp_use_orig_params: bool = key(True, "FSDP1 option; FSDP2 always keeps the original parameters")
+    fsdp_activation_checkpointing: bool = key(False, "recompute activations of each wrapped block in backward")
+
+
+@dataclass
+class DeepSpeedSection:
+    """`deepspeed_config:`, read by the DeepSpeed strategy."""
+
+    zero_stage: int = key(2, "ZeRO stage", choices=(0, 1, 2, 3), question="ZeRO stage")
+    gradient_accumulation_steps: int = key(1, "micro steps per optimizer step", minimum=1)
+    gradient_clipping: float = key(1.0, "max gradient norm", minimum=0)
+    offload_optimizer_device: str = key("none", "where optimizer state lives", choices=("none", "cpu", "nvme"),
+                                        question="Offload optimizer state to")
+    offload_param_device: str = key("none", "where parameters live (ZeRO-3)", choices=("none", "cpu", "nvme"))
+    offload_optimizer_nvme_path: str | None = key(None, "NVMe path for optimizer offload")
+    offload_param_nvme_path: str | None = key(None, "NVMe path for parameter offload")
+    zero3_init_flag: bool = key(False, "partition parameters while the model is built (ZeRO-3)")
+    zero3_save_16bit_model: bool = key(False, "gather 16-bit weights when saving a ZeRO-3 model")
+    deepspeed_config_file: str | None = key(None, "a DeepSpeed JSON config; its values win over the keys above")
+    deepspeed_hostfile: str | None = key(None, "DeepSpeed's own multi-node launcher", unused=True)
+    deepspeed_inclusion_filter: str | None = key(None, "DeepSpeed's own multi-node launcher", unused=True)
+    deepspeed_exclusion_filter: str | None = key(None, "DeepSpeed's own multi-node launcher", unused=True)
+    deepspeed_multinode_launcher: str | None = key(None, "DeepSpeed's own multi-node launcher", unused=True)
+    deepspeed_moe_layer_cls_names: str | None = key(None, "MoE layer classes kept whole by ZeRO-3")
+
+
+@dataclass
+class LaunchConfig:
+    """What `hf-backend launch` starts and how `Accelerator()` in each process is set up."""
+
+    compute_environment: str = key("LOCAL_MACHINE", "only this machine and its peers; SageMaker is not supported",
+                                   choices=("LOCAL_MACHINE",))
+    distributed_type: str = key("NO", "how the work is spread (MULTI_CPU: DDP over gloo)", choices=DISTRIBUTED_TYPES,
+                                question="Distributed type")
+    mixed_precision: str = key("no", "autocast dtype", choices=("no", "fp16", "bf16"), question="Mixed precision")
+    use_cpu: bool = key(False, "train on the CPU even when a GPU is there", question="Train on the CPU only")
+    num_processes: int = key(1, "processes in total, across all machines", minimum=1,
+                             question="How many processes in total")
+    num_machines: int = key(1, "machines taking part", minimum=1, question="How many machines")
+    machine_rank: int = key(0, "this machine's index, 0 on the main machine", minimum=0,
+                            question="Rank of this machine")
+    main_process_ip: str | None = key(None, "address of machine 0 (needed with more than one machine)",
+                                      question="IP address of machine 0")
+    main_process_port: int | None = key(None, "port on machine 0 (free port chosen on one machine when unset)",
+                                        minimum=1, question="Port on machine 0")
+    rdzv_backend: str = key("static", "torch elastic rendezvous", choices=("static", "c10d", "etcd", "etcd-v2"))
+    same_network: bool = key(True, "machines share a network (informational)")
+    gpu_ids: str | None = key(None, "GPUs to use, 'all' or a comma-separated list (sets CUDA_VISIBLE_DEVICES)")
+    gradient_accumulation_steps: int = key(1, "micro steps per optimizer step", minimum=1)
+    debug: bool = key(False, "TORCH_DISTRIBUTED_DEBUG=DETAIL in every process")
+    main_training_function: str = key("main", "used by notebook launchers; accepted", unused=True)
+    downcast_bf16: str = key("no", "XLA/TPU only", choices=("no", "yes", "first"), unused=True)
+    enable_cpu_affinity: bool = key(False, "NUMA pinning is not done by hf_backend", unused=True)
+    dynamo_backend: str = key("NO", "torch.compile is left to the script", unused=True)
+    fsdp_config: dict = key({}, "FSDP settings (see below)")
+    deepspeed_config: dict = key({}, "DeepSpeed settings (see below)")
+    megatron_lm_config: dict = key({}, "Megatron-LM is not supported", unused=True)
+    dynamo_config: dict = key({}, "torch.compile is left to the script", unused=True)
+    ipex_config: dict = key({}, "IPEX is not supported", unused=True)
+    mpirun_config: dict = key({}, "processes start through torch elastic, not mpirun", unused=True)
+    fp8_config: dict = key({}, "fp8 is not supported", unused=True)
+    parallelism_config: dict = key({}, "tensor/context parallelism is not supported", unused=True)
+    tpu_name: str | None = key(None, "TPU only", unused=True)
+    tpu_zone: str | None = key(None, "TPU only", unused=True)
+    tpu_use_cluster: bool = key(False, "TPU only", unused=True)
+    tpu_use_sudo: bool = key(False, "TPU only", unused=True)
+    tpu_vm: list = key([], "TPU only", unused=True)
+    tpu_env: list = key([], "TPU only", unused=True)
+    command_file: str | None = key(None, "TPU pod commands", unused=True)
+    commands: list = key([], "TPU pod commands", unused=True)
+
+    @property
+    def fsdp(self) -> FsdpSection:
+        return FsdpSection(**self.fsdp_config)
+
+    @property
+    def deepspeed(self) -> DeepSpeedSection:
+        return DeepSpeedSection(**self.deepspeed_config)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The keys worth writing: everything used, plus unused keys only where they differ from the default."""
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.metadata["unused"] and value == default_of(f):
+                continue
+            out[f.name] = value
+        return out
+
+
+SECTIONS: dict[str, type] = {"fsdp_config": FsdpSection, "deepspeed_config": DeepSpeedSection}
+
+
+def fields_of(model: type) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(model)}
+
+
+def default_of(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default

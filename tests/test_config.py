@@ -1,0 +1,195 @@
+"""Config files: the formats Accelerate and Transformers document, validation errors, precedence, the reference."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hf_backend.cli.launch import effective_config
+from hf_backend.cli.main import build_parser
+from hf_backend.config import reference
+from hf_backend.config.loader import ConfigError, load_config, validate, write_config
+from hf_backend.config.schema import LaunchConfig
+
+# The FSDP example of the Transformers docs (an `accelerate config` file), key for key.
+DOCS_FSDP_YAML = """\
+compute_environment: LOCAL_MACHINE
+debug: false
+distributed_type: FSDP
+downcast_bf16: 'no'
+fsdp_config:
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_backward_prefetch_policy: BACKWARD_PRE
+  fsdp_forward_prefetch: true
+  fsdp_cpu_ram_efficient_loading: true
+  fsdp_offload_params: false
+  fsdp_sharding_strategy: 1
+  fsdp_state_dict_type: SHARDED_STATE_DICT
+  fsdp_sync_module_states: true
+  fsdp_transformer_layer_cls_to_wrap: BertLayer
+  fsdp_use_orig_params: true
+machine_rank: 0
+main_training_function: main
+mixed_precision: bf16
+num_machines: 1
+num_processes: 2
+rdzv_backend: static
+same_network: true
+tpu_env: []
+tpu_use_cluster: false
+tpu_use_sudo: false
+use_cpu: false
+"""
+
+
+def _write(tmp_path: Path, text: str, name: str = "c.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_the_docs_fsdp_yaml_validates_with_every_value(tmp_path, caplog):
+    config = load_config(_write(tmp_path, DOCS_FSDP_YAML))
+    assert config.distributed_type == "FSDP" and config.mixed_precision == "bf16" and config.num_processes == 2
+    fsdp = config.fsdp
+    assert fsdp.fsdp_sharding_strategy == "FULL_SHARD"  # written as 1
+    assert fsdp.fsdp_backward_prefetch == "BACKWARD_PRE"  # written under its older name
+    assert fsdp.fsdp_transformer_layer_cls_to_wrap == "BertLayer"
+    assert fsdp.fsdp_state_dict_type == "SHARDED_STATE_DICT" and fsdp.fsdp_cpu_ram_efficient_loading
+    assert fsdp.fsdp_forward_prefetch and fsdp.fsdp_sync_module_states and fsdp.fsdp_use_orig_params
+    # Keys that mean nothing here are accepted with one note that names them.
+    notes = [r.getMessage() for r in caplog.records if "no effect in hf_backend" in r.getMessage()]
+    assert len(notes) == 1 and "tpu_env" in notes[0] and "downcast_bf16" in notes[0]
+
+
+def test_a_file_written_by_accelerate_config_default_validates(tmp_path):
+    utils = pytest.importorskip("accelerate.utils")
+    path = tmp_path / "default_config.yaml"
+    utils.write_basic_config(mixed_precision="bf16", save_location=str(path))
+    config = load_config(path)
+    assert config.mixed_precision == "bf16"
+
+
+def test_transformers_style_keys_without_prefix_and_json(tmp_path):
+    path = _write(tmp_path, json.dumps({"distributed_type": "FSDP", "fsdp_config": {
+        "version": 2, "reshard_after_forward": True, "cpu_offload": False, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "transformer_layer_cls_to_wrap": ["BertLayer"], "state_dict_type": "FULL_STATE_DICT",
+        "cpu_ram_efficient_loading": True, "activation_checkpointing": True}}), "c.json")
+    fsdp = load_config(path).fsdp
+    assert fsdp.fsdp_transformer_layer_cls_to_wrap == "BertLayer" and fsdp.fsdp_activation_checkpointing
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("mixed_precison: bf16\n", "c.yaml: unknown key 'mixed_precison'; did you mean 'mixed_precision'?"),
+    ("fsdp_config:\n  fsdp_offload_parms: true\n",
+     "c.yaml: unknown key 'fsdp_config.fsdp_offload_parms'; did you mean 'fsdp_config.fsdp_offload_params'?"),
+    ("mixed_precision: fp8\n", "c.yaml: mixed_precision='fp8' is not one of no, fp16, bf16"),
+    ("num_processes: two\n", "c.yaml: num_processes='two' is not valid; use a whole number"),
+    ("num_processes: 0\n", "c.yaml: num_processes=0 must be at least 1"),
+    ("use_cpu: maybe\n", "c.yaml: use_cpu='maybe' is not valid; use true or false"),
+    ("fsdp_config:\n  fsdp_sharding_strategy: 9\n", "c.yaml: fsdp_config.fsdp_sharding_strategy=9 is not one of 1, 2"),
+    ("mixed_precision: [bf16\n", "c.yaml: line 2: malformed YAML"),
+    ("- a\n- b\n", "c.yaml: the top level must be a mapping of keys to values, not a list"),
+    ("num_machines: 2\nnum_processes: 2\n", "num_machines=2 needs main_process_ip"),
+    ("num_processes: 3\nnum_machines: 2\nmain_process_ip: 10.0.0.1\n", "does not divide over num_machines=2"),
+])
+def test_bad_files_are_one_line_errors_naming_file_key_and_fix(tmp_path, text, message):
+    with pytest.raises(ConfigError) as caught:
+        load_config(_write(tmp_path, text))
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_malformed_json_names_the_line(tmp_path):
+    with pytest.raises(ConfigError, match=r"c.json: line 3: malformed JSON"):
+        load_config(_write(tmp_path, '{\n  "mixed_precision": "bf16",\n  oops\n}', "c.json"))
+    with pytest.raises(ConfigError, match="no such config file"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_written_files_read_back_identically(tmp_path):
+    config = load_config(_write(tmp_path, DOCS_FSDP_YAML))
+    for name in ("out.yaml", "out.json"):
+        again = load_config(write_config(config, tmp_path / name))
+        assert again == config
+
+
+_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-10, 10**6), st.floats(allow_nan=True),
+                    st.text(max_size=12), st.lists(st.integers(), max_size=3),
+                    st.dictionaries(st.text(max_size=5), st.integers(), max_size=2))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_mutated_config_files_load_or_fail_with_one_config_error_line(tmp_path, data):
+    raw = yaml.safe_load(DOCS_FSDP_YAML)
+    for _ in range(data.draw(st.integers(1, 3))):
+        section = raw.get("fsdp_config")
+        use_section = isinstance(section, dict) and section and data.draw(st.booleans())
+        target = section if use_section else raw
+        if not target:
+            break
+        key = data.draw(st.sampled_from(sorted(target)))
+        action = data.draw(st.sampled_from(["value", "rename", "delete"]))
+        if action == "value":
+            target[key] = data.draw(_VALUES)
+        elif action == "rename":
+            target[key[:-1] + data.draw(st.text("abcdefghijklmnopqrstuvwxyz_", min_size=0, max_size=2))] = \
+                target.pop(key)
+        else:
+            target.pop(key)
+    text = yaml.safe_dump(raw)
+    if data.draw(st.booleans()):  # break the text itself
+        cut = data.draw(st.integers(0, len(text)))
+        text = text[:cut] + data.draw(st.sampled_from(["", ":", "[", "{", "\t", "'", " - ", "&a *a"])) + text[cut:]
+    path = _write(tmp_path, text)
+    try:
+        config = load_config(path)
+    except ConfigError as err:
+        assert "\n" not in str(err) and str(path) in str(err)
+    else:
+        assert isinstance(config, LaunchConfig)
+
+
+def _launch_args(*argv: str):
+    return build_parser().parse_args(["launch", *argv, "train.py"])
+
+
+def test_precedence_flags_over_environment_over_file_over_defaults(tmp_path, monkeypatch):
+    path = _write(tmp_path, "mixed_precision: fp16\ngradient_accumulation_steps: 4\nnum_processes: 2\n")
+    config, _ = effective_config(_launch_args("--config_file", str(path)))
+    assert (config.mixed_precision, config.gradient_accumulation_steps, config.num_processes) == ("fp16", 4, 2)
+    assert config.distributed_type == "MULTI_CPU"  # 2 processes on a CPU-only machine
+    monkeypatch.setenv("HF_BACKEND_MIXED_PRECISION", "bf16")
+    config, _ = effective_config(_launch_args("--config_file", str(path)))
+    assert config.mixed_precision == "bf16" and config.gradient_accumulation_steps == 4
+    config, _ = effective_config(_launch_args("--config_file", str(path), "--mixed_precision", "no",
+                                              "--gradient_accumulation_steps", "2"))
+    assert (config.mixed_precision, config.gradient_accumulation_steps) == ("no", 2)
+    monkeypatch.delenv("HF_BACKEND_MIXED_PRECISION")
+    config, _ = effective_config(_launch_args("--config_file", str(path), "--use_fsdp",
+                                              "--fsdp_transformer_layer_cls_to_wrap", "BertLayer"))
+    assert config.distributed_type == "FSDP" and config.fsdp.fsdp_transformer_layer_cls_to_wrap == "BertLayer"
+    with pytest.raises(ConfigError, match="--fsdp_offload_params|fsdp_config.fsdp_offload_params='maybe'"):
+        effective_config(_launch_args("--use_fsdp", "--fsdp_offload_params", "maybe"))
+
+
+def test_default_config_file_is_under_hf_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    (tmp_path / "hf_backend").mkdir()
+    (tmp_path / "hf_backend" / "default_config.yaml").write_text("mixed_precision: bf16\n")
+    config, path = effective_config(_launch_args())
+    assert config.mixed_precision == "bf16" and path == str(tmp_path / "hf_backend" / "default_config.yaml")
+
+
+def test_the_reference_doc_is_generated_from_the_schema():
+    doc = Path(__file__).parent.parent / "docs" / "config.md"
+    assert doc.read_text() == reference.render(), "run: python -m hf_backend.config.reference > docs/config.md"
+
+
+def test_validate_accepts_a_plain_mapping():
+    assert validate({}).distributed_type == "NO"
