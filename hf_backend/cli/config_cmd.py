@@ -24,7 +24,7 @@ def add_parser(sub: Any) -> None:
     actions = p.add_subparsers(dest="config_action", metavar="ACTION")
     d = actions.add_parser("default", help="write a config without questions")
     d.add_argument("--config_file", default=None, help=f"where to write (default: {default_config_path()})")
-    d.add_argument("--mixed_precision", default="no", choices=("no", "fp16", "bf16"))
+    d.add_argument("--mixed_precision", default="no", choices=("no", "fp16", "bf16"), help="autocast dtype")
     d.add_argument("--num_processes", type=int, default=1, help="processes on this machine")
     d.add_argument("--cpu", action="store_true", help="train on the CPU only")
     d.set_defaults(func=run_default)

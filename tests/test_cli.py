@@ -1,0 +1,168 @@
+"""The `hf-backend` command line: launch (one machine, two machines on loopback, a failing rank), config, env."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import SCRIPTS, run_report
+from test_config import DOCS_FSDP_YAML
+
+from hf_backend.cli.main import build_parser
+from hf_backend.config.loader import load_config
+
+CLI = [sys.executable, "-m", "hf_backend.cli.main"]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_BACKEND_")}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS"):
+        env.pop(name, None)
+    return {**env, **extra}
+
+
+def cli(*args: str, input: str | None = None, timeout: int = 180, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, input=input, timeout=timeout,
+                          env=_env(**env))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> dict:
+    return run_report("tutorial_loop.py", tmp_path_factory.mktemp("one") / "r.json", ["--batch-size", "16"])
+
+
+def _close(a: list[float], b: list[float], tol: float = 1e-6) -> None:
+    assert max(abs(x - y) for x, y in zip(a, b)) <= tol
+
+
+def test_launch_cpu_two_processes_trains_one_model_like_one_process_with_twice_the_batch(one_process, tmp_path):
+    out = tmp_path / "r.json"
+    proc = cli("launch", "--cpu", "--num_processes", "2", str(SCRIPTS / "tutorial_loop.py"), "--out", str(out),
+               "--batch-size", "8", "--seed-per-rank", HF_HOME=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    two = json.loads(out.read_text())
+    assert two["world"] == 2 and two["ranks_agree"]
+    _close(two["losses"], one_process["losses"])
+    _close(two["params"], one_process["params"])
+
+
+def test_two_launchers_on_loopback_form_one_two_node_job(one_process, tmp_path):
+    port = str(_free_port())
+    out = tmp_path / "r.json"
+    common = ["launch", "--cpu", "--num_processes", "2", "--num_machines", "2", "--main_process_ip", "127.0.0.1",
+              "--main_process_port", port, "--num_cpu_threads_per_process", "1"]
+    script = [str(SCRIPTS / "tutorial_loop.py"), "--out", str(out), "--batch-size", "8"]
+    nodes = [subprocess.Popen([*CLI, *common, "--machine_rank", str(rank), *script], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=_env(HF_HOME=str(tmp_path))) for rank in (0, 1)]
+    results = [node.communicate(timeout=180) for node in nodes]
+    for node, (_, err) in zip(nodes, results):
+        assert node.returncode == 0, err[-3000:]
+    two = json.loads(out.read_text())
+    assert two["world"] == 2 and two["ranks_agree"]
+    _close(two["params"], one_process["params"])
+
+
+def test_a_failing_rank_fails_the_launch_fast_and_is_named(tmp_path):
+    start = time.monotonic()
+    proc = cli("launch", "--cpu", "--num_processes", "2", str(SCRIPTS / "fail_rank.py"), timeout=120,
+               HF_HOME=str(tmp_path))
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == ("hf-backend launch: rank 1 (local rank 1) exited with code 1: ValueError: boom on rank 1; "
+                    "the other workers were stopped")
+    assert time.monotonic() - start < 60
+
+
+def test_the_docs_fsdp_yaml_reaches_every_process(tmp_path):
+    config = tmp_path / "fsdp.yaml"
+    config.write_text(DOCS_FSDP_YAML)
+    out = tmp_path / "seen.json"
+    proc = cli("launch", "--config_file", str(config), "--cpu", "-m", "show_launch_config", str(out),
+               HF_HOME=str(tmp_path), PYTHONPATH=str(SCRIPTS))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(out.read_text())
+    assert seen["world"] == "2" and seen["threads"] == "1"  # 2 cores, 2 processes: no oversubscription
+    assert seen["config"]["distributed_type"] == "FSDP" and seen["config"]["mixed_precision"] == "bf16"
+    fsdp = seen["config"]["fsdp_config"]
+    assert fsdp["fsdp_transformer_layer_cls_to_wrap"] == "BertLayer" and fsdp["fsdp_sharding_strategy"] == "FULL_SHARD"
+    assert fsdp["fsdp_state_dict_type"] == "SHARDED_STATE_DICT"
+
+
+def test_launch_errors_are_one_line(tmp_path):
+    proc = cli("launch", "--num_processes", "two", "x.py", HF_HOME=str(tmp_path))
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("hf-backend launch: error: command line: num_processes='two' is not valid; "
+                                   "use a whole number")
+    proc = cli("launch", "--cpu", str(tmp_path / "missing.py"), HF_HOME=str(tmp_path))
+    assert proc.returncode == 2 and "no script at" in proc.stderr and proc.stderr.count("\n") == 1
+
+
+def test_interactive_config_reads_piped_answers(tmp_path):
+    path = tmp_path / "answers.yaml"
+    # machine type, machines, processes, FSDP?, sharding, offload, wrap policy, layer class, state dict, precision
+    answers = "cpu\n1\n2\nyes\nSHARD_GRAD_OP\nno\n\nBertLayer\nSHARDED_STATE_DICT\nbf16\n"
+    proc = cli("config", "--config_file", str(path), input=answers)
+    assert proc.returncode == 0, proc.stderr
+    config = load_config(path)
+    assert (config.distributed_type, config.num_processes, config.use_cpu, config.mixed_precision) == (
+        "FSDP", 2, True, "bf16")
+    assert config.fsdp.fsdp_sharding_strategy == "SHARD_GRAD_OP"
+    assert config.fsdp.fsdp_transformer_layer_cls_to_wrap == "BertLayer"
+
+
+def test_interactive_config_names_a_bad_or_missing_answer(tmp_path):
+    proc = cli("config", "--config_file", str(tmp_path / "c.yaml"), input="cpu\n1\n")
+    assert proc.returncode == 2 and "the answers ended at question 3" in proc.stderr
+    proc = cli("config", "--config_file", str(tmp_path / "c.yaml"), input="cpu\none\n")
+    assert proc.returncode == 2 and "num_machines='one' is not valid; use a whole number" in proc.stderr
+
+
+def test_config_default_writes_under_hf_home_and_validate_checks_it(tmp_path):
+    proc = cli("config", "default", "--num_processes", "2", "--mixed_precision", "bf16", HF_HOME=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    path = tmp_path / "hf_backend" / "default_config.yaml"
+    assert load_config(path).distributed_type == "MULTI_CPU"
+    proc = cli("config", "validate", str(path))
+    assert proc.returncode == 0 and "valid" in proc.stdout
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("mixed_precison: bf16\n")
+    proc = cli("config", "validate", str(bad))
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (f"hf-backend config: error: {bad}: unknown key 'mixed_precison'; "
+                                   "did you mean 'mixed_precision'?")
+
+
+def test_env_reports_versions_devices_and_the_config_in_effect(tmp_path):
+    cli("config", "default", HF_HOME=str(tmp_path))
+    proc = cli("env", HF_HOME=str(tmp_path))
+    assert proc.returncode == 0
+    for needle in ("hf_backend: 0.", "torch: 2.", "transformers: ", "deepspeed: ", "cpu cores: ",
+                   f"config file: {tmp_path / 'hf_backend' / 'default_config.yaml'}", "distributed_type: NO"):
+        assert needle in proc.stdout
+
+
+def test_version_and_every_flag_has_help():
+    proc = cli("--version")
+    assert proc.stdout.startswith("hf-backend 0.")
+
+    def check(parser: argparse.ArgumentParser, where: str) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    check(sub, f"{where} {name}")
+            elif not isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
+                assert action.help, f"{where}: {action.dest} has no help text"
+
+    check(build_parser(), "hf-backend")
