@@ -103,8 +103,9 @@ def torchrun_arguments(config: LaunchConfig, args: argparse.Namespace) -> list[s
         if config.rdzv_backend == "static":
             out += [f"--node_rank={config.machine_rank}", f"--master_addr={address}", f"--master_port={port}"]
         else:
+            # With a dynamic rendezvous torch elastic assigns the node ranks itself.
             out += [f"--rdzv_backend={config.rdzv_backend}", f"--rdzv_endpoint={address}:{port}",
-                    "--rdzv_id=hf-backend", f"--node_rank={config.machine_rank}"]
+                    "--rdzv_id=hf-backend"]
     target = ["--module", args.training_script] if args.module else [args.training_script]
     return [*out, "-m", "hf_backend.cli.worker", *target, *args.training_script_args]
 
