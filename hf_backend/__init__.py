@@ -4,6 +4,7 @@
 """
 
 from .accelerator import Accelerator
+from .config.plugins import FullyShardedDataParallelPlugin
 from .errors import HfBackendError
 from .options import (
     AutocastKwargs,
@@ -24,6 +25,7 @@ __all__ = [
     "DataLoaderConfiguration",
     "DistributedDataParallelKwargs",
     "DistributedType",
+    "FullyShardedDataParallelPlugin",
     "GradScalerKwargs",
     "GradientAccumulationPlugin",
     "HfBackendError",

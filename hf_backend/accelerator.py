@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader
 
 from . import checkpoint, collectives
 from .config import environment as env
+from .config.plugins import FullyShardedDataParallelPlugin
 from .data import PreparedDataLoader, prepare_dataloader
 from .errors import HfBackendError
 from .gradient_state import GradientState
@@ -57,6 +58,7 @@ class Accelerator:
         step_scheduler_with_optimizer: bool = True,
         kwargs_handlers: list[Any] | None = None,
         even_batches: bool | None = None,
+        fsdp_plugin: Any = None,
         **unsupported: Any,
     ) -> None:
         for key, why in _ACCEPTED_NOOPS.items():
@@ -105,7 +107,11 @@ class Accelerator:
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self.launch_config = env.read_launch_config()  # what `hf-backend launch` handed over, or None
         launched_type = self.launch_config.distributed_type if self.launch_config else None
-        self.strategy = select_strategy(self.state, self.precision, self.handlers, launched_type)
+        if fsdp_plugin is not None:
+            fsdp_plugin = FullyShardedDataParallelPlugin.from_object(fsdp_plugin)
+        elif launched_type == "FSDP":
+            fsdp_plugin = FullyShardedDataParallelPlugin.from_section(self.launch_config.fsdp)
+        self.strategy = select_strategy(self.state, self.precision, self.handlers, launched_type, fsdp_plugin)
         self._objects = checkpoint.Checkpointable()
         self.step = 0  # micro steps seen by accumulate() since the last sync
 

@@ -24,7 +24,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from huggingface_hub import load_torch_model, save_torch_state_dict
+from huggingface_hub import save_torch_state_dict
+from safetensors.torch import load_file as load_safetensors
 
 from .errors import HfBackendError
 from .state import ProcessState
@@ -62,13 +63,24 @@ def write_weights(state_dict: dict[str, torch.Tensor], directory: str | os.PathL
     )
 
 
-def read_weights(model: torch.nn.Module, directory: str | os.PathLike, *, filename_stem: str = "model") -> None:
-    """Load weights written by `write_weights` into `model`; a key that is missing must be a tied alias."""
-    pattern = filename_stem + "{suffix}.safetensors"
-    if not any(Path(directory).glob(filename_stem + "*.safetensors*")):
-        pattern = filename_stem + "{suffix}.bin"
-    result = load_torch_model(model, directory, strict=False, filename_pattern=pattern, map_location="cpu",
-                              safe=pattern.endswith(".safetensors"))
+def read_state_dict(directory: str | os.PathLike, filename_stem: str = "model") -> dict[str, torch.Tensor]:
+    """All tensors `write_weights` wrote: one file or the shards its index lists, safetensors or (unsafe) .bin."""
+    directory = Path(directory)
+    ext = ".safetensors" if any(directory.glob(f"{filename_stem}*.safetensors*")) else ".bin"
+    index = directory / f"{filename_stem}{ext}.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() \
+        else [f"{filename_stem}{ext}"]
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        path = directory / name
+        if not path.is_file():
+            raise HfBackendError(f"{path} is missing; the checkpoint is incomplete, use another one")
+        state.update(load_safetensors(path) if ext == ".safetensors" else torch.load(path, weights_only=True))
+    return state
+
+
+def check_loaded(model: torch.nn.Module, result: Any, directory: str | os.PathLike) -> None:
+    """A key may be missing only when it is a tied alias of one that was loaded."""
     shared = _tied_names(model)
     missing = [k for k in result.missing_keys if k not in shared]
     if missing or result.unexpected_keys:
@@ -160,19 +172,17 @@ def save_checkpoint(target: str | os.PathLike, objects: Checkpointable, *, state
                     scaler: torch.amp.GradScaler | None, extra: dict[str, Any],
                     safe_serialization: bool = True) -> Path:
     target = Path(target)
-    # Gathering full states is collective: every process takes part, only the main process writes them.
-    model_states = [strategy.model_state_dict(m) for m in objects.models]
-    optim_states = [strategy.optimizer_state_dict(o) for o in objects.optimizers]
 
     def write(directory: Path) -> None:
         torch.save(capture_rng(), directory / f"rng_state_{state.process_index}.pt")
+        # Model and optimizer states go through the strategy on every process: gathering a full state, or writing
+        # each process's shards, is collective.
+        for i, model in enumerate(objects.models):
+            strategy.save_model_state(model, directory, _name("model", i, ""), safe_serialization)
+        for i, opt in enumerate(objects.optimizers):
+            strategy.save_optimizer_state(opt, directory, _name("optimizer", i, ""))
         if not state.is_main_process:
             return
-        for i, (model, sd) in enumerate(zip(objects.models, model_states)):
-            write_weights(sd, directory, filename_stem=_name("model", i, ""), safe_serialization=safe_serialization,
-                          tied_keys=tied_weight_keys(strategy.unwrap_model(model)))
-        for i, sd in enumerate(optim_states):
-            torch.save(sd, directory / _name("optimizer", i, ".bin"))
         for i, sched in enumerate(objects.schedulers):
             torch.save(sched.state_dict(), directory / _name("scheduler", i, ".bin"))
         for i, loader in enumerate(objects.dataloaders):
@@ -224,22 +234,22 @@ def load_checkpoint(source: str | os.PathLike, objects: Checkpointable, *, state
     for i, model in enumerate(objects.models):
         strategy.load_model_state(model, source, _name("model", i, ""))
     for i, opt in enumerate(objects.optimizers):
-        strategy.load_optimizer_state_dict(opt, _load(source / _name("optimizer", i, ".bin")))
+        strategy.load_optimizer_state(opt, source, _name("optimizer", i, ""))
     for i, sched in enumerate(objects.schedulers):
-        sched.load_state_dict(_load(source / _name("scheduler", i, ".bin")))
+        sched.load_state_dict(load_file(source / _name("scheduler", i, ".bin")))
     for i, loader in enumerate(objects.dataloaders):
-        loader.load_state_dict(_load(source / _name("dataloader", i, ".bin")))
+        loader.load_state_dict(load_file(source / _name("dataloader", i, ".bin")))
     for i, obj in enumerate(objects.custom):
         obj.load_state_dict(torch.load(source / f"custom_checkpoint_{i}.pkl", weights_only=False))
     if scaler is not None and meta.get("scaler"):
-        scaler.load_state_dict(_load(source / "scaler.pt"))
+        scaler.load_state_dict(load_file(source / "scaler.pt"))
     rng_file = source / f"rng_state_{state.process_index}.pt"
     if rng_file.is_file():
-        restore_rng(_load(rng_file))
+        restore_rng(load_file(rng_file))
     return meta
 
 
-def _load(path: Path) -> Any:
+def load_file(path: Path) -> Any:
     if not path.is_file():
         raise HfBackendError(f"load_state: {path} is missing; the checkpoint is incomplete, use another one")
     return torch.load(path, map_location="cpu", weights_only=True)

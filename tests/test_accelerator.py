@@ -242,15 +242,20 @@ def test_engine_runs_with_accelerate_unimportable(tmp_path):
     assert json.loads(out.read_text())["eval_rows"] == 37
 
 
-def test_the_launch_config_reaches_the_accelerator(monkeypatch):
+def test_the_launch_config_reaches_the_accelerator(monkeypatch, caplog):
     monkeypatch.setenv("HF_BACKEND_DISTRIBUTED_TYPE", "MULTI_CPU")
     monkeypatch.setenv("HF_BACKEND_MIXED_PRECISION", "bf16")
     acc = Accelerator()
     assert acc.launch_config.distributed_type == "MULTI_CPU" and acc.launch_config.mixed_precision == "bf16"
     monkeypatch.setenv("HF_BACKEND_DISTRIBUTED_TYPE", "FSDP")
     monkeypatch.setenv("HF_BACKEND_FSDP_CONFIG", '{"fsdp_transformer_layer_cls_to_wrap": "BertLayer"}')
-    with pytest.raises(HfBackendError, match="distributed_type FSDP .* needs a strategy this version"):
+    acc = Accelerator()  # one process: FSDP runs unsharded, and says so
+    assert acc.distributed_type is DistributedType.NO
+    assert "FSDP asked for in a single process: training unsharded" in caplog.text
+    monkeypatch.setenv("HF_BACKEND_DISTRIBUTED_TYPE", "DEEPSPEED")
+    with pytest.raises(HfBackendError, match="distributed_type DEEPSPEED .* needs a strategy this version"):
         Accelerator()
+    monkeypatch.setenv("HF_BACKEND_DISTRIBUTED_TYPE", "FSDP")
     monkeypatch.setenv("HF_BACKEND_FSDP_CONFIG", "{not json")
     with pytest.raises(HfBackendError, match="HF_BACKEND_FSDP_CONFIG is not JSON"):
         Accelerator()

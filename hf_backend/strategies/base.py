@@ -6,13 +6,22 @@ The Accelerator picks a strategy once and routes every model-touching call throu
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
-from ..checkpoint import read_weights
+from ..checkpoint import check_loaded, load_file, read_state_dict, tied_weight_keys, write_weights
+from ..errors import HfBackendError
 from ..options import Handlers
 from ..precision import Precision
 from ..state import DistributedType, ProcessState
@@ -27,12 +36,14 @@ class Strategy:
         self.state = state
         self.precision = precision
         self.handlers = handlers
+        self.models: list[torch.nn.Module] = []  # prepared by this strategy, in order
 
     # -- preparing ---------------------------------------------------------------------------------------------------
     def setup_model(self, model: torch.nn.Module, device_placement: bool = True) -> torch.nn.Module:
         if device_placement:
             model = model.to(self.state.device)
         self.precision.wrap_forward(model)
+        self.models.append(model)
         return model
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -64,15 +75,64 @@ class Strategy:
         torch.nn.utils.clip_grad_value_(list(parameters), clip_value)
 
     # -- state -------------------------------------------------------------------------------------------------------
+    # A checkpoint holds each model and optimizer either as full files written by the main process (safetensors,
+    # `optimizer.bin`, both keyed by parameter names) or as a DCP directory (`<stem>_dcp/`) that every process wrote
+    # its shards into. Every strategy reads both through torch's distributed state-dict API, so a checkpoint resumes
+    # under another strategy or world size.
+    sharded_checkpoints = False
+    save_options = StateDictOptions()  # how full states are taken from this strategy's models
+    load_options = StateDictOptions(strict=False)  # how full states are given back (missing tied keys checked)
+
     def model_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The full (unsharded) state dict; collective for sharded strategies, so call it on every process."""
-        return self.unwrap_model(model).state_dict()
+        return get_model_state_dict(model, options=self.save_options)
 
-    def load_model_state(self, model: torch.nn.Module, directory: str | os.PathLike, filename_stem: str) -> None:
-        read_weights(self.unwrap_model(model), directory, filename_stem=filename_stem)
+    def save_model_state(self, model: torch.nn.Module, directory: Path, stem: str, safe_serialization: bool) -> None:
+        if self.sharded_checkpoints:
+            dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(Path(directory) / f"{stem}_dcp"))
+            return
+        state_dict = self.model_state_dict(model)
+        if self.state.is_main_process:
+            write_weights(state_dict, directory, filename_stem=stem, safe_serialization=safe_serialization,
+                          tied_keys=tied_weight_keys(self.unwrap_model(model)))
 
-    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        return optimizer.state_dict()
+    def load_model_state(self, model: torch.nn.Module, directory: Path, stem: str) -> None:
+        sharded = Path(directory) / f"{stem}_dcp"
+        if sharded.is_dir():
+            state_dict = {"model": get_model_state_dict(model)}
+            dcp.load(state_dict, checkpoint_id=str(sharded))
+            set_model_state_dict(model, state_dict["model"])
+        else:
+            result = set_model_state_dict(model, read_state_dict(directory, stem), options=self.load_options)
+            check_loaded(self.unwrap_model(model), result, directory)
 
-    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
-        optimizer.load_state_dict(state_dict)
+    def save_optimizer_state(self, optimizer: Any, directory: Path, name: str) -> None:
+        inner = getattr(optimizer, "optimizer", optimizer)
+        model = self.model_of(inner)
+        if self.sharded_checkpoints:
+            dcp.save({"optimizer": get_optimizer_state_dict(model, inner)},
+                     checkpoint_id=str(Path(directory) / f"{name}_dcp"))
+            return
+        state_dict = get_optimizer_state_dict(model, inner, options=self.save_options)
+        if self.state.is_main_process:
+            torch.save(state_dict, Path(directory) / f"{name}.bin")
+
+    def load_optimizer_state(self, optimizer: Any, directory: Path, name: str) -> None:
+        inner = getattr(optimizer, "optimizer", optimizer)
+        model = self.model_of(inner)
+        sharded = Path(directory) / f"{name}_dcp"
+        if sharded.is_dir():
+            state_dict = {"optimizer": get_optimizer_state_dict(model, inner)}
+            dcp.load(state_dict, checkpoint_id=str(sharded))
+            set_optimizer_state_dict(model, inner, state_dict["optimizer"])
+        else:
+            set_optimizer_state_dict(model, inner, load_file(Path(directory) / f"{name}.bin"),
+                                     options=self.load_options)
+
+    def model_of(self, optimizer: torch.optim.Optimizer) -> torch.nn.Module:
+        """The prepared model whose parameters `optimizer` updates."""
+        ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        for model in self.models:
+            if any(id(p) in ids for p in model.parameters()):
+                return model
+        raise HfBackendError("an optimizer's parameters belong to no prepared model; prepare the model with it")

@@ -1,0 +1,118 @@
+"""`FullyShardedDataParallelPlugin`: the FSDP options with the field names users know from Accelerate.
+
+Each field may be given as Accelerate and transformers spell it (strings, 1-5 for sharding strategies, torch enums,
+FSDP1 config objects); `resolved()` turns them into the settings the FSDP2 strategy uses. A plugin object from
+`accelerate` is read by its fields (`from_object`), never imported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from ..log import note
+from .loader import ConfigError, coerce
+from .schema import FsdpSection, fields_of
+
+# plugin field -> config key (FsdpSection), for the fields that have one
+_KEYS = {
+    "fsdp_version": "fsdp_version", "sharding_strategy": "fsdp_sharding_strategy",
+    "reshard_after_forward": "fsdp_reshard_after_forward", "backward_prefetch": "fsdp_backward_prefetch",
+    "auto_wrap_policy": "fsdp_auto_wrap_policy", "state_dict_type": "fsdp_state_dict_type",
+    "use_orig_params": "fsdp_use_orig_params", "sync_module_states": "fsdp_sync_module_states",
+    "forward_prefetch": "fsdp_forward_prefetch", "activation_checkpointing": "fsdp_activation_checkpointing",
+    "cpu_ram_efficient_loading": "fsdp_cpu_ram_efficient_loading",
+    "transformer_cls_names_to_wrap": "fsdp_transformer_layer_cls_to_wrap", "min_num_params": "fsdp_min_num_params",
+    "cpu_offload": "fsdp_offload_params",
+}
+
+
+@dataclass
+class FullyShardedDataParallelPlugin:
+    fsdp_version: int | None = None
+    sharding_strategy: Any = None
+    reshard_after_forward: bool | None = None
+    backward_prefetch: Any = None
+    mixed_precision_policy: Any = None
+    auto_wrap_policy: Any = None
+    cpu_offload: Any = None
+    ignored_modules: Any = None
+    state_dict_type: Any = None
+    state_dict_config: Any = None
+    optim_state_dict_config: Any = None
+    limit_all_gathers: bool = True
+    use_orig_params: bool | None = None
+    param_init_fn: Any = None
+    sync_module_states: bool | None = None
+    forward_prefetch: bool | None = None
+    activation_checkpointing: bool | None = None
+    activation_checkpointing_offload: bool | None = None
+    cpu_ram_efficient_loading: bool | None = None
+    transformer_cls_names_to_wrap: Any = None
+    min_num_params: int | None = None
+
+    @classmethod
+    def from_section(cls, section: FsdpSection) -> FullyShardedDataParallelPlugin:
+        return cls(**{field: getattr(section, key) for field, key in _KEYS.items()})
+
+    @classmethod
+    def from_object(cls, obj: Any) -> FullyShardedDataParallelPlugin:
+        """Read another plugin object (Accelerate's) by its field names."""
+        if isinstance(obj, cls):
+            return obj
+        return cls(**{f.name: getattr(obj, f.name) for f in dataclasses.fields(cls) if hasattr(obj, f.name)})
+
+    def resolved(self) -> FsdpSection:
+        """The options in canonical form; raises ConfigError naming a bad field."""
+        values: dict[str, Any] = {}
+        fields = fields_of(FsdpSection)
+        for name, key in _KEYS.items():
+            value = _plain(getattr(self, name))
+            if value is None:
+                continue
+            if name == "auto_wrap_policy" and callable(value):
+                raise ConfigError("FullyShardedDataParallelPlugin(auto_wrap_policy=<function>): give the policy by "
+                                  "name (TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP, NO_WRAP)")
+            values[key] = coerce(value, fields[key], f"FullyShardedDataParallelPlugin.{name}")
+        section = FsdpSection(**values)
+        if "fsdp_reshard_after_forward" not in values:  # derive FSDP2's switch from the FSDP1 strategy
+            section.fsdp_reshard_after_forward = section.fsdp_sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD")
+        if self.limit_all_gathers is False:
+            note("FullyShardedDataParallelPlugin.limit_all_gathers=False: FSDP2 always limits in-flight all-gathers")
+        if self.param_init_fn is not None:
+            note("FullyShardedDataParallelPlugin.param_init_fn is not called: FSDP2 materializes meta-device modules "
+                 "with to_empty() and receives rank 0's weights")
+        if self.ignored_modules:
+            raise ConfigError("FullyShardedDataParallelPlugin.ignored_modules is not supported by hf_backend's FSDP2 "
+                              "strategy; freeze those parameters (requires_grad=False) instead")
+        for name in ("state_dict_config", "optim_state_dict_config"):
+            config = getattr(self, name)
+            if config is not None and getattr(config, "rank0_only", False):
+                note(f"FullyShardedDataParallelPlugin.{name}(rank0_only=True): full states are gathered to rank 0 "
+                     "for saving in any case")
+        if self.use_orig_params is False:
+            note("FullyShardedDataParallelPlugin.use_orig_params=False has no FSDP2 meaning: parameters stay as they "
+                 "are (sharded as DTensors)")
+        return section
+
+
+# torch's FSDP1 wrap-policy functions, which Accelerate's plugin turns policy names into
+_POLICY_FUNCTIONS = {"transformer_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                     "size_based_auto_wrap_policy": "SIZE_BASED_WRAP"}
+
+
+def _plain(value: Any) -> Any:
+    """Enums (torch's or Accelerate's) by name, offload objects by their flag, torch's wrap policies by name."""
+    if hasattr(value, "offload_params"):
+        return value.offload_params
+    if value.__class__.__name__ in ("CPUOffloadPolicy", "OffloadPolicy"):
+        return value.__class__.__name__ == "CPUOffloadPolicy"
+    if callable(value) and getattr(value, "__name__", None) in _POLICY_FUNCTIONS:
+        return _POLICY_FUNCTIONS[value.__name__]
+    if hasattr(value, "name") and hasattr(value, "value") and not isinstance(value, (str, int)):
+        return value.name
+    return value
+
+
+__all__ = ["ConfigError", "FullyShardedDataParallelPlugin"]

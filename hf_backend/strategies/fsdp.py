@@ -1,0 +1,178 @@
+"""Fully sharded data parallel on FSDP2 (`torch.distributed.fsdp.fully_shard`), the torchtitan way: each block of
+the wrap policy is sharded on its own, then the root; parameters become DTensors.
+
+FSDP1-era options map onto FSDP2: FULL_SHARD / SHARD_GRAD_OP are `reshard_after_forward` True / False; NO_SHARD and
+HYBRID_SHARD use a 2-D (replicate, shard) mesh; forward prefetch is an explicit block-to-block chain. Checkpoints:
+SHARDED_STATE_DICT writes DCP directories (each rank its shards); FULL_STATE_DICT gathers full states to rank 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from ..config.plugins import FullyShardedDataParallelPlugin
+from ..errors import HfBackendError
+from ..log import note
+from ..options import Handlers
+from ..precision import Precision
+from ..state import DistributedType, ProcessState
+from .base import Strategy
+
+
+class FSDPStrategy(Strategy):
+    distributed_type = DistributedType.FSDP
+
+    def __init__(self, state: ProcessState, precision: Precision, handlers: Handlers,
+                 plugin: FullyShardedDataParallelPlugin) -> None:
+        super().__init__(state, precision, handlers)
+        self.plugin = plugin
+        self.options = plugin.resolved()
+        self.sharded_checkpoints = self.options.fsdp_state_dict_type != "FULL_STATE_DICT"
+        self._new_params: dict[int, torch.nn.Parameter] = {}  # id(parameter before sharding) -> sharded one
+        if self.options.fsdp_backward_prefetch != "BACKWARD_PRE":
+            note(f"fsdp backward_prefetch={self.options.fsdp_backward_prefetch}: FSDP2 always prefetches the next "
+                 "block in backward (BACKWARD_PRE)")
+
+
+    # -- wrapping ----------------------------------------------------------------------------------------------------
+    def setup_model(self, model: torch.nn.Module, device_placement: bool = True) -> torch.nn.Module:
+        model = super().setup_model(model, device_placement)
+        before = list(model.parameters())
+        blocks = self._blocks(model)
+        if self.options.fsdp_activation_checkpointing:
+            _checkpoint_blocks(model, blocks)
+        kwargs = self._shard_kwargs()
+        for block in blocks:
+            fully_shard(block, **kwargs)
+        fully_shard(model, **kwargs)
+        if self.options.fsdp_forward_prefetch:
+            for block, following in zip(blocks, blocks[1:]):
+                block.set_modules_to_forward_prefetch([following])
+        after = list(model.parameters())
+        self._new_params.update({id(old): new for old, new in zip(before, after)})
+        return model
+
+    def _mesh(self) -> Any:
+        device, world = self.state.device.type, self.state.num_processes
+        strategy = self.options.fsdp_sharding_strategy
+        if strategy == "NO_SHARD":
+            return init_device_mesh(device, (world, 1), mesh_dim_names=("replicate", "shard"))
+        if strategy in ("HYBRID_SHARD", "HYBRID_SHARD_ZERO2"):
+            local = self.state.local_num_processes
+            return init_device_mesh(device, (world // local, local), mesh_dim_names=("replicate", "shard"))
+        return init_device_mesh(device, (world,))
+
+    def _shard_kwargs(self) -> dict[str, Any]:
+        policy = self.plugin.mixed_precision_policy
+        if policy is None:
+            policy = MixedPrecisionPolicy()  # autocast (Precision) handles mixed precision, as in the other strategies
+        elif isinstance(policy, dict):
+            policy = MixedPrecisionPolicy(**{k: _dtype(v) for k, v in policy.items()})
+        elif not isinstance(policy, MixedPrecisionPolicy):
+            policy = MixedPrecisionPolicy(param_dtype=_dtype(getattr(policy, "param_dtype", None)),
+                                          reduce_dtype=_dtype(getattr(policy, "reduce_dtype", None)))
+        offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.options.fsdp_offload_params \
+            else OffloadPolicy()
+        return {"mesh": self._mesh(), "reshard_after_forward": self.options.fsdp_reshard_after_forward,
+                "mp_policy": policy, "offload_policy": offload}
+
+    def _blocks(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        """The submodules that become their own FSDP unit, in forward order."""
+        policy = self.options.fsdp_auto_wrap_policy
+        if policy == "NO_WRAP":
+            return []
+        if policy == "SIZE_BASED_WRAP":
+            return _size_based(model, self.options.fsdp_min_num_params)
+        names = self.options.fsdp_transformer_layer_cls_to_wrap
+        wanted = [n.strip() for n in names.split(",") if n.strip()] if names else \
+            list(getattr(model, "_no_split_modules", None) or [])
+        present = {type(m).__name__ for m in model.modules()}
+        missing = [n for n in wanted if n not in present]
+        if missing or not wanted:
+            candidates = sorted({type(m).__name__ for m in model.modules()
+                                 if isinstance(m, torch.nn.Module) and _is_block_like(m)})
+            what = f"{', '.join(missing)} not in the model" if missing else "no layer class given and the model " \
+                "has no _no_split_modules"
+            raise HfBackendError(f"fsdp transformer_layer_cls_to_wrap: {what}; its block classes are "
+                                 f"{', '.join(candidates) or '(none found)'}")
+        return [m for m in model.modules() if type(m).__name__ in wanted and m is not model]
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        if optimizer.state:
+            raise HfBackendError("prepare(): the optimizer has already stepped; create it before training starts "
+                                 "and prepare it together with the model")
+        for group in optimizer.param_groups:
+            group["params"] = [self._new_params.get(id(p), p) for p in group["params"]]
+        return optimizer
+
+    # -- training step -----------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self, model: torch.nn.Module) -> Iterator[None]:
+        if not isinstance(model, FSDPModule):
+            yield
+            return
+        model.set_requires_gradient_sync(False)  # keep unsharded gradients: no reduce-scatter this micro step
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+
+    def clip_grad_norm_(self, parameters: Iterable[torch.nn.Parameter], max_norm: float,
+                        norm_type: float = 2.0) -> torch.Tensor:
+        norm = torch.nn.utils.clip_grad_norm_(list(parameters), max_norm, norm_type=norm_type)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+    def clip_grad_value_(self, parameters: Iterable[torch.nn.Parameter], clip_value: float) -> None:
+        for p in parameters:
+            if p.grad is not None:
+                local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                local.clamp_(-clip_value, clip_value)
+
+    # -- state -------------------------------------------------------------------------------------------------------
+    # Full states are gathered one parameter at a time onto rank 0's CPU (other ranks get empty dicts); loading a
+    # full state gives every rank the whole tensors to keep its shard of.
+    save_options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    load_options = StateDictOptions(full_state_dict=True, strict=False)
+
+
+def _dtype(value: Any) -> torch.dtype | None:
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    return {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+            "fp32": torch.float32, "float32": torch.float32}[str(value)]
+
+
+def _is_block_like(module: torch.nn.Module) -> bool:
+    """Repeated containers (what layer lists hold) are the usual wrap targets."""
+    return any(isinstance(child, torch.nn.Module) for child in module.children()) and \
+        sum(1 for _ in module.parameters()) > 1
+
+
+def _size_based(model: torch.nn.Module, min_num_params: int) -> list[torch.nn.Module]:
+    chosen: list[torch.nn.Module] = []
+    taken: set[int] = set()
+    for module in reversed(list(model.modules())):  # children before parents
+        if module is model:
+            continue
+        own = sum(p.numel() for p in module.parameters() if id(p) not in taken)
+        if own >= min_num_params:
+            chosen.append(module)
+            taken.update(id(p) for p in module.parameters())
+    return list(reversed(chosen))
+
+
+def _checkpoint_blocks(model: torch.nn.Module, blocks: list[torch.nn.Module]) -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+    targets = set(map(id, blocks))
+    apply_activation_checkpointing(model, check_fn=lambda m: id(m) in targets)

@@ -1,0 +1,115 @@
+"""A small BERT-shaped transformers model trained through the engine (DDP or FSDP), instrumented for the tests.
+
+Writes from rank 0 a JSON report: loss per optimizer step, per-rank bytes of parameters / gradients / optimizer state
+(measured from the local shards), and the logits of a fixed batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+from transformers import BertConfig, BertForSequenceClassification
+
+from hf_backend import Accelerator, FullyShardedDataParallelPlugin
+from hf_backend.utils import gather_object, set_seed
+
+CONFIG = dict(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+              max_position_embeddings=32, num_labels=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+
+def data(n: int = 256) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 100, (n, 16), generator=g)
+    return TensorDataset(ids, (ids[:, 0] > 50).long())
+
+
+def local_bytes(tensors) -> int:
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        t = t.to_local() if hasattr(t, "to_local") else t
+        total += t.numel() * t.element_size()
+    return total
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--fsdp", default=None, help="sharding strategy; DDP when not given")
+    p.add_argument("--docs-plugin", action="store_true", help="the docs' plugin with Full*StateDictConfig objects")
+    p.add_argument("--state-dict-type", default="SHARDED_STATE_DICT")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--stop-after", type=int, default=0)
+    p.add_argument("--checkpoint", default=None)
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--save-model", default=None)
+    args = p.parse_args()
+
+    plugin = None
+    if args.docs_plugin:
+        from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig
+
+        plugin = FullyShardedDataParallelPlugin(
+            state_dict_config=FullStateDictConfig(offload_to_cpu=False, rank0_only=False),
+            optim_state_dict_config=FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=False))
+    elif args.fsdp:
+        plugin = FullyShardedDataParallelPlugin(sharding_strategy=args.fsdp, state_dict_type=args.state_dict_type,
+                                                transformer_cls_names_to_wrap=["BertLayer"])
+    accelerator = Accelerator(gradient_accumulation_steps=args.grad_accum, fsdp_plugin=plugin)
+    set_seed(42)
+    model = BertForSequenceClassification(BertConfig(**CONFIG))
+    loader = DataLoader(data(), batch_size=args.batch_size, shuffle=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    if args.resume:
+        accelerator.load_state(args.checkpoint)
+
+    report = {"losses": [], "distributed_type": accelerator.distributed_type.value}
+    micro, steps = [], 0
+    for _ in range(loader.epoch, args.epochs):
+        for ids, labels in loader:
+            with accelerator.accumulate(model):
+                loss = model(input_ids=ids, labels=labels).loss
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    report["grad_norm"] = accelerator.clip_grad_norm_(model.parameters(), 1.0).item()
+                    report["bytes_grads"] = local_bytes(q.grad for q in model.parameters())
+                optimizer.step()
+                optimizer.zero_grad()
+            micro.append(accelerator.reduce(loss.detach(), "mean").item())
+            if accelerator.sync_gradients:
+                report["losses"].append(sum(micro) / len(micro))
+                micro, steps = [], steps + 1
+                if steps == args.stop_after:
+                    accelerator.save_state(args.checkpoint)
+                    break
+        if steps == args.stop_after:
+            break
+
+    report["bytes_params"] = local_bytes(model.parameters())
+    report["bytes_optim"] = local_bytes(v for s in optimizer.state.values() for v in s.values()
+                                        if isinstance(v, torch.Tensor) and v.ndim > 0)
+    per_rank = gather_object([{k: report.get(k) for k in ("bytes_params", "bytes_grads", "bytes_optim")}])
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=data(4).tensors[0]).logits
+    report["logits"] = logits.tolist()
+    if args.save_model:
+        accelerator.save_model(model, args.save_model)
+    if accelerator.is_main_process:
+        report["per_rank"] = per_rank
+        with open(args.out, "w") as f:
+            json.dump(report, f)
+    accelerator.wait_for_everyone()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

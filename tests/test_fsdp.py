@@ -1,0 +1,142 @@
+"""FSDP2 through the engine, 2 gloo processes: parity with DDP, memory, the docs' plugin, sharded checkpoints."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+from conftest import SCRIPTS, run_report
+from test_cli import cli
+from test_config import DOCS_FSDP_YAML
+
+from hf_backend import FullyShardedDataParallelPlugin, HfBackendError
+from hf_backend.options import Handlers
+from hf_backend.precision import Precision
+from hf_backend.state import ProcessState
+from hf_backend.strategies import FSDPStrategy
+
+transformers = pytest.importorskip("transformers")
+sys.path.insert(0, str(SCRIPTS))
+from bert_loop import CONFIG, data  # noqa: E402
+
+LOOP = "bert_loop.py"
+TRAIN = ["--batch-size", "4", "--grad-accum", "2", "--epochs", "2"]  # 32 optimizer steps, accumulation and clipping
+
+
+def _relative(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b)
+    return max(abs(x - y) / abs(x) for x, y in zip(a, b))
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory) -> dict:
+    return run_report(LOOP, tmp_path_factory.mktemp("ddp") / "r.json", TRAIN, nproc=2)
+
+
+@pytest.fixture(scope="module")
+def full_shard(tmp_path_factory) -> dict:
+    return run_report(LOOP, tmp_path_factory.mktemp("fs") / "r.json", [*TRAIN, "--fsdp", "FULL_SHARD"], nproc=2)
+
+
+def test_full_shard_matches_ddp_and_halves_per_rank_memory(ddp, full_shard):
+    assert ddp["distributed_type"] == "MULTI_CPU" and full_shard["distributed_type"] == "FSDP"
+    assert len(full_shard["losses"]) == 32
+    assert _relative(full_shard["losses"], ddp["losses"]) <= 1e-4
+    assert abs(full_shard["grad_norm"] - ddp["grad_norm"]) <= 1e-4 * ddp["grad_norm"], "clip must see the global norm"
+    for rank in (0, 1):
+        for kind in ("bytes_params", "bytes_grads", "bytes_optim"):
+            ratio = full_shard["per_rank"][rank][kind] / ddp["per_rank"][rank][kind]
+            assert ratio <= 0.55, f"rank {rank} {kind}: {ratio:.3f} of DDP's"
+
+
+@pytest.mark.parametrize("strategy", ["SHARD_GRAD_OP", "NO_SHARD"])
+def test_other_sharding_strategies_match_ddp(ddp, tmp_path, strategy):
+    run = run_report(LOOP, tmp_path / "r.json", [*TRAIN, "--fsdp", strategy], nproc=2)
+    assert run["distributed_type"] == "FSDP"
+    assert _relative(run["losses"], ddp["losses"]) <= 1e-4
+
+
+def test_the_docs_plugin_trains_and_save_model_loads_with_from_pretrained(tmp_path):
+    run = run_report(LOOP, tmp_path / "r.json", ["--docs-plugin", "--save-model", str(tmp_path / "model")], nproc=2)
+    assert run["distributed_type"] == "FSDP"
+    loaded = transformers.BertForSequenceClassification.from_pretrained(tmp_path / "model").eval()
+    with torch.no_grad():
+        logits = loaded(input_ids=data(4).tensors[0]).logits
+    torch.testing.assert_close(logits, torch.tensor(run["logits"]))
+
+
+def test_sharded_checkpoint_from_two_ranks_resumes_in_two_and_in_one(full_shard, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    first = run_report(LOOP, tmp_path / "a.json", [*TRAIN, "--fsdp", "FULL_SHARD", "--stop-after", "11",
+                                                   "--checkpoint", ckpt], nproc=2)
+    written = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert "model_dcp" in written and "optimizer_dcp" in written and "model.safetensors" not in written
+    two = run_report(LOOP, tmp_path / "b.json", [*TRAIN, "--fsdp", "FULL_SHARD", "--resume", "--checkpoint", ckpt],
+                     nproc=2)
+    assert _relative(first["losses"] + two["losses"], full_shard["losses"]) <= 1e-5
+    # One process: the same global batch (4 x 2 ranks) and FSDP asked for, so it runs unsharded and reads the shards.
+    one = run_report(LOOP, tmp_path / "c.json", ["--batch-size", "8", "--grad-accum", "2", "--epochs", "2",
+                                                 "--fsdp", "FULL_SHARD", "--resume", "--checkpoint", ckpt])
+    assert one["distributed_type"] == "NO"
+    assert _relative(first["losses"] + one["losses"], full_shard["losses"]) <= 1e-5
+
+
+def test_full_state_checkpoint_from_one_process_resumes_sharded_in_two(full_shard, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    first = run_report(LOOP, tmp_path / "a.json", ["--batch-size", "8", "--grad-accum", "2", "--epochs", "2",
+                                                   "--stop-after", "11", "--checkpoint", ckpt])
+    assert (tmp_path / "ckpt" / "model.safetensors").is_file()
+    two = run_report(LOOP, tmp_path / "b.json", [*TRAIN, "--fsdp", "FULL_SHARD", "--state-dict-type",
+                                                 "FULL_STATE_DICT", "--resume", "--checkpoint", ckpt], nproc=2)
+    assert _relative(first["losses"] + two["losses"], full_shard["losses"]) <= 1e-5
+
+
+def test_the_docs_fsdp_yaml_trains_fsdp_through_the_launcher(tmp_path):
+    config = tmp_path / "fsdp.yaml"
+    config.write_text(DOCS_FSDP_YAML.replace("mixed_precision: bf16", "mixed_precision: 'no'"))
+    out = tmp_path / "r.json"
+    proc = cli("launch", "--config_file", str(config), "--cpu", str(SCRIPTS / LOOP), "--out", str(out),
+               HF_HOME=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["distributed_type"] == "FSDP"
+    model = transformers.BertForSequenceClassification(transformers.BertConfig(**CONFIG))
+    full = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert all(rank["bytes_params"] <= 0.55 * full for rank in report["per_rank"])
+
+
+def _strategy(**plugin) -> FSDPStrategy:
+    state = ProcessState(torch.device("cpu"), 2, 0, 0, 2, "gloo")
+    return FSDPStrategy(state, Precision("no", state.device), Handlers(), FullyShardedDataParallelPlugin(**plugin))
+
+
+def test_a_wrong_layer_class_lists_the_models_block_classes():
+    model = transformers.BertForSequenceClassification(transformers.BertConfig(**CONFIG))
+    with pytest.raises(HfBackendError, match=r"T5Block not in the model; its block classes are .*BertLayer"):
+        _strategy(transformer_cls_names_to_wrap="T5Block")._blocks(model)
+    blocks = _strategy()._blocks(model)  # default: the model's _no_split_modules
+    assert {type(b).__name__ for b in blocks} == set(model._no_split_modules)
+    assert [type(b).__name__ for b in _strategy(transformer_cls_names_to_wrap="BertLayer")._blocks(model)] == [
+        "BertLayer", "BertLayer"]
+
+
+def test_fsdp1_options_map_onto_fsdp2():
+    from torch.distributed.fsdp import ShardingStrategy
+
+    options = FullyShardedDataParallelPlugin(sharding_strategy=ShardingStrategy.SHARD_GRAD_OP).resolved()
+    assert options.fsdp_sharding_strategy == "SHARD_GRAD_OP" and options.fsdp_reshard_after_forward is False
+    assert FullyShardedDataParallelPlugin(sharding_strategy=1).resolved().fsdp_reshard_after_forward is True
+    with pytest.raises(HfBackendError, match="sharding_strategy='EVERYTHING' is not one of FULL_SHARD"):
+        FullyShardedDataParallelPlugin(sharding_strategy="EVERYTHING").resolved()
+
+
+def test_an_accelerate_plugin_object_is_read_by_its_fields():
+    accelerate = pytest.importorskip("accelerate")
+    theirs = accelerate.FullyShardedDataParallelPlugin(
+        fsdp_version=2, reshard_after_forward=False, state_dict_type="SHARDED_STATE_DICT",
+        transformer_cls_names_to_wrap=["BertLayer"], auto_wrap_policy="transformer_based_wrap")
+    options = FullyShardedDataParallelPlugin.from_object(theirs).resolved()
+    assert options.fsdp_reshard_after_forward is False and options.fsdp_state_dict_type == "SHARDED_STATE_DICT"
+    assert options.fsdp_transformer_layer_cls_to_wrap == "BertLayer"
