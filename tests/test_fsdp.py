@@ -140,3 +140,21 @@ def test_an_accelerate_plugin_object_is_read_by_its_fields():
     options = FullyShardedDataParallelPlugin.from_object(theirs).resolved()
     assert options.fsdp_reshard_after_forward is False and options.fsdp_state_dict_type == "SHARDED_STATE_DICT"
     assert options.fsdp_transformer_layer_cls_to_wrap == "BertLayer"
+
+
+def test_cpu_ram_efficient_loading_gives_meta_ranks_rank0s_weights(full_shard, tmp_path):
+    run = run_report(LOOP, tmp_path / "r.json", [*TRAIN, "--fsdp", "FULL_SHARD", "--meta-elsewhere"], nproc=2)
+    assert run["per_rank"][1]["param_bytes_before_prepare"] == 0, "rank 1 built its model on the meta device"
+    assert run["per_rank"][0]["bytes_optim"] == run["per_rank"][1]["bytes_optim"] > 0
+    assert run["losses"] == full_shard["losses"]
+
+
+def test_cpu_ram_efficient_loading_with_from_pretrained(tmp_path):
+    torch.manual_seed(0)
+    transformers.BertForSequenceClassification(transformers.BertConfig(**CONFIG)).save_pretrained(tmp_path / "m")
+    args = ["--fsdp", "FULL_SHARD", "--from-pretrained", str(tmp_path / "m")]
+    plain = run_report(LOOP, tmp_path / "a.json", args, nproc=2)
+    efficient = run_report(LOOP, tmp_path / "b.json", [*args, "--meta-elsewhere"], nproc=2)
+    # every rank's optimizer must hold the sharded parameters it was re-pointed to
+    assert efficient["per_rank"][0]["bytes_optim"] == efficient["per_rank"][1]["bytes_optim"] > 0
+    assert efficient["losses"] == plain["losses"]

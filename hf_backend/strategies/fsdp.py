@@ -9,13 +9,12 @@ SHARDED_STATE_DICT writes DCP directories (each rank its shards); FULL_STATE_DIC
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -38,6 +37,11 @@ class FSDPStrategy(Strategy):
         self.plugin = plugin
         self.options = plugin.resolved()
         self.sharded_checkpoints = self.options.fsdp_state_dict_type != "FULL_STATE_DICT"
+        if self.options.fsdp_cpu_ram_efficient_loading:
+            # transformers' from_pretrained builds the model on the meta device on ranks other than local rank 0
+            # when it sees these (the variables Accelerate sets for the same purpose).
+            os.environ.setdefault("ACCELERATE_USE_FSDP", "true")
+            os.environ.setdefault("FSDP_CPU_RAM_EFFICIENT_LOADING", "true")
         self._new_params: dict[int, torch.nn.Parameter] = {}  # id(parameter before sharding) -> sharded one
         if self.options.fsdp_backward_prefetch != "BACKWARD_PRE":
             note(f"fsdp backward_prefetch={self.options.fsdp_backward_prefetch}: FSDP2 always prefetches the next "
@@ -46,8 +50,17 @@ class FSDPStrategy(Strategy):
 
     # -- wrapping ----------------------------------------------------------------------------------------------------
     def setup_model(self, model: torch.nn.Module, device_placement: bool = True) -> torch.nn.Module:
-        model = super().setup_model(model, device_placement)
-        before = list(model.parameters())
+        before = list(model.parameters())  # what an optimizer built before prepare holds; mapped to the shards below
+        efficient = self.options.fsdp_cpu_ram_efficient_loading
+        main = self.state.is_main_process
+        on_meta = any(p.is_meta for p in model.parameters())
+        if on_meta and (main or not efficient):
+            raise HfBackendError("prepare(): the model is on the meta device; build it with real weights on rank 0 "
+                                 "and set cpu_ram_efficient_loading so the other ranks receive them")
+        full = model.state_dict() if efficient and main else {}  # rank 0 holds the only full copy
+        if efficient and not main and not on_meta:
+            model = model.to("meta")  # release this rank's copy: its shards come from rank 0
+        model = super().setup_model(model, device_placement and not (efficient and not main))
         blocks = self._blocks(model)
         if self.options.fsdp_activation_checkpointing:
             _checkpoint_blocks(model, blocks)
@@ -58,9 +71,17 @@ class FSDPStrategy(Strategy):
         if self.options.fsdp_forward_prefetch:
             for block, following in zip(blocks, blocks[1:]):
                 block.set_modules_to_forward_prefetch([following])
-        after = list(model.parameters())
-        self._new_params.update({id(old): new for old, new in zip(before, after)})
+        if efficient:
+            self._receive_rank0_weights(model, full)
+        self._new_params.update({id(old): new for old, new in zip(before, model.parameters())})
         return model
+
+    def _receive_rank0_weights(self, model: torch.nn.Module, full: dict[str, torch.Tensor]) -> None:
+        if not self.state.is_main_process:
+            model.to_empty(device=self.state.device)
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        for buffer in model.buffers():  # not sharded, and non-persistent ones are in no state dict
+            torch.distributed.broadcast(buffer, src=0)
 
     def _mesh(self) -> Any:
         device, world = self.state.device.type, self.state.num_processes

@@ -50,6 +50,9 @@ def main() -> int:
     p.add_argument("--checkpoint", default=None)
     p.add_argument("--resume", action="store_true")
     p.add_argument("--save-model", default=None)
+    p.add_argument("--from-pretrained", default=None, help="load the model from this directory")
+    p.add_argument("--meta-elsewhere", action="store_true",
+                   help="cpu_ram_efficient_loading: ranks other than 0 build the model on the meta device")
     args = p.parse_args()
 
     plugin = None
@@ -61,17 +64,26 @@ def main() -> int:
             optim_state_dict_config=FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=False))
     elif args.fsdp:
         plugin = FullyShardedDataParallelPlugin(sharding_strategy=args.fsdp, state_dict_type=args.state_dict_type,
-                                                transformer_cls_names_to_wrap=["BertLayer"])
+                                                transformer_cls_names_to_wrap=["BertLayer"],
+                                                cpu_ram_efficient_loading=args.meta_elsewhere)
     accelerator = Accelerator(gradient_accumulation_steps=args.grad_accum, fsdp_plugin=plugin)
     set_seed(42)
-    model = BertForSequenceClassification(BertConfig(**CONFIG))
+    if args.from_pretrained:
+        model = BertForSequenceClassification.from_pretrained(args.from_pretrained)
+    elif args.meta_elsewhere and not accelerator.is_main_process:
+        with torch.device("meta"):
+            model = BertForSequenceClassification(BertConfig(**CONFIG))
+    else:
+        model = BertForSequenceClassification(BertConfig(**CONFIG))
+    report_meta = {"param_bytes_before_prepare": 0 if next(model.parameters()).is_meta
+                   else local_bytes(model.parameters())}
     loader = DataLoader(data(), batch_size=args.batch_size, shuffle=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     if args.resume:
         accelerator.load_state(args.checkpoint)
 
-    report = {"losses": [], "distributed_type": accelerator.distributed_type.value}
+    report = {"losses": [], "distributed_type": accelerator.distributed_type.value, **report_meta}
     micro, steps = [], 0
     for _ in range(loader.epoch, args.epochs):
         for ids, labels in loader:
@@ -96,7 +108,8 @@ def main() -> int:
     report["bytes_params"] = local_bytes(model.parameters())
     report["bytes_optim"] = local_bytes(v for s in optimizer.state.values() for v in s.values()
                                         if isinstance(v, torch.Tensor) and v.ndim > 0)
-    per_rank = gather_object([{k: report.get(k) for k in ("bytes_params", "bytes_grads", "bytes_optim")}])
+    per_rank = gather_object([{k: report.get(k) for k in ("bytes_params", "bytes_grads", "bytes_optim",
+                                                          "param_bytes_before_prepare")}])
     model.eval()
     with torch.no_grad():
         logits = model(input_ids=data(4).tensors[0]).logits
