@@ -53,7 +53,8 @@ def test_full_shard_matches_ddp_and_halves_per_rank_memory(ddp, full_shard):
 
 @pytest.mark.parametrize("strategy", ["SHARD_GRAD_OP", "NO_SHARD"])
 def test_other_sharding_strategies_match_ddp(ddp, tmp_path, strategy):
-    run = run_report(LOOP, tmp_path / "r.json", [*TRAIN, "--fsdp", strategy], nproc=2)
+    # Ranks seeded differently: sync_module_states (on by default) starts every rank from rank 0's weights.
+    run = run_report(LOOP, tmp_path / "r.json", [*TRAIN, "--fsdp", strategy, "--seed-per-rank"], nproc=2)
     assert run["distributed_type"] == "FSDP"
     assert _relative(run["losses"], ddp["losses"]) <= 1e-4
 
@@ -158,3 +159,17 @@ def test_cpu_ram_efficient_loading_with_from_pretrained(tmp_path):
     # every rank's optimizer must hold the sharded parameters it was re-pointed to
     assert efficient["per_rank"][0]["bytes_optim"] == efficient["per_rank"][1]["bytes_optim"] > 0
     assert efficient["losses"] == plain["losses"]
+
+
+def test_mixed_precision_policy_and_activation_checkpointing(tmp_path):
+    out = tmp_path / "r.json"
+    from conftest import run_script
+
+    run_script("fsdp_options.py", [str(out)], nproc=2)
+    seen = json.loads(out.read_text())
+    assert seen["bf16_policy"]["param_dtype"] == "torch.float32"  # sharded master weights stay fp32
+    assert seen["activation_checkpointing"]["checkpointed"] == 3  # one per wrapped block: embeddings + 2 layers
+    # Recomputing activations changes nothing numerically.
+    assert seen["activation_checkpointing"]["losses"] == seen["plain"]["losses"]
+    for variant in seen.values():
+        assert all(0 < loss < 2 for loss in variant["losses"])

@@ -61,6 +61,9 @@ class FSDPStrategy(Strategy):
         if efficient and not main and not on_meta:
             model = model.to("meta")  # release this rank's copy: its shards come from rank 0
         model = super().setup_model(model, device_placement and not (efficient and not main))
+        if self.options.fsdp_sync_module_states and not efficient:
+            for tensor in [*model.parameters(), *model.buffers()]:  # ranks that seeded differently train one model
+                torch.distributed.broadcast(tensor.data, src=0)
         blocks = self._blocks(model)
         if self.options.fsdp_activation_checkpointing:
             _checkpoint_blocks(model, blocks)

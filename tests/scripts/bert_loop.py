@@ -51,6 +51,7 @@ def main() -> int:
     p.add_argument("--resume", action="store_true")
     p.add_argument("--save-model", default=None)
     p.add_argument("--from-pretrained", default=None, help="load the model from this directory")
+    p.add_argument("--seed-per-rank", action="store_true", help="seed each rank's model differently")
     p.add_argument("--meta-elsewhere", action="store_true",
                    help="cpu_ram_efficient_loading: ranks other than 0 build the model on the meta device")
     args = p.parse_args()
@@ -67,7 +68,7 @@ def main() -> int:
                                                 transformer_cls_names_to_wrap=["BertLayer"],
                                                 cpu_ram_efficient_loading=args.meta_elsewhere)
     accelerator = Accelerator(gradient_accumulation_steps=args.grad_accum, fsdp_plugin=plugin)
-    set_seed(42)
+    set_seed(42 + (1000 * accelerator.process_index if args.seed_per_rank else 0))
     if args.from_pretrained:
         model = BertForSequenceClassification.from_pretrained(args.from_pretrained)
     elif args.meta_elsewhere and not accelerator.is_main_process:
