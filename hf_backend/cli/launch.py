@@ -78,10 +78,11 @@ def effective_config(args: argparse.Namespace) -> tuple[LaunchConfig, str | None
         raw["distributed_type"] = "DEEPSPEED"
     source = " + ".join(filter(None, [path, "command line"]))
     config = validate(raw, source=source)
-    return _settle_distributed_type(config, args), path
+    return _settle_distributed_type(config), path
 
 
-def _settle_distributed_type(config: LaunchConfig, args: argparse.Namespace) -> LaunchConfig:
+def _settle_distributed_type(config: LaunchConfig) -> LaunchConfig:
+    """More than one process without FSDP/DeepSpeed means DDP: over gloo on the CPU, NCCL on GPUs."""
     import torch
 
     on_cpu = config.use_cpu or not torch.cuda.is_available()
