@@ -4,7 +4,7 @@
 """
 
 from .accelerator import Accelerator
-from .config.plugins import FullyShardedDataParallelPlugin
+from .config.plugins import DeepSpeedPlugin, FullyShardedDataParallelPlugin
 from .errors import HfBackendError
 from .options import (
     AutocastKwargs,
@@ -23,6 +23,7 @@ __all__ = [
     "Accelerator",
     "AutocastKwargs",
     "DataLoaderConfiguration",
+    "DeepSpeedPlugin",
     "DistributedDataParallelKwargs",
     "DistributedType",
     "FullyShardedDataParallelPlugin",

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 
 from . import checkpoint, collectives
 from .config import environment as env
-from .config.plugins import FullyShardedDataParallelPlugin
+from .config.plugins import DeepSpeedPlugin, FullyShardedDataParallelPlugin
 from .data import PreparedDataLoader, prepare_dataloader
 from .errors import HfBackendError
 from .gradient_state import GradientState
@@ -59,6 +59,7 @@ class Accelerator:
         kwargs_handlers: list[Any] | None = None,
         even_batches: bool | None = None,
         fsdp_plugin: Any = None,
+        deepspeed_plugin: Any = None,
         **unsupported: Any,
     ) -> None:
         for key, why in _ACCEPTED_NOOPS.items():
@@ -107,11 +108,18 @@ class Accelerator:
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self.launch_config = env.read_launch_config()  # what `hf-backend launch` handed over, or None
         launched_type = self.launch_config.distributed_type if self.launch_config else None
+        if fsdp_plugin is not None and deepspeed_plugin is not None:
+            raise HfBackendError("Accelerator(): pass fsdp_plugin or deepspeed_plugin, not both")
         if fsdp_plugin is not None:
             fsdp_plugin = FullyShardedDataParallelPlugin.from_object(fsdp_plugin)
+        elif deepspeed_plugin is not None:
+            deepspeed_plugin = DeepSpeedPlugin.from_object(deepspeed_plugin)
         elif launched_type == "FSDP":
             fsdp_plugin = FullyShardedDataParallelPlugin.from_section(self.launch_config.fsdp)
-        self.strategy = select_strategy(self.state, self.precision, self.handlers, launched_type, fsdp_plugin)
+        elif launched_type == "DEEPSPEED":
+            deepspeed_plugin = DeepSpeedPlugin.from_section(self.launch_config.deepspeed)
+        self.strategy = select_strategy(self.state, self.precision, self.handlers, fsdp_plugin, deepspeed_plugin,
+                                        self.gradient_state, self.dataloader_config.split_batches)
         self._objects = checkpoint.Checkpointable()
         self.step = 0  # micro steps seen by accumulate() since the last sync
 
@@ -244,6 +252,7 @@ class Accelerator:
         placement = device_placement or [None] * len(args)
         if len(placement) != len(args):
             raise HfBackendError(f"prepare(): device_placement has {len(placement)} entries for {len(args)} objects")
+        self.strategy.bind([obj for obj in args if not _is_prepared(obj)])
         result = list(args)
         passes = (
             (torch.nn.Module, lambda obj, p: self.prepare_model(obj, device_placement=p)),
@@ -310,8 +319,7 @@ class Accelerator:
         if not self._objects.models:
             raise HfBackendError("backward() before prepare(): call model, optimizer, ... = accelerator.prepare(...) "
                                  "first")
-        steps = self.gradient_state.num_steps
-        self.strategy.backward(loss / steps if steps > 1 else loss, **kwargs)
+        self.strategy.backward(loss, self.gradient_state.num_steps, self.sync_gradients, **kwargs)
 
     def _do_sync(self) -> None:
         state = self.gradient_state
@@ -501,3 +509,6 @@ class Accelerator:
         self.wait_for_everyone()
         shutdown_process_group()
 
+
+def _is_prepared(obj: Any) -> bool:
+    return isinstance(obj, (AcceleratedOptimizer, AcceleratedScheduler, PreparedDataLoader))

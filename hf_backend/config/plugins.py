@@ -1,4 +1,4 @@
-"""`FullyShardedDataParallelPlugin`: the FSDP options with the field names users know from Accelerate.
+"""`FullyShardedDataParallelPlugin` and `DeepSpeedPlugin`: options with the field names users know from Accelerate.
 
 Each field may be given as Accelerate and transformers spell it (strings, 1-5 for sharding strategies, torch enums,
 FSDP1 config objects); `resolved()` turns them into the settings the FSDP2 strategy uses. A plugin object from
@@ -8,12 +8,14 @@ FSDP1 config objects); `resolved()` turns them into the settings the FSDP2 strat
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ..log import note
 from .loader import ConfigError, coerce
-from .schema import FsdpSection, fields_of
+from .schema import DeepSpeedSection, FsdpSection, fields_of
 
 # plugin field -> config key (FsdpSection), for the fields that have one
 _KEYS = {
@@ -115,4 +117,79 @@ def _plain(value: Any) -> Any:
     return value
 
 
-__all__ = ["ConfigError", "FullyShardedDataParallelPlugin"]
+
+
+@dataclass
+class DeepSpeedPlugin:
+    """DeepSpeed options with Accelerate's field names. `hf_ds_config` (a dict or a JSON path) is the base config;
+    a field given here fills the matching key where the config lacks it or says "auto", and contradicting a concrete
+    value in the config is an error."""
+
+    hf_ds_config: Any = None
+    zero_stage: int | None = None
+    gradient_accumulation_steps: int | None = None
+    gradient_clipping: float | None = None
+    offload_optimizer_device: str | None = None
+    offload_param_device: str | None = None
+    zero3_init_flag: bool | None = None
+    zero3_save_16bit_model: bool | None = None
+
+    @classmethod
+    def from_section(cls, section: DeepSpeedSection) -> DeepSpeedPlugin:
+        return cls(hf_ds_config=section.deepspeed_config_file, zero_stage=section.zero_stage,
+                   gradient_clipping=section.gradient_clipping,
+                   offload_optimizer_device=section.offload_optimizer_device,
+                   offload_param_device=section.offload_param_device, zero3_init_flag=section.zero3_init_flag,
+                   zero3_save_16bit_model=section.zero3_save_16bit_model)
+
+    @classmethod
+    def from_object(cls, obj: Any) -> DeepSpeedPlugin:
+        """Read another plugin object (Accelerate's) by its field names."""
+        if isinstance(obj, cls):
+            return obj
+        values = {f.name: getattr(obj, f.name) for f in dataclasses.fields(cls) if hasattr(obj, f.name)}
+        config = getattr(obj, "hf_ds_config", None)
+        values["hf_ds_config"] = getattr(config, "config", config)  # Accelerate wraps it in HfDeepSpeedConfig
+        return cls(**values)
+
+    def config(self) -> dict[str, Any]:
+        """The DeepSpeed config before "auto" values are resolved against the prepared objects."""
+        base = self.hf_ds_config
+        if base is None:
+            config: dict[str, Any] = {}
+        elif isinstance(base, dict):
+            config = json.loads(json.dumps(base))  # a deep copy the engine may fill in
+        else:
+            path = Path(base)
+            if not path.is_file():
+                raise ConfigError(f"DeepSpeedPlugin(hf_ds_config={str(base)!r}): no such file; pass a dict or a path")
+            try:
+                config = json.loads(path.read_text())
+            except json.JSONDecodeError as err:
+                raise ConfigError(f"{path}: line {err.lineno}: malformed JSON ({err.msg})") from None
+        zero = config.setdefault("zero_optimization", {})
+        fields = fields_of(DeepSpeedSection)
+        for where, key, value in (
+            (zero, "stage", self.zero_stage),
+            (config, "gradient_accumulation_steps", self.gradient_accumulation_steps),
+            (config, "gradient_clipping", self.gradient_clipping),
+            (zero, "stage3_gather_16bit_weights_on_model_save", self.zero3_save_16bit_model),
+        ):
+            if value is None:
+                continue
+            field = fields.get({"stage": "zero_stage"}.get(key, key))
+            if field is not None:
+                value = coerce(value, field, f"DeepSpeedPlugin.{key}")
+            current = where.get(key, "auto")
+            if current != "auto" and current != value:
+                raise ConfigError(f"DeepSpeedPlugin: {key}={value!r} contradicts {current!r} in hf_ds_config; keep one")
+            where[key] = value
+        for kind, device in (("offload_optimizer", self.offload_optimizer_device),
+                             ("offload_param", self.offload_param_device)):
+            if device not in (None, "none"):
+                zero.setdefault(kind, {})["device"] = device
+        zero.setdefault("stage", 2)
+        return config
+
+
+__all__ = ["ConfigError", "DeepSpeedPlugin", "FullyShardedDataParallelPlugin"]

@@ -2,34 +2,36 @@
 
 from __future__ import annotations
 
-from ..config.plugins import FullyShardedDataParallelPlugin
-from ..errors import HfBackendError
+from ..config.plugins import DeepSpeedPlugin, FullyShardedDataParallelPlugin
+from ..gradient_state import GradientState
 from ..log import note
 from ..options import Handlers
 from ..precision import Precision
 from ..state import ProcessState
 from .base import Strategy
 from .ddp import DDPStrategy
+from .deepspeed import DeepSpeedStrategy
 from .fsdp import FSDPStrategy
 from .single import SingleDeviceStrategy
 
 
 def select_strategy(state: ProcessState, precision: Precision, handlers: Handlers,
-                    distributed_type: str | None = None,
-                    fsdp_plugin: FullyShardedDataParallelPlugin | None = None) -> Strategy:
-    """Chosen once per Accelerator; `distributed_type` is what a launcher's config asked for, if anything."""
-    if distributed_type == "DEEPSPEED":
-        raise HfBackendError(
-            "distributed_type DEEPSPEED (from the launcher's config) needs a strategy this version of hf_backend "
-            "does not have yet; launch with MULTI_CPU/MULTI_GPU (plain --num_processes) for DDP"
-        )
+                    fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
+                    deepspeed_plugin: DeepSpeedPlugin | None = None, gradient_state: GradientState | None = None,
+                    split_batches: bool = False) -> Strategy:
+    """Chosen once per Accelerator. FSDP or DeepSpeed asked for in a single process train unsharded, with a note."""
     if fsdp_plugin is not None:
         if state.distributed:
             return FSDPStrategy(state, precision, handlers, fsdp_plugin)
         fsdp_plugin.resolved()  # still report a bad option
         note("FSDP asked for in a single process: training unsharded (sharded checkpoints still load)")
+    if deepspeed_plugin is not None:
+        if state.distributed:
+            return DeepSpeedStrategy(state, precision, handlers, deepspeed_plugin, gradient_state, split_batches)
+        deepspeed_plugin.config()  # still report a bad option
+        note("DeepSpeed asked for in a single process: training without it (ZeRO has nothing to partition)")
     cls = DDPStrategy if state.distributed else SingleDeviceStrategy
     return cls(state, precision, handlers)
 
 
-__all__ = ["DDPStrategy", "FSDPStrategy", "SingleDeviceStrategy", "Strategy", "select_strategy"]
+__all__ = ["DDPStrategy", "DeepSpeedStrategy", "FSDPStrategy", "SingleDeviceStrategy", "Strategy", "select_strategy"]

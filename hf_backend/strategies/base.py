@@ -61,8 +61,13 @@ class Strategy:
         return False
 
     # -- training step -----------------------------------------------------------------------------------------------
-    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        self.precision.scale_and_backward(loss, **kwargs)
+    def bind(self, objects: list[Any]) -> None:
+        """Called by `prepare` with everything passed in one call, before any of it is prepared (DeepSpeed builds
+        its engine from the model, optimizer and loader together)."""
+
+    def backward(self, loss: torch.Tensor, accumulation_steps: int, sync: bool, **kwargs: Any) -> None:
+        """Backward of one micro step; `sync` says whether it ends an accumulation window."""
+        self.precision.scale_and_backward(loss / accumulation_steps if accumulation_steps > 1 else loss, **kwargs)
 
     def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()

@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 from transformers import BertConfig, BertForSequenceClassification
 
-from hf_backend import Accelerator, FullyShardedDataParallelPlugin
+from hf_backend import Accelerator, DeepSpeedPlugin, FullyShardedDataParallelPlugin
 from hf_backend.utils import gather_object, set_seed
 
 CONFIG = dict(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
@@ -41,6 +41,9 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--fsdp", default=None, help="sharding strategy; DDP when not given")
+    p.add_argument("--zero", type=int, default=None, help="DeepSpeed ZeRO stage; DDP when not given")
+    p.add_argument("--ds-config", default=None, help="a DeepSpeed config JSON (with --zero)")
+    p.add_argument("--mixed-precision", default=None)
     p.add_argument("--docs-plugin", action="store_true", help="the docs' plugin with Full*StateDictConfig objects")
     p.add_argument("--state-dict-type", default="SHARDED_STATE_DICT")
     p.add_argument("--batch-size", type=int, default=8)
@@ -67,7 +70,12 @@ def main() -> int:
         plugin = FullyShardedDataParallelPlugin(sharding_strategy=args.fsdp, state_dict_type=args.state_dict_type,
                                                 transformer_cls_names_to_wrap=["BertLayer"],
                                                 cpu_ram_efficient_loading=args.meta_elsewhere)
-    accelerator = Accelerator(gradient_accumulation_steps=args.grad_accum, fsdp_plugin=plugin)
+    ds_plugin = None
+    if args.zero is not None:
+        ds_plugin = DeepSpeedPlugin(hf_ds_config=json.loads(args.ds_config) if args.ds_config else None,
+                                    zero_stage=args.zero, gradient_clipping=1.0)
+    accelerator = Accelerator(gradient_accumulation_steps=args.grad_accum, fsdp_plugin=plugin,
+                              deepspeed_plugin=ds_plugin, mixed_precision=args.mixed_precision)
     set_seed(42 + (1000 * accelerator.process_index if args.seed_per_rank else 0))
     if args.from_pretrained:
         model = BertForSequenceClassification.from_pretrained(args.from_pretrained)
@@ -113,7 +121,7 @@ def main() -> int:
                                                           "param_bytes_before_prepare")}])
     model.eval()
     with torch.no_grad():
-        logits = model(input_ids=data(4).tensors[0]).logits
+        logits = model(input_ids=data(4).tensors[0]).logits.float()
     report["logits"] = logits.tolist()
     if args.save_model:
         accelerator.save_model(model, args.save_model)

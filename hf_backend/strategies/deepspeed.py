@@ -1,0 +1,236 @@
+"""DeepSpeed ZeRO (stages 0-3) through the `deepspeed` package.
+
+DeepSpeed owns the step: `backward` runs the engine's backward and step every micro step, and the engine applies
+accumulation, clipping and the optimizer step at the window's end (the Accelerator tells it where that is). The
+engine is built in `bind`, from the model, optimizer and dataloader passed to one `prepare` call, after "auto"
+values in the config are resolved from them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from ..config.plugins import DeepSpeedPlugin
+from ..errors import HfBackendError
+from ..gradient_state import GradientState
+from ..log import note
+from ..options import Handlers
+from ..precision import Precision
+from ..state import DistributedType, ProcessState
+from .base import Strategy
+
+_BUCKETS = {  # ZeRO sizes derived from the hidden size h, as transformers does
+    "reduce_bucket_size": lambda h: h * h,
+    "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
+    "stage3_param_persistence_threshold": lambda h: 10 * h,
+}
+
+
+class DeepSpeedStrategy(Strategy):
+    distributed_type = DistributedType.DEEPSPEED
+
+    def __init__(self, state: ProcessState, precision: Precision, handlers: Handlers, plugin: DeepSpeedPlugin,
+                 gradient_state: GradientState, split_batches: bool = False) -> None:
+        super().__init__(state, precision, handlers)
+        try:
+            import deepspeed  # noqa: F401
+        except ImportError:
+            raise HfBackendError("DeepSpeed was asked for but is not installed: DS_BUILD_OPS=0 pip install deepspeed "
+                                 "(or pip install 'hf-backend[deepspeed]')") from None
+        if precision.mode == "fp16":
+            raise HfBackendError("mixed_precision='fp16' with DeepSpeed is not supported by hf_backend yet (on this "
+                                 "CPU machine DeepSpeed's fp16 run aborted at exit); use bf16")
+        self.plugin = plugin
+        self.config = plugin.config()
+        self.gradient_state = gradient_state
+        self.split_batches = split_batches
+        self.engine: Any = None
+        self._client_optimizer: torch.optim.Optimizer | None = None
+
+    @property
+    def zero_stage(self) -> int:
+        return int(self.config["zero_optimization"]["stage"])
+
+    # -- building the engine -----------------------------------------------------------------------------------------
+    def bind(self, objects: list[Any]) -> None:
+        models = [o for o in objects if isinstance(o, torch.nn.Module)]
+        if not models:
+            return
+        if self.engine is not None or len(models) > 1:
+            raise HfBackendError("DeepSpeed trains one model per Accelerator: prepare it once, with its optimizer")
+        optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
+        if len(optimizers) > 1:
+            raise HfBackendError("DeepSpeed takes one optimizer; pass param groups to a single optimizer instead")
+        loaders = [o for o in objects if isinstance(o, DataLoader)]
+        self.config = self._resolve(self.config, models[0], loaders[0] if loaders else None)
+        import deepspeed
+
+        optimizer = optimizers[0] if optimizers else None
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=models[0], optimizer=optimizer, config=self.config,
+            model_parameters=None if optimizer is not None else [p for p in models[0].parameters() if p.requires_grad],
+        )
+        self._client_optimizer = optimizer
+
+    def _resolve(self, config: dict[str, Any], model: torch.nn.Module, loader: DataLoader | None) -> dict[str, Any]:
+        """Fill "auto" (and missing) values from the engine's settings and the prepared objects."""
+        steps = self.gradient_state.num_steps
+        given = config.get("gradient_accumulation_steps", "auto")
+        if given != "auto" and given != steps:
+            if steps != 1:
+                raise HfBackendError(f"gradient_accumulation_steps is {steps} in the Accelerator and {given} in the "
+                                     "DeepSpeed config; keep one")
+            self.gradient_state.plugin.num_steps = steps = int(given)  # the config's value governs accumulate()
+        config["gradient_accumulation_steps"] = steps
+        if config.get("train_micro_batch_size_per_gpu", "auto") == "auto":
+            batch = getattr(loader, "batch_size", None)
+            if batch is None:
+                raise HfBackendError('DeepSpeed config: train_micro_batch_size_per_gpu is "auto"; pass the training '
+                                     "DataLoader to the same prepare() call as the model, or give a number")
+            config["train_micro_batch_size_per_gpu"] = batch // self.state.num_processes if self.split_batches \
+                else batch
+        micro = config["train_micro_batch_size_per_gpu"]
+        if config.get("train_batch_size", "auto") == "auto":
+            config["train_batch_size"] = micro * steps * self.state.num_processes
+        if config.get("gradient_clipping") == "auto":
+            raise HfBackendError('DeepSpeed config: gradient_clipping is "auto"; set DeepSpeedPlugin('
+                                 "gradient_clipping=...) or a number in the config")
+        for kind, wanted in (("bf16", self.precision.mode == "bf16"), ("fp16", False)):
+            section = config.setdefault(kind, {})
+            if section.get("enabled", "auto") == "auto":
+                section["enabled"] = wanted
+        if config["fp16"]["enabled"]:
+            raise HfBackendError("DeepSpeed config: fp16.enabled is not supported by hf_backend yet; use bf16")
+        zero = config["zero_optimization"]
+        for key, rule in _BUCKETS.items():
+            if zero.get(key) == "auto":
+                hidden = _hidden_size(model)
+                if hidden is None:
+                    raise HfBackendError(f'DeepSpeed config: zero_optimization.{key} is "auto" but the model has no '
+                                         "config.hidden_size to derive it from; give a number")
+                zero[key] = rule(hidden)
+        for section in ("optimizer", "scheduler"):
+            if section in config:
+                raise HfBackendError(f'DeepSpeed config: an "{section}" section is not supported by hf_backend yet; '
+                                     f"create a torch {section} in the script and prepare it")
+        left = _auto_keys(config)
+        if left:
+            raise HfBackendError(f'DeepSpeed config: {", ".join(left)} is "auto" and nothing here resolves it; '
+                                 "give a number")
+        config.setdefault("steps_per_print", 2**31 - 1)  # DeepSpeed's own progress prints stay off
+        return config
+
+    def setup_model(self, model: torch.nn.Module, device_placement: bool = True) -> torch.nn.Module:
+        if self.engine is None:
+            raise HfBackendError("DeepSpeed: prepare() the model together with its optimizer (and training "
+                                 "DataLoader) in one call")
+        self.models.append(self.engine)
+        return self.engine
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        if optimizer is not self._client_optimizer:
+            raise HfBackendError("DeepSpeed: prepare() the optimizer in the same call as its model")
+        return _EngineSteps(optimizer)
+
+    # -- training step -----------------------------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, accumulation_steps: int, sync: bool, **kwargs: Any) -> None:
+        # The engine divides by its gradient_accumulation_steps itself: the loss is divided exactly once.
+        self.engine.set_gradient_accumulation_boundary(sync)
+        self.engine.backward(loss, **kwargs)
+        self.engine.step()
+
+    def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()  # the engine reduces only at the window's end
+
+    def clip_grad_norm_(self, parameters: Iterable[torch.nn.Parameter], max_norm: float,
+                        norm_type: float = 2.0) -> torch.Tensor:
+        """The engine clipped already (config `gradient_clipping`); returns the norm it measured."""
+        configured = self.config.get("gradient_clipping")
+        if configured is not None and float(configured) != float(max_norm):
+            note(f"clip_grad_norm_(max_norm={max_norm}): DeepSpeed clips to its config's gradient_clipping="
+                 f"{configured}")
+        norm = self.engine.get_global_grad_norm()
+        return torch.as_tensor(0.0 if norm is None else float(norm))
+
+    def clip_grad_value_(self, parameters: Iterable[torch.nn.Parameter], clip_value: float) -> None:
+        raise HfBackendError("clip_grad_value_ is not available with DeepSpeed; set gradient_clipping (a norm) in "
+                             "its config")
+
+    def is_wrapper(self, model: torch.nn.Module) -> bool:
+        return model is self.engine
+
+    # -- state -------------------------------------------------------------------------------------------------------
+    def model_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """Full weights; under ZeRO-3 gathered (16-bit when training in bf16) onto rank 0, other ranks get {}."""
+        if self.zero_stage == 3:
+            return self.engine._zero3_consolidated_16bit_state_dict() or {}
+        return self.engine.module.state_dict()
+
+    def save_model_state(self, model: torch.nn.Module, directory: Path, stem: str, safe_serialization: bool) -> None:
+        self.engine.save_checkpoint(str(directory), tag=f"{stem}_deepspeed")
+
+    def load_model_state(self, model: torch.nn.Module, directory: Path, stem: str) -> None:
+        tag = f"{stem}_deepspeed"
+        if not (Path(directory) / tag).is_dir():
+            raise HfBackendError(f"load_state: {directory} was not saved by a DeepSpeed run (no {tag}/); resume it "
+                                 "with the strategy that wrote it")
+        self.engine.load_checkpoint(str(directory), tag=tag, load_optimizer_states=True,
+                                    load_lr_scheduler_states=False)
+
+    def save_optimizer_state(self, optimizer: Any, directory: Path, name: str) -> None:
+        """Saved with the model: DeepSpeed's checkpoint holds the (partitioned) optimizer state."""
+
+    def load_optimizer_state(self, optimizer: Any, directory: Path, name: str) -> None:
+        """Loaded with the model."""
+
+
+class _EngineSteps(torch.optim.Optimizer):
+    """What `prepare` returns for the optimizer: the engine steps and zeroes it inside `backward`, so these are
+    no-ops; the param groups are the optimizer's own, so a scheduler's learning rates reach the engine."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:  # not Optimizer.__init__: a view, not a copy
+        self.optimizer = optimizer
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    def step(self, closure: Any = None) -> None:
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        return None
+
+
+def _hidden_size(model: torch.nn.Module) -> int | None:
+    config = getattr(model, "config", None)
+    size = getattr(config, "hidden_size", None)
+    if size is None and getattr(config, "hidden_sizes", None):
+        size = max(config.hidden_sizes)
+    return int(size) if size else None
+
+
+def _auto_keys(config: Any, prefix: str = "") -> list[str]:
+    if isinstance(config, dict):
+        return [k for key, value in config.items() for k in _auto_keys(value, f"{prefix}{key}.")]
+    return [prefix.rstrip(".")] if config == "auto" else []

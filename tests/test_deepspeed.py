@@ -1,0 +1,141 @@
+"""DeepSpeed ZeRO through the engine, 2 gloo processes: parity with DDP, accumulation, checkpoints, auto values."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+from conftest import SCRIPTS, run_report
+
+from hf_backend import DeepSpeedPlugin, HfBackendError
+from hf_backend.gradient_state import GradientState
+from hf_backend.options import GradientAccumulationPlugin, Handlers
+from hf_backend.precision import Precision
+from hf_backend.state import ProcessState
+
+pytest.importorskip("deepspeed")
+transformers = pytest.importorskip("transformers")
+sys.path.insert(0, str(SCRIPTS))
+from bert_loop import CONFIG, data  # noqa: E402
+
+from hf_backend.strategies import DeepSpeedStrategy  # noqa: E402
+
+LOOP = "bert_loop.py"
+TRAIN = ["--batch-size", "4", "--grad-accum", "2", "--epochs", "2"]  # 32 optimizer steps, accumulation and clipping
+
+
+def _relative(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b)
+    return max(abs(x - y) / abs(x) for x, y in zip(a, b))
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory) -> dict:
+    return run_report(LOOP, tmp_path_factory.mktemp("ddp") / "r.json", TRAIN, nproc=2)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_stages_match_ddp(ddp, tmp_path, stage):
+    run = run_report(LOOP, tmp_path / "r.json", [*TRAIN, "--zero", str(stage)], nproc=2)
+    assert run["distributed_type"] == "DEEPSPEED" and len(run["losses"]) == 32
+    assert _relative(run["losses"], ddp["losses"]) <= 1e-4
+    assert abs(run["grad_norm"] - ddp["grad_norm"]) <= 1e-4 * ddp["grad_norm"]
+    # ZeRO partitions the optimizer state over the 2 ranks.
+    assert run["per_rank"][0]["bytes_optim"] <= 0.55 * ddp["per_rank"][0]["bytes_optim"]
+
+
+def test_accumulation_two_by_eight_equals_one_by_sixteen(tmp_path):
+    two = run_report(LOOP, tmp_path / "a.json", ["--zero", "2", "--batch-size", "8", "--grad-accum", "2"], nproc=2)
+    one = run_report(LOOP, tmp_path / "b.json", ["--zero", "2", "--batch-size", "16"], nproc=2)
+    assert _relative(two["losses"], one["losses"]) <= 1e-5
+
+
+def test_zero3_resume_and_save_model(tmp_path):
+    full = run_report(LOOP, tmp_path / "full.json", [*TRAIN, "--zero", "3"], nproc=2)
+    ckpt = str(tmp_path / "ckpt")
+    first = run_report(LOOP, tmp_path / "a.json", [*TRAIN, "--zero", "3", "--stop-after", "11", "--checkpoint", ckpt],
+                       nproc=2)
+    assert (tmp_path / "ckpt" / "model_deepspeed").is_dir()
+    second = run_report(LOOP, tmp_path / "b.json", [*TRAIN, "--zero", "3", "--resume", "--checkpoint", ckpt,
+                                                    "--save-model", str(tmp_path / "model")], nproc=2)
+    assert _relative(first["losses"] + second["losses"], full["losses"]) <= 1e-5
+    loaded = transformers.BertForSequenceClassification.from_pretrained(tmp_path / "model").eval()
+    with torch.no_grad():
+        logits = loaded(input_ids=data(4).tensors[0]).logits
+    torch.testing.assert_close(logits, torch.tensor(second["logits"]))
+
+
+def test_bf16_zero3_trains_and_saves_bf16_weights(tmp_path):
+    run = run_report(LOOP, tmp_path / "r.json", ["--zero", "3", "--mixed-precision", "bf16",
+                                                 "--save-model", str(tmp_path / "model")], nproc=2)
+    assert all(0 < loss < 2 for loss in run["losses"])
+    loaded = transformers.BertForSequenceClassification.from_pretrained(tmp_path / "model").eval()
+    with torch.no_grad():
+        logits = loaded(input_ids=data(4).tensors[0]).logits
+    assert next(loaded.parameters()).dtype == torch.bfloat16  # the gathered 16-bit weights
+    torch.testing.assert_close(logits.float(), torch.tensor(run["logits"]), atol=0.05, rtol=0.05)  # bf16 precision
+
+
+def _strategy(precision: str = "no", steps: int = 1, **plugin) -> DeepSpeedStrategy:
+    state = ProcessState(torch.device("cpu"), 2, 0, 0, 2, "gloo")
+    return DeepSpeedStrategy(state, Precision(precision, state.device), Handlers(), DeepSpeedPlugin(**plugin),
+                             GradientState(GradientAccumulationPlugin(num_steps=steps)))
+
+
+def _loader(batch: int = 8) -> torch.utils.data.DataLoader:
+    return torch.utils.data.DataLoader(data(32), batch_size=batch)
+
+
+def test_auto_values_are_resolved_from_the_prepared_objects():
+    model = transformers.BertForSequenceClassification(transformers.BertConfig(**CONFIG))
+    docs_like = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+                 "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
+                 "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True,
+                                       "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                                       "stage3_param_persistence_threshold": "auto", "round_robin_gradients": True,
+                                       "stage3_gather_16bit_weights_on_model_save": True}}
+    strategy = _strategy("bf16", steps=2, hf_ds_config=docs_like, gradient_clipping=0.5)
+    config = strategy._resolve(strategy.config, model, _loader(8))
+    assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"],
+            config["train_batch_size"]) == (8, 2, 32)
+    assert config["gradient_clipping"] == 0.5 and config["bf16"]["enabled"] is True
+    zero = config["zero_optimization"]
+    assert (zero["reduce_bucket_size"], zero["stage3_prefetch_bucket_size"],
+            zero["stage3_param_persistence_threshold"]) == (32 * 32, int(0.9 * 32 * 32), 320)
+
+
+@pytest.mark.parametrize(("config", "message"), [
+    ({"gradient_clipping": "auto"}, 'gradient_clipping is "auto"; set DeepSpeedPlugin'),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}, 'an "optimizer" section is not supported'),
+    ({"zero_optimization": {"stage": 2}, "wall_clock_breakdown": "auto"}, "wall_clock_breakdown is \"auto\""),
+])
+def test_unresolvable_auto_values_are_named(config, message):
+    model = transformers.BertForSequenceClassification(transformers.BertConfig(**CONFIG))
+    strategy = _strategy(hf_ds_config=config)
+    with pytest.raises(HfBackendError, match=message):
+        strategy._resolve(strategy.config, model, _loader())
+
+
+def test_micro_batch_needs_the_loader_and_plugin_contradictions_fail():
+    model = torch.nn.Linear(2, 2)
+    strategy = _strategy()
+    with pytest.raises(HfBackendError, match="pass the training DataLoader to the same prepare"):
+        strategy._resolve(strategy.config, model, None)
+    with pytest.raises(HfBackendError, match=r"zero_stage|stage=3 contradicts 1"):
+        DeepSpeedPlugin(hf_ds_config={"zero_optimization": {"stage": 1}}, zero_stage=3).config()
+    with pytest.raises(HfBackendError, match="fp16"):
+        _strategy("fp16")
+    with pytest.raises(HfBackendError, match="gradient_accumulation_steps is 2 in the Accelerator and 4"):
+        _strategy(steps=2, hf_ds_config={"gradient_accumulation_steps": 4})._resolve(
+            {"gradient_accumulation_steps": 4, "zero_optimization": {"stage": 2}}, model, _loader())
+
+
+def test_a_json_config_path_is_read(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    assert DeepSpeedPlugin(hf_ds_config=str(path)).config()["zero_optimization"]["stage"] == 3
+    path.write_text("{oops")
+    with pytest.raises(HfBackendError, match="ds.json: line 1: malformed JSON"):
+        DeepSpeedPlugin(hf_ds_config=str(path)).config()
