@@ -78,6 +78,39 @@ def test_bf16_zero3_trains_and_saves_bf16_weights(tmp_path):
     torch.testing.assert_close(logits.float(), torch.tensor(run["logits"]), atol=0.05, rtol=0.05)  # bf16 precision
 
 
+# The config dict of the Ray and Accelerate docs (ZeRO-3, CPU optimizer offload, "auto" sizes), with bf16 in place of
+# its fp16: DeepSpeed's CPU accelerator is what runs here.
+DOCS_CONFIG = {
+    "bf16": {"enabled": "auto"},
+    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                          "overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": "auto",
+                          "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto",
+                          "gather_16bit_weights_on_model_save": True, "round_robin_gradients": True},
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 10,
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False,
+}
+
+
+def test_the_docs_dict_with_bf16_and_cpu_offload_trains_and_saves(tmp_path):
+    run = run_report(LOOP, tmp_path / "r.json", ["--zero", "3", "--mixed-precision", "bf16", "--ds-config",
+                                                 json.dumps(DOCS_CONFIG), "--save-model", str(tmp_path / "model")],
+                     nproc=2, timeout=400)  # the first use compiles DeepSpeed's CPU Adam
+    assert all(0 < loss < 2 for loss in run["losses"]) and run["losses"][-1] < run["losses"][0]
+    loaded = transformers.BertForSequenceClassification.from_pretrained(tmp_path / "model").eval()
+    with torch.no_grad():
+        logits = loaded(input_ids=data(4).tensors[0]).logits
+    torch.testing.assert_close(logits.float(), torch.tensor(run["logits"]), atol=0.05, rtol=0.05)
+
+
+def test_the_docs_dict_as_written_with_fp16_names_what_works():
+    fp16 = {**DOCS_CONFIG, "fp16": {"enabled": True}}
+    fp16.pop("bf16")
+    model = transformers.BertForSequenceClassification(transformers.BertConfig(**CONFIG))
+    strategy = _strategy(hf_ds_config=fp16)
+    with pytest.raises(HfBackendError, match="fp16.enabled is not supported by hf_backend yet; use bf16"):
+        strategy._resolve(strategy.config, model, _loader())
+
+
 def _strategy(precision: str = "no", steps: int = 1, **plugin) -> DeepSpeedStrategy:
     state = ProcessState(torch.device("cpu"), 2, 0, 0, 2, "gloo")
     return DeepSpeedStrategy(state, Precision(precision, state.device), Handlers(), DeepSpeedPlugin(**plugin),
@@ -107,7 +140,6 @@ def test_auto_values_are_resolved_from_the_prepared_objects():
 
 
 @pytest.mark.parametrize(("config", "message"), [
-    ({"gradient_clipping": "auto"}, 'gradient_clipping is "auto"; set DeepSpeedPlugin'),
     ({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}, 'an "optimizer" section is not supported'),
     ({"zero_optimization": {"stage": 2}, "wall_clock_breakdown": "auto"}, "wall_clock_breakdown is \"auto\""),
 ])
@@ -139,3 +171,13 @@ def test_a_json_config_path_is_read(tmp_path):
     path.write_text("{oops")
     with pytest.raises(HfBackendError, match="ds.json: line 1: malformed JSON"):
         DeepSpeedPlugin(hf_ds_config=str(path)).config()
+
+
+def test_zero3_init_flag_partitions_parameters_while_from_pretrained_builds(tmp_path):
+    torch.manual_seed(0)
+    transformers.BertForSequenceClassification(transformers.BertConfig(**CONFIG)).save_pretrained(tmp_path / "m")
+    args = ["--zero", "3", "--from-pretrained", str(tmp_path / "m")]
+    plain = run_report(LOOP, tmp_path / "a.json", args, nproc=2)
+    partitioned = run_report(LOOP, tmp_path / "b.json", [*args, "--zero3-init"], nproc=2)
+    assert not plain["partitioned_before_prepare"] and partitioned["partitioned_before_prepare"]
+    assert partitioned["losses"] == plain["losses"]

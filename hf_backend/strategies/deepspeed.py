@@ -52,6 +52,9 @@ class DeepSpeedStrategy(Strategy):
         self.split_batches = split_batches
         self.engine: Any = None
         self._client_optimizer: torch.optim.Optimizer | None = None
+        self._zero3_init = None
+        if plugin.zero3_init_flag and self.zero_stage == 3:
+            self._zero3_init = _partition_at_construction(self.config, precision.mode == "bf16")
 
     @property
     def zero_stage(self) -> int:
@@ -72,11 +75,35 @@ class DeepSpeedStrategy(Strategy):
         import deepspeed
 
         optimizer = optimizers[0] if optimizers else None
+        if optimizer is not None and self.config["zero_optimization"].get("offload_optimizer", {}).get(
+                "device", "none") != "none":
+            optimizer = self._offload_optimizer(optimizer)
         self.engine, _, _, _ = deepspeed.initialize(
             model=models[0], optimizer=optimizer, config=self.config,
             model_parameters=None if optimizer is not None else [p for p in models[0].parameters() if p.requires_grad],
         )
-        self._client_optimizer = optimizer
+        self._client_optimizer = optimizers[0] if optimizers else None
+
+    def _offload_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Offloaded optimizer state is stepped on the CPU: Adam and AdamW become DeepSpeed's CPU Adam (compiled on
+        first use), sharing the original param groups so that a scheduler's learning rates still apply."""
+        if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) or any(
+                g.get("amsgrad") for g in optimizer.param_groups):
+            note(f"DeepSpeed offload_optimizer: {type(optimizer).__name__} runs as given (slower than DeepSpeed's CPU "
+                 "Adam, which replaces Adam/AdamW)")
+            self.config["zero_force_ds_cpu_optimizer"] = False
+            return optimizer
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        groups = optimizer.param_groups
+        cpu_adam = DeepSpeedCPUAdam([dict(g) for g in groups], lr=groups[0]["lr"],
+                                    adamw_mode=isinstance(optimizer, torch.optim.AdamW))
+        for shared, filled in zip(groups, cpu_adam.param_groups):
+            for key, value in filled.items():
+                shared.setdefault(key, value)
+        cpu_adam.param_groups = groups
+        note(f"DeepSpeed offload_optimizer: {type(optimizer).__name__} runs as DeepSpeed's CPU Adam")
+        return cpu_adam
 
     def _resolve(self, config: dict[str, Any], model: torch.nn.Module, loader: DataLoader | None) -> dict[str, Any]:
         """Fill "auto" (and missing) values from the engine's settings and the prepared objects."""
@@ -99,8 +126,10 @@ class DeepSpeedStrategy(Strategy):
         if config.get("train_batch_size", "auto") == "auto":
             config["train_batch_size"] = micro * steps * self.state.num_processes
         if config.get("gradient_clipping") == "auto":
-            raise HfBackendError('DeepSpeed config: gradient_clipping is "auto"; set DeepSpeedPlugin('
-                                 "gradient_clipping=...) or a number in the config")
+            # transformers resolves it from max_grad_norm, whose default is 1.0; the engine has no such setting.
+            config["gradient_clipping"] = 1.0
+            note('DeepSpeed config: gradient_clipping "auto" is 1.0 (transformers\' max_grad_norm default); set '
+                 "DeepSpeedPlugin(gradient_clipping=...) for another value")
         for kind, wanted in (("bf16", self.precision.mode == "bf16"), ("fp16", False)):
             section = config.setdefault(kind, {})
             if section.get("enabled", "auto") == "auto":
@@ -220,6 +249,30 @@ class _EngineSteps(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         return None
+
+
+def _partition_at_construction(config: dict[str, Any], bf16: bool) -> Any:
+    """Keep transformers' HfDeepSpeedConfig alive: while it lives, `from_pretrained` / `from_config` build models
+    under `deepspeed.zero.Init`, so each rank only ever holds its partition of the parameters.
+
+    Batch sizes are not known yet (they come from the dataloader at prepare); partitioning does not use them, so
+    the config it sees has "auto" values dropped and a placeholder batch."""
+    try:
+        from transformers.integrations import HfDeepSpeedConfig
+    except ImportError:
+        note("zero3_init_flag: transformers is not installed; build the model inside deepspeed.zero.Init() yourself")
+        return None
+    construction = _without_auto(config)
+    construction.pop("train_batch_size", None)
+    construction.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1)
+    construction.setdefault("bf16", {})["enabled"] = bf16
+    return HfDeepSpeedConfig(construction)
+
+
+def _without_auto(config: Any) -> Any:
+    if isinstance(config, dict):
+        return {k: _without_auto(v) for k, v in config.items() if v != "auto"}
+    return config
 
 
 def _hidden_size(model: torch.nn.Module) -> int | None:

@@ -44,6 +44,7 @@ def main() -> int:
     p.add_argument("--zero", type=int, default=None, help="DeepSpeed ZeRO stage; DDP when not given")
     p.add_argument("--ds-config", default=None, help="a DeepSpeed config JSON (with --zero)")
     p.add_argument("--mixed-precision", default=None)
+    p.add_argument("--zero3-init", action="store_true", help="zero3_init_flag: partition while building")
     p.add_argument("--docs-plugin", action="store_true", help="the docs' plugin with Full*StateDictConfig objects")
     p.add_argument("--state-dict-type", default="SHARDED_STATE_DICT")
     p.add_argument("--batch-size", type=int, default=8)
@@ -73,7 +74,7 @@ def main() -> int:
     ds_plugin = None
     if args.zero is not None:
         ds_plugin = DeepSpeedPlugin(hf_ds_config=json.loads(args.ds_config) if args.ds_config else None,
-                                    zero_stage=args.zero, gradient_clipping=1.0)
+                                    zero_stage=args.zero, gradient_clipping=1.0, zero3_init_flag=args.zero3_init)
     accelerator = Accelerator(gradient_accumulation_steps=args.grad_accum, fsdp_plugin=plugin,
                               deepspeed_plugin=ds_plugin, mixed_precision=args.mixed_precision)
     set_seed(42 + (1000 * accelerator.process_index if args.seed_per_rank else 0))
@@ -85,7 +86,8 @@ def main() -> int:
     else:
         model = BertForSequenceClassification(BertConfig(**CONFIG))
     report_meta = {"param_bytes_before_prepare": 0 if next(model.parameters()).is_meta
-                   else local_bytes(model.parameters())}
+                   else local_bytes(model.parameters()),
+                   "partitioned_before_prepare": all(hasattr(q, "ds_id") for q in model.parameters())}
     loader = DataLoader(data(), batch_size=args.batch_size, shuffle=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
