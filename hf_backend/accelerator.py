@@ -25,7 +25,7 @@ from .data import PreparedDataLoader, prepare_dataloader
 from .errors import HfBackendError
 from .gradient_state import GradientState
 from .log import note
-from .optim import AcceleratedOptimizer, AcceleratedScheduler
+from .optim import AcceleratedOptimizer, AcceleratedScheduler, DummyOptim, DummyScheduler
 from .options import (
     KWARGS_HANDLERS,
     DataLoaderConfiguration,
@@ -257,8 +257,8 @@ class Accelerator:
         passes = (
             (torch.nn.Module, lambda obj, p: self.prepare_model(obj, device_placement=p)),
             (DataLoader, lambda obj, p: self.prepare_data_loader(obj, device_placement=p)),
-            (torch.optim.Optimizer, lambda obj, p: self.prepare_optimizer(obj)),
-            (torch.optim.lr_scheduler.LRScheduler, lambda obj, p: self.prepare_scheduler(obj)),
+            ((torch.optim.Optimizer, DummyOptim), lambda obj, p: self.prepare_optimizer(obj)),
+            ((torch.optim.lr_scheduler.LRScheduler, DummyScheduler), lambda obj, p: self.prepare_scheduler(obj)),
         )
         for kind, prepare_one in passes:
             for i, obj in enumerate(args):
@@ -275,7 +275,7 @@ class Accelerator:
         self._objects.models.append(prepared)
         return prepared
 
-    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> AcceleratedOptimizer:
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer | DummyOptim) -> AcceleratedOptimizer:
         if isinstance(optimizer, AcceleratedOptimizer):
             return optimizer
         wrapped = AcceleratedOptimizer(self.strategy.setup_optimizer(optimizer), self.gradient_state, self.scaler)
@@ -287,8 +287,8 @@ class Accelerator:
             return scheduler
         inner = getattr(scheduler, "optimizer", None)
         linked = [opt for opt in self._objects.optimizers if opt.optimizer is inner] or list(self._objects.optimizers)
-        wrapped = AcceleratedScheduler(scheduler, linked, self.gradient_state, self.step_scheduler_with_optimizer,
-                                       self.split_batches, self.num_processes)
+        wrapped = AcceleratedScheduler(self.strategy.setup_scheduler(scheduler), linked, self.gradient_state,
+                                       self.step_scheduler_with_optimizer, self.split_batches, self.num_processes)
         self._objects.schedulers.append(wrapped)
         return wrapped
 

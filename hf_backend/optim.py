@@ -124,3 +124,28 @@ class AcceleratedScheduler:
         if name == "scheduler":
             raise AttributeError(name)
         return getattr(self.scheduler, name)
+
+
+class DummyOptim:
+    """Stands in for the optimizer a DeepSpeed config's "optimizer" section defines (Accelerate's name and fields):
+    `prepare` hands DeepSpeed the parameters, and fills "auto" values in that section from `lr`, `weight_decay` and
+    keyword arguments such as `betas` and `eps`."""
+
+    def __init__(self, params: Any, lr: float = 0.001, weight_decay: float = 0.0, **kwargs: Any) -> None:
+        self.params = list(params)
+        self.lr = lr
+        self.weight_decay = weight_decay
+        self.kwargs = kwargs
+
+
+class DummyScheduler:
+    """Stands in for the scheduler a DeepSpeed config's "scheduler" section defines (or that
+    `lr_scheduler_callable(optimizer)` builds); "auto" warmup and total steps come from here."""
+
+    def __init__(self, optimizer: Any, total_num_steps: int | None = None, warmup_num_steps: int = 0,
+                 lr_scheduler_callable: Any = None, **kwargs: Any) -> None:
+        self.optimizer = optimizer
+        self.total_num_steps = total_num_steps
+        self.warmup_num_steps = warmup_num_steps
+        self.lr_scheduler_callable = lr_scheduler_callable
+        self.kwargs = kwargs

@@ -17,6 +17,7 @@ from .collectives import (
     reduce,
     send_to_device,
 )
+from .optim import DummyOptim, DummyScheduler
 from .options import (
     AutocastKwargs,
     DataLoaderConfiguration,
@@ -45,7 +46,8 @@ def set_seed(seed: int, device_specific: bool = False, deterministic: bool = Fal
 
 
 __all__ = [
-    "AutocastKwargs", "DataLoaderConfiguration", "DistributedDataParallelKwargs", "DistributedType",
+    "AutocastKwargs", "DataLoaderConfiguration", "DistributedDataParallelKwargs", "DistributedType", "DummyOptim",
+    "DummyScheduler",
     "GradScalerKwargs", "GradientAccumulationPlugin", "InitProcessGroupKwargs", "ProjectConfiguration", "broadcast",
     "broadcast_object_list", "gather", "gather_object", "pad_across_processes", "recursively_apply", "reduce",
     "send_to_device", "set_seed",

@@ -107,7 +107,7 @@ def test_the_docs_dict_as_written_with_fp16_names_what_works():
     fp16.pop("bf16")
     model = transformers.BertForSequenceClassification(transformers.BertConfig(**CONFIG))
     strategy = _strategy(hf_ds_config=fp16)
-    with pytest.raises(HfBackendError, match="fp16.enabled is not supported by hf_backend yet; use bf16"):
+    with pytest.raises(HfBackendError, match="fp16.enabled: DeepSpeed's CPU accelerator does not run fp16"):
         strategy._resolve(strategy.config, model, _loader())
 
 
@@ -181,3 +181,33 @@ def test_zero3_init_flag_partitions_parameters_while_from_pretrained_builds(tmp_
     partitioned = run_report(LOOP, tmp_path / "b.json", [*args, "--zero3-init"], nproc=2)
     assert not plain["partitioned_before_prepare"] and partitioned["partitioned_before_prepare"]
     assert partitioned["losses"] == plain["losses"]
+
+
+def test_config_optimizer_and_scheduler_through_placeholders(tmp_path):
+    torch_adamw = run_report(LOOP, tmp_path / "a.json", ["--zero", "2"], nproc=2)
+    own = run_report(LOOP, tmp_path / "b.json", ["--zero", "2", "--ds-optimizer", "optimizer"], nproc=2)
+    assert _relative(own["losses"], torch_adamw["losses"]) <= 1e-4  # "auto" lr / weight decay came from DummyOptim
+    warm = run_report(LOOP, tmp_path / "c.json", ["--zero", "2", "--ds-optimizer", "optimizer+scheduler"], nproc=2)
+    lrs = warm["lrs"]
+    assert lrs[0] < lrs[2] < lrs[3] == pytest.approx(1e-3)  # warm-up over warmup_num_steps=4
+    assert lrs[4:] == pytest.approx([1e-3] * len(lrs[4:]))
+
+
+def test_placeholders_and_sections_must_go_together():
+    from hf_backend.utils import DummyOptim, DummyScheduler
+
+    model = torch.nn.Linear(2, 2)
+    strategy = _strategy(hf_ds_config={"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}})
+    with pytest.raises(HfBackendError, match=r'config defines an "optimizer": prepare DummyOptim'):
+        strategy._resolve_placeholders(strategy.config, torch.optim.SGD(model.parameters(), lr=0.1), None)
+    dummy = DummyOptim(model.parameters(), lr=0.5)
+    strategy._resolve_placeholders(strategy.config, dummy, None)
+    assert strategy.config["optimizer"]["params"]["lr"] == 0.5
+    with pytest.raises(HfBackendError, match='DummyOptim needs an "optimizer" section'):
+        _strategy()._resolve_placeholders({"zero_optimization": {"stage": 2}}, dummy, None)
+    with pytest.raises(HfBackendError, match='DummyScheduler needs a "scheduler" section'):
+        _strategy()._resolve_placeholders({"zero_optimization": {"stage": 2}}, None, DummyScheduler(dummy))
+    from hf_backend import Accelerator
+
+    with pytest.raises(HfBackendError, match="DummyOptim stands in for a DeepSpeed config's optimizer"):
+        Accelerator().prepare(model, DummyOptim(model.parameters()))

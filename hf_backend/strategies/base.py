@@ -47,7 +47,16 @@ class Strategy:
         return model
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise HfBackendError(f"prepare(): {type(optimizer).__name__} is not a torch optimizer (DummyOptim stands "
+                                 "in for a DeepSpeed config's optimizer and needs DeepSpeed)")
         return optimizer
+
+    def setup_scheduler(self, scheduler: Any) -> Any:
+        if type(scheduler).__name__ == "DummyScheduler":
+            raise HfBackendError("DummyScheduler stands in for a DeepSpeed config's scheduler; use a torch scheduler "
+                                 "without DeepSpeed")
+        return scheduler
 
     def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """The user's module: no parallel wrapper, no torch.compile wrapper."""

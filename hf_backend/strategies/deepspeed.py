@@ -20,6 +20,7 @@ from ..config.plugins import DeepSpeedPlugin
 from ..errors import HfBackendError
 from ..gradient_state import GradientState
 from ..log import note
+from ..optim import DummyOptim, DummyScheduler
 from ..options import Handlers
 from ..precision import Precision
 from ..state import DistributedType, ProcessState
@@ -29,6 +30,13 @@ _BUCKETS = {  # ZeRO sizes derived from the hidden size h, as transformers does
     "reduce_bucket_size": lambda h: h * h,
     "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
     "stage3_param_persistence_threshold": lambda h: 10 * h,
+}
+
+
+_FP16_MESSAGE = {  # by whether the device is the CPU
+    True: "DeepSpeed's CPU accelerator does not run fp16 (DeepSpeed 0.19.8 stops with 'Type fp16 is not supported on "
+          "your device'); use bf16",
+    False: "hf_backend does not run DeepSpeed's fp16 loss scaling yet; use bf16",
 }
 
 
@@ -44,8 +52,7 @@ class DeepSpeedStrategy(Strategy):
             raise HfBackendError("DeepSpeed was asked for but is not installed: DS_BUILD_OPS=0 pip install deepspeed "
                                  "(or pip install 'hf-backend[deepspeed]')") from None
         if precision.mode == "fp16":
-            raise HfBackendError("mixed_precision='fp16' with DeepSpeed is not supported by hf_backend yet (on this "
-                                 "CPU machine DeepSpeed's fp16 run aborted at exit); use bf16")
+            raise HfBackendError(_FP16_MESSAGE[state.device.type == "cpu"])
         self.plugin = plugin
         self.config = plugin.config()
         self.gradient_state = gradient_state
@@ -67,22 +74,65 @@ class DeepSpeedStrategy(Strategy):
             return
         if self.engine is not None or len(models) > 1:
             raise HfBackendError("DeepSpeed trains one model per Accelerator: prepare it once, with its optimizer")
-        optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
+        optimizers = [o for o in objects if isinstance(o, (torch.optim.Optimizer, DummyOptim))]
         if len(optimizers) > 1:
             raise HfBackendError("DeepSpeed takes one optimizer; pass param groups to a single optimizer instead")
+        schedulers = [o for o in objects if isinstance(o, (torch.optim.lr_scheduler.LRScheduler, DummyScheduler))]
         loaders = [o for o in objects if isinstance(o, DataLoader)]
+        optimizer = optimizers[0] if optimizers else None
+        scheduler = schedulers[0] if schedulers else None
         self.config = self._resolve(self.config, models[0], loaders[0] if loaders else None)
+        self._resolve_placeholders(self.config, optimizer, scheduler)
         import deepspeed
 
-        optimizer = optimizers[0] if optimizers else None
-        if optimizer is not None and self.config["zero_optimization"].get("offload_optimizer", {}).get(
+        client = None if isinstance(optimizer, DummyOptim) else optimizer
+        if client is not None and self.config["zero_optimization"].get("offload_optimizer", {}).get(
                 "device", "none") != "none":
-            optimizer = self._offload_optimizer(optimizer)
+            client = self._offload_optimizer(client)
+        params = optimizer.params if isinstance(optimizer, DummyOptim) else \
+            [p for p in models[0].parameters() if p.requires_grad]
+        callable_scheduler = getattr(scheduler, "lr_scheduler_callable", None) if "scheduler" not in self.config \
+            else None
         self.engine, _, _, _ = deepspeed.initialize(
-            model=models[0], optimizer=optimizer, config=self.config,
-            model_parameters=None if optimizer is not None else [p for p in models[0].parameters() if p.requires_grad],
+            model=models[0], optimizer=client, config=self.config, lr_scheduler=callable_scheduler,
+            model_parameters=None if client is not None else params,
         )
-        self._client_optimizer = optimizers[0] if optimizers else None
+        self._client_optimizer = optimizer
+
+    def _resolve_placeholders(self, config: dict[str, Any], optimizer: Any, scheduler: Any) -> None:
+        """A config "optimizer"/"scheduler" section goes with DummyOptim/DummyScheduler, whose values fill "auto"."""
+        if "optimizer" in config:
+            if not isinstance(optimizer, DummyOptim):
+                raise HfBackendError('DeepSpeed config defines an "optimizer": prepare DummyOptim(model.parameters(), '
+                                     "lr=...) (hf_backend.utils) in place of a torch optimizer, or drop the section")
+            defaults = {"lr": optimizer.lr, "weight_decay": optimizer.weight_decay, "betas": [0.9, 0.999],
+                        "eps": 1e-8, **optimizer.kwargs}
+            params = config["optimizer"].setdefault("params", {})
+            for key, value in params.items():
+                if value == "auto" and key in defaults:
+                    params[key] = list(defaults[key]) if key == "betas" else defaults[key]
+        elif isinstance(optimizer, DummyOptim):
+            raise HfBackendError('DummyOptim needs an "optimizer" section in the DeepSpeed config; add one or prepare '
+                                 "a torch optimizer")
+        if "scheduler" in config:
+            if scheduler is not None and not isinstance(scheduler, DummyScheduler):
+                raise HfBackendError('DeepSpeed config defines a "scheduler": prepare DummyScheduler(optimizer, '
+                                     "total_num_steps=..., warmup_num_steps=...) in place of a torch scheduler")
+            lr = config.get("optimizer", {}).get("params", {}).get("lr")
+            fills = {"warmup_min_lr": 0, "warmup_max_lr": lr,
+                     "warmup_num_steps": getattr(scheduler, "warmup_num_steps", None),
+                     "total_num_steps": getattr(scheduler, "total_num_steps", None)}
+            params = config["scheduler"].setdefault("params", {})
+            for key, value in params.items():
+                if value == "auto" and fills.get(key) is not None:
+                    params[key] = fills[key]
+        elif isinstance(scheduler, DummyScheduler) and scheduler.lr_scheduler_callable is None:
+            raise HfBackendError('DummyScheduler needs a "scheduler" section in the DeepSpeed config or '
+                                 "lr_scheduler_callable=...")
+        left = _auto_keys({k: config[k] for k in ("optimizer", "scheduler") if k in config})
+        if left:
+            raise HfBackendError(f'DeepSpeed config: {", ".join(left)} is "auto" and nothing here resolves it; give a '
+                                 "number, or the value to DummyOptim / DummyScheduler")
 
     def _offload_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Offloaded optimizer state is stepped on the CPU: Adam and AdamW become DeepSpeed's CPU Adam (compiled on
@@ -135,7 +185,7 @@ class DeepSpeedStrategy(Strategy):
             if section.get("enabled", "auto") == "auto":
                 section["enabled"] = wanted
         if config["fp16"]["enabled"]:
-            raise HfBackendError("DeepSpeed config: fp16.enabled is not supported by hf_backend yet; use bf16")
+            raise HfBackendError("DeepSpeed config: fp16.enabled: " + _FP16_MESSAGE[self.state.device.type == "cpu"])
         zero = config["zero_optimization"]
         for key, rule in _BUCKETS.items():
             if zero.get(key) == "auto":
@@ -144,11 +194,7 @@ class DeepSpeedStrategy(Strategy):
                     raise HfBackendError(f'DeepSpeed config: zero_optimization.{key} is "auto" but the model has no '
                                          "config.hidden_size to derive it from; give a number")
                 zero[key] = rule(hidden)
-        for section in ("optimizer", "scheduler"):
-            if section in config:
-                raise HfBackendError(f'DeepSpeed config: an "{section}" section is not supported by hf_backend yet; '
-                                     f"create a torch {section} in the script and prepare it")
-        left = _auto_keys(config)
+        left = _auto_keys({k: v for k, v in config.items() if k not in ("optimizer", "scheduler")})
         if left:
             raise HfBackendError(f'DeepSpeed config: {", ".join(left)} is "auto" and nothing here resolves it; '
                                  "give a number")
@@ -165,7 +211,13 @@ class DeepSpeedStrategy(Strategy):
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         if optimizer is not self._client_optimizer:
             raise HfBackendError("DeepSpeed: prepare() the optimizer in the same call as its model")
-        return _EngineSteps(optimizer)
+        # DeepSpeed's own optimizer (config section) is the one whose param groups the engine steps.
+        return _EngineSteps(self.engine.optimizer if isinstance(optimizer, DummyOptim) else optimizer)
+
+    def setup_scheduler(self, scheduler: Any) -> Any:
+        if isinstance(scheduler, DummyScheduler):
+            return _EngineScheduler(self.engine.lr_scheduler)
+        return scheduler
 
     # -- training step -----------------------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, accumulation_steps: int, sync: bool, **kwargs: Any) -> None:
@@ -249,6 +301,28 @@ class _EngineSteps(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         return None
+
+
+class _EngineScheduler:
+    """What `prepare` returns for a DummyScheduler: the engine steps DeepSpeed's scheduler at each optimizer step."""
+
+    def __init__(self, scheduler: Any) -> None:
+        if scheduler is None:
+            raise HfBackendError("DummyScheduler: DeepSpeed built no scheduler; check the config's scheduler section")
+        self.scheduler = scheduler
+        self._step_count = 0
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def get_last_lr(self) -> list[float]:
+        return self.scheduler.get_last_lr()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state_dict)
 
 
 def _partition_at_construction(config: dict[str, Any], bf16: bool) -> Any:

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from transformers import BertConfig, BertForSequenceClassification
 
 from hf_backend import Accelerator, DeepSpeedPlugin, FullyShardedDataParallelPlugin
-from hf_backend.utils import gather_object, set_seed
+from hf_backend.utils import DummyOptim, DummyScheduler, gather_object, set_seed
 
 CONFIG = dict(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
               max_position_embeddings=32, num_labels=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
@@ -45,6 +45,8 @@ def main() -> int:
     p.add_argument("--ds-config", default=None, help="a DeepSpeed config JSON (with --zero)")
     p.add_argument("--mixed-precision", default=None)
     p.add_argument("--zero3-init", action="store_true", help="zero3_init_flag: partition while building")
+    p.add_argument("--ds-optimizer", choices=("optimizer", "optimizer+scheduler"), default=None,
+                   help="DeepSpeed builds the optimizer (and scheduler) from config sections, through placeholders")
     p.add_argument("--docs-plugin", action="store_true", help="the docs' plugin with Full*StateDictConfig objects")
     p.add_argument("--state-dict-type", default="SHARDED_STATE_DICT")
     p.add_argument("--batch-size", type=int, default=8)
@@ -73,7 +75,14 @@ def main() -> int:
                                                 cpu_ram_efficient_loading=args.meta_elsewhere)
     ds_plugin = None
     if args.zero is not None:
-        ds_plugin = DeepSpeedPlugin(hf_ds_config=json.loads(args.ds_config) if args.ds_config else None,
+        ds_config = json.loads(args.ds_config) if args.ds_config else {}
+        if args.ds_optimizer:
+            auto = dict.fromkeys(("lr", "weight_decay", "betas", "eps"), "auto")
+            ds_config["optimizer"] = {"type": "AdamW", "params": auto}
+        if args.ds_optimizer == "optimizer+scheduler":
+            ds_config["scheduler"] = {"type": "WarmupLR", "params": dict.fromkeys(
+                ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps"), "auto")}
+        ds_plugin = DeepSpeedPlugin(hf_ds_config=ds_config or None,
                                     zero_stage=args.zero, gradient_clipping=1.0, zero3_init_flag=args.zero3_init)
     accelerator = Accelerator(gradient_accumulation_steps=args.grad_accum, fsdp_plugin=plugin,
                               deepspeed_plugin=ds_plugin, mixed_precision=args.mixed_precision)
@@ -89,8 +98,17 @@ def main() -> int:
                    else local_bytes(model.parameters()),
                    "partitioned_before_prepare": all(hasattr(q, "ds_id") for q in model.parameters())}
     loader = DataLoader(data(), batch_size=args.batch_size, shuffle=True)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    scheduler = None
+    if args.ds_optimizer:
+        optimizer = DummyOptim(model.parameters(), lr=1e-3, weight_decay=0.01)
+        if args.ds_optimizer == "optimizer+scheduler":
+            scheduler = DummyScheduler(optimizer, warmup_num_steps=4)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if scheduler is not None:
+        model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    else:
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     if args.resume:
         accelerator.load_state(args.checkpoint)
 
@@ -105,10 +123,14 @@ def main() -> int:
                     report["grad_norm"] = accelerator.clip_grad_norm_(model.parameters(), 1.0).item()
                     report["bytes_grads"] = local_bytes(q.grad for q in model.parameters())
                 optimizer.step()
+                if scheduler is not None:
+                    scheduler.step()
                 optimizer.zero_grad()
             micro.append(accelerator.reduce(loss.detach(), "mean").item())
             if accelerator.sync_gradients:
                 report["losses"].append(sum(micro) / len(micro))
+                if scheduler is not None:
+                    report.setdefault("lrs", []).append(scheduler.get_last_lr()[0])
                 micro, steps = [], steps + 1
                 if steps == args.stop_after:
                     accelerator.save_state(args.checkpoint)
