@@ -140,7 +140,6 @@ def test_auto_values_are_resolved_from_the_prepared_objects():
 
 
 @pytest.mark.parametrize(("config", "message"), [
-    ({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}, 'an "optimizer" section is not supported'),
     ({"zero_optimization": {"stage": 2}, "wall_clock_breakdown": "auto"}, "wall_clock_breakdown is \"auto\""),
 ])
 def test_unresolvable_auto_values_are_named(config, message):
@@ -203,6 +202,8 @@ def test_placeholders_and_sections_must_go_together():
     dummy = DummyOptim(model.parameters(), lr=0.5)
     strategy._resolve_placeholders(strategy.config, dummy, None)
     assert strategy.config["optimizer"]["params"]["lr"] == 0.5
+    with pytest.raises(HfBackendError, match=r'optimizer.params.momentum is "auto" and nothing here resolves it'):
+        strategy._resolve_placeholders({"optimizer": {"type": "SGD", "params": {"momentum": "auto"}}}, dummy, None)
     with pytest.raises(HfBackendError, match='DummyOptim needs an "optimizer" section'):
         _strategy()._resolve_placeholders({"zero_optimization": {"stage": 2}}, dummy, None)
     with pytest.raises(HfBackendError, match='DummyScheduler needs a "scheduler" section'):
