@@ -451,15 +451,8 @@ class Accelerator:
     def save_state(self, output_dir: str | os.PathLike | None = None, safe_serialization: bool = True) -> str:
         """Save everything needed to continue training exactly where it stands; returns the directory."""
         config = self.project_configuration
-        automatic = output_dir is None and config.automatic_checkpoint_naming
-        if automatic:
-            if config.project_dir is None:
-                raise HfBackendError("save_state(): automatic checkpoint naming needs project_dir; pass "
-                                     "Accelerator(project_dir=...) or ProjectConfiguration(project_dir=...)")
-            output_dir = checkpoint.auto_checkpoint_dir(config.project_dir, config.iteration)
-        elif output_dir is None:
-            raise HfBackendError("save_state() needs a directory, or ProjectConfiguration(automatic_checkpoint_naming="
-                                 "True, project_dir=...)")
+        automatic = output_dir is None
+        output_dir = output_dir if output_dir is not None else checkpoint.automatic_dir(config)
         target = checkpoint.save_checkpoint(
             output_dir, self._objects, state=self.state, strategy=self.strategy, scaler=self.scaler,
             extra={"accumulation_step": self.step, "iteration": config.iteration},
@@ -476,12 +469,7 @@ class Accelerator:
         """Restore what `save_state` wrote. The next pass over each prepared dataloader continues with the batch after
         the last one seen, in the same order: no manual skipping."""
         config = self.project_configuration
-        if input_dir is None:
-            found = checkpoint.list_auto_checkpoints(config.project_dir) if config.project_dir else []
-            if not found:
-                raise HfBackendError(f"load_state(): no checkpoint under {config.project_dir}/checkpoints; pass the "
-                                     "directory save_state wrote")
-            input_dir = found[-1]
+        input_dir = input_dir if input_dir is not None else checkpoint.latest_automatic_dir(config)
         meta = checkpoint.load_checkpoint(input_dir, self._objects, state=self.state, strategy=self.strategy,
                                           scaler=self.scaler)
         saved_world = meta["num_processes"]
@@ -489,7 +477,7 @@ class Accelerator:
             note(f"load_state: {input_dir} was saved by {saved_world} processes and is resumed by "
                  f"{self.num_processes}; random states of processes the checkpoint lacks start fresh")
         self.step = meta.get("accumulation_step", 0)
-        if config.automatic_checkpoint_naming and checkpoint.list_auto_checkpoints(config.project_dir or ""):
+        if config.automatic_checkpoint_naming:  # continue the numbering after the checkpoint loaded
             config.iteration = max(config.iteration, meta.get("iteration", -1) + 1)
 
     # -- lifecycle -------------------------------------------------------------------------------------------------

@@ -143,6 +143,26 @@ def list_auto_checkpoints(project_dir: str) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def automatic_dir(config: Any) -> Path:
+    """Where `save_state()` without a directory writes: the next automatic checkpoint of a ProjectConfiguration."""
+    if not config.automatic_checkpoint_naming:
+        raise HfBackendError("save_state() needs a directory, or ProjectConfiguration(automatic_checkpoint_naming="
+                             "True, project_dir=...)")
+    if config.project_dir is None:
+        raise HfBackendError("save_state(): automatic checkpoint naming needs project_dir; pass "
+                             "Accelerator(project_dir=...) or ProjectConfiguration(project_dir=...)")
+    return auto_checkpoint_dir(config.project_dir, config.iteration)
+
+
+def latest_automatic_dir(config: Any) -> Path:
+    """What `load_state()` without a directory reads: the newest automatic checkpoint."""
+    found = list_auto_checkpoints(config.project_dir) if config.project_dir else []
+    if not found:
+        raise HfBackendError(f"load_state(): no checkpoint under {config.project_dir}/checkpoints; pass the "
+                             "directory save_state wrote")
+    return found[-1]
+
+
 def rotate(project_dir: str, total_limit: int) -> None:
     for old in list_auto_checkpoints(project_dir)[:-total_limit]:
         shutil.rmtree(old, ignore_errors=True)
