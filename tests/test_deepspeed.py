@@ -212,3 +212,10 @@ def test_placeholders_and_sections_must_go_together():
 
     with pytest.raises(HfBackendError, match="DummyOptim stands in for a DeepSpeed config's optimizer"):
         Accelerator().prepare(model, DummyOptim(model.parameters()))
+
+
+def test_an_accelerate_plugin_object_is_read_by_its_fields():
+    accelerate = pytest.importorskip("accelerate")
+    theirs = accelerate.DeepSpeedPlugin(hf_ds_config={"zero_optimization": {"stage": 3}}, gradient_clipping=0.7)
+    config = DeepSpeedPlugin.from_object(theirs).config()
+    assert config["zero_optimization"]["stage"] == 3 and config["gradient_clipping"] == 0.7
