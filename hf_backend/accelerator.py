@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 
 from . import checkpoint, collectives
 from .config import environment as env
-from .config.plugins import DeepSpeedPlugin, FullyShardedDataParallelPlugin
+from .config.plugins import plugins_in_effect
 from .data import PreparedDataLoader, prepare_dataloader
 from .errors import HfBackendError
 from .gradient_state import GradientState
@@ -107,17 +107,7 @@ class Accelerator:
         self.device_placement = device_placement
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self.launch_config = env.read_launch_config()  # what `hf-backend launch` handed over, or None
-        launched_type = self.launch_config.distributed_type if self.launch_config else None
-        if fsdp_plugin is not None and deepspeed_plugin is not None:
-            raise HfBackendError("Accelerator(): pass fsdp_plugin or deepspeed_plugin, not both")
-        if fsdp_plugin is not None:
-            fsdp_plugin = FullyShardedDataParallelPlugin.from_object(fsdp_plugin)
-        elif deepspeed_plugin is not None:
-            deepspeed_plugin = DeepSpeedPlugin.from_object(deepspeed_plugin)
-        elif launched_type == "FSDP":
-            fsdp_plugin = FullyShardedDataParallelPlugin.from_section(self.launch_config.fsdp)
-        elif launched_type == "DEEPSPEED":
-            deepspeed_plugin = DeepSpeedPlugin.from_section(self.launch_config.deepspeed)
+        fsdp_plugin, deepspeed_plugin = plugins_in_effect(fsdp_plugin, deepspeed_plugin, self.launch_config)
         self.strategy = select_strategy(self.state, self.precision, self.handlers, fsdp_plugin, deepspeed_plugin,
                                         self.gradient_state, self.dataloader_config.split_batches)
         self._objects = checkpoint.Checkpointable()

@@ -192,4 +192,17 @@ class DeepSpeedPlugin:
         return config
 
 
-__all__ = ["ConfigError", "DeepSpeedPlugin", "FullyShardedDataParallelPlugin"]
+def plugins_in_effect(fsdp_plugin: Any, deepspeed_plugin: Any, launch_config: Any) -> tuple[
+        FullyShardedDataParallelPlugin | None, DeepSpeedPlugin | None]:
+    """The plugins an Accelerator uses: those given to it (ours or Accelerate's objects), else the launcher's."""
+    if fsdp_plugin is not None and deepspeed_plugin is not None:
+        raise ConfigError("Accelerator(): pass fsdp_plugin or deepspeed_plugin, not both")
+    if fsdp_plugin is not None or deepspeed_plugin is not None:
+        return (FullyShardedDataParallelPlugin.from_object(fsdp_plugin) if fsdp_plugin is not None else None,
+                DeepSpeedPlugin.from_object(deepspeed_plugin) if deepspeed_plugin is not None else None)
+    kind = launch_config.distributed_type if launch_config is not None else None
+    return (FullyShardedDataParallelPlugin.from_section(launch_config.fsdp) if kind == "FSDP" else None,
+            DeepSpeedPlugin.from_section(launch_config.deepspeed) if kind == "DEEPSPEED" else None)
+
+
+__all__ = ["ConfigError", "DeepSpeedPlugin", "FullyShardedDataParallelPlugin", "plugins_in_effect"]
