@@ -32,3 +32,19 @@ def run_script(script: str, args: list[str], nproc: int = 1, timeout: int = 240,
 def run_report(script: str, out: Path, args: list[str], nproc: int = 1, **kw) -> dict:
     run_script(script, ["--out", str(out), *args], nproc=nproc, **kw)
     return json.loads(out.read_text())
+
+
+# The BERT-shaped loop shared by the FSDP and DeepSpeed tests: 32 optimizer steps with accumulation and clipping.
+BERT_LOOP = "bert_loop.py"
+BERT_TRAIN = ["--batch-size", "4", "--grad-accum", "2", "--epochs", "2"]
+
+
+def relative_difference(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b)
+    return max(abs(x - y) / abs(x) for x, y in zip(a, b))
+
+
+@pytest.fixture(scope="session")
+def bert_ddp(tmp_path_factory) -> dict:
+    """The DDP run every sharded strategy is compared with (run once per test session)."""
+    return run_report(BERT_LOOP, tmp_path_factory.mktemp("bert_ddp") / "r.json", BERT_TRAIN, nproc=2)

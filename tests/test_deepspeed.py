@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from conftest import SCRIPTS, run_report
+from conftest import BERT_LOOP, BERT_TRAIN, SCRIPTS, relative_difference, run_report
 
 from hf_backend import DeepSpeedPlugin, HfBackendError
 from hf_backend.gradient_state import GradientState
@@ -22,28 +22,17 @@ from bert_loop import CONFIG, data  # noqa: E402
 
 from hf_backend.strategies import DeepSpeedStrategy  # noqa: E402
 
-LOOP = "bert_loop.py"
-TRAIN = ["--batch-size", "4", "--grad-accum", "2", "--epochs", "2"]  # 32 optimizer steps, accumulation and clipping
-
-
-def _relative(a: list[float], b: list[float]) -> float:
-    assert len(a) == len(b)
-    return max(abs(x - y) / abs(x) for x, y in zip(a, b))
-
-
-@pytest.fixture(scope="module")
-def ddp(tmp_path_factory) -> dict:
-    return run_report(LOOP, tmp_path_factory.mktemp("ddp") / "r.json", TRAIN, nproc=2)
+LOOP, TRAIN, _relative = BERT_LOOP, BERT_TRAIN, relative_difference
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_zero_stages_match_ddp(ddp, tmp_path, stage):
+def test_zero_stages_match_ddp(bert_ddp, tmp_path, stage):
     run = run_report(LOOP, tmp_path / "r.json", [*TRAIN, "--zero", str(stage)], nproc=2)
     assert run["distributed_type"] == "DEEPSPEED" and len(run["losses"]) == 32
-    assert _relative(run["losses"], ddp["losses"]) <= 1e-4
-    assert abs(run["grad_norm"] - ddp["grad_norm"]) <= 1e-4 * ddp["grad_norm"]
+    assert _relative(run["losses"], bert_ddp["losses"]) <= 1e-4
+    assert abs(run["grad_norm"] - bert_ddp["grad_norm"]) <= 1e-4 * bert_ddp["grad_norm"]
     # ZeRO partitions the optimizer state over the 2 ranks.
-    assert run["per_rank"][0]["bytes_optim"] <= 0.55 * ddp["per_rank"][0]["bytes_optim"]
+    assert run["per_rank"][0]["bytes_optim"] <= 0.55 * bert_ddp["per_rank"][0]["bytes_optim"]
 
 
 def test_accumulation_two_by_eight_equals_one_by_sixteen(tmp_path):
