@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from ..checkpoint import check_loaded, load_file, read_state_dict, tied_weight_keys, write_weights
 from ..errors import HfBackendError
+from ..optim import DummyScheduler
 from ..options import Handlers
 from ..precision import Precision
 from ..state import DistributedType, ProcessState
@@ -53,7 +54,7 @@ class Strategy:
         return optimizer
 
     def setup_scheduler(self, scheduler: Any) -> Any:
-        if type(scheduler).__name__ == "DummyScheduler":
+        if isinstance(scheduler, DummyScheduler):
             raise HfBackendError("DummyScheduler stands in for a DeepSpeed config's scheduler; use a torch scheduler "
                                  "without DeepSpeed")
         return scheduler
