@@ -109,6 +109,14 @@ def test_launch_errors_are_one_line(tmp_path):
     assert proc.returncode == 2 and "no script at" in proc.stderr and proc.stderr.count("\n") == 1
 
 
+def test_the_scripts_own_flags_pass_through_even_when_they_look_like_launch_flags(tmp_path):
+    script = tmp_path / "echo.py"
+    script.write_text("import sys; print(sys.argv[1:])")
+    proc = cli("launch", "--cpu", str(script), "--deepspeed", "ds.json", "--num_processes", "3", HF_HOME=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "['--deepspeed', 'ds.json', '--num_processes', '3']"
+
+
 def test_interactive_config_reads_piped_answers(tmp_path):
     path = tmp_path / "answers.yaml"
     # machine type, machines, processes, FSDP?, sharding, offload, wrap policy, layer class, state dict, precision

@@ -24,7 +24,8 @@ _ENV_KEYS = {"mixed_precision": env.MIXED_PRECISION, "gradient_accumulation_step
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("launch", help="run a training script on several processes or machines",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                       allow_abbrev=False)  # else the script's own --deepspeed reads as an abbreviated launch flag
     p.add_argument("--config_file", help="config file (default: the one `hf-backend config` wrote, if any)")
     top = fields_of(LaunchConfig)
     for name in _TOP_FLAGS:
