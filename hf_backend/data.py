@@ -5,6 +5,10 @@ is N times larger (with `split_batches`, the loader's batch is that global batch
 When the last global batch is short and `even_batches` is set, it is padded with samples from the start of the epoch
 so every process takes the same number of equal batches; `gather_for_metrics` drops the padding again.
 
+Order: a RandomSampler without a generator of its own gets one, and epoch e is shuffled with seed `data_seed + e`
+(`data_seed` defaults to the process's torch seed, rank 0's): the order Accelerate's seedable sampler, and so
+transformers' Trainer, gives. A sampler with its own generator keeps it, with rank 0's state on every rank.
+
 Resuming: the loader records, for the epoch in progress, the state its sampler's random generator had when the epoch
 started and how many steps it has handed out. `load_state_dict` makes the next `iter()` replay that epoch's order and
 skip those steps (only indices are skipped; no sample is loaded twice).
@@ -102,9 +106,11 @@ class ShardedBatchSampler:
         return out
 
     def _single_steps(self) -> Iterator[tuple[list, int]]:
-        """One process: the user's batches as they are (a short last batch has no padding to drop)."""
+        """One process: the user's batches as they are; a short last batch still reports its real rows, for callers
+        that pad or repeat per-batch values to the nominal batch size (transformers' evaluation loop does)."""
         for batch in self.batch_sampler:
-            yield batch, 0
+            short = self.batch_size is not None and len(batch) < self.batch_size
+            yield batch, len(batch) if short else 0
 
     def _split_steps(self) -> Iterator[tuple[list, int]]:
         world, rank = self.num_processes, self.process_index
@@ -163,7 +169,7 @@ class PreparedDataLoader(DataLoader):
     """
 
     def __init__(self, loader: DataLoader, batch_sampler: ShardedBatchSampler | None, device: torch.device | None,
-                 gradient_state: GradientState, non_blocking: bool = False) -> None:
+                 gradient_state: GradientState, non_blocking: bool = False, order_seed: int | None = None) -> None:
         kwargs = {attr: getattr(loader, attr) for attr in _LOADER_ATTRS if hasattr(loader, attr)}
         if loader.num_workers > 0:
             kwargs["prefetch_factor"] = loader.prefetch_factor
@@ -176,6 +182,7 @@ class PreparedDataLoader(DataLoader):
         self.device = device
         self.non_blocking = non_blocking
         self.gradient_state = gradient_state
+        self.order_seed = order_seed  # epoch e is shuffled with seed order_seed + e (None: the generator's own stream)
         self.end_of_dataloader = False
         self.remainder = -1
         self._next_epoch = 0
@@ -216,6 +223,7 @@ class PreparedDataLoader(DataLoader):
             "epoch": epoch,
             "steps": steps,
             "rng_state": rng,
+            "order_seed": self.order_seed,
             "num_processes": sampler.num_processes if sampler else 1,
             "global_batch_size": sampler.global_batch_size if sampler else None,
         }
@@ -233,6 +241,7 @@ class PreparedDataLoader(DataLoader):
                 )
             steps = steps * saved // now
         self._resume = (int(state["epoch"]), steps, state.get("rng_state"))
+        self.order_seed = state.get("order_seed", self.order_seed)
         self._current_epoch = None
 
     def skip_first_batches(self, num_batches: int) -> PreparedDataLoader:
@@ -246,16 +255,17 @@ class PreparedDataLoader(DataLoader):
         return self
 
     # -- iteration -------------------------------------------------------------------------------------------------
-    def _start_pass(self) -> tuple[int, bool]:
+    def _start_pass(self) -> int:
         gen = self.generator_of_order
-        resuming = self._resume is not None
-        if resuming:
+        if self._resume is not None:
             epoch, skip, rng = self._resume
             self._resume = None
             if rng is not None and gen is not None:
                 gen.set_state(rng)
         else:
             epoch, skip = self._next_epoch, 0
+        if self.order_seed is not None and gen is not None:
+            gen.manual_seed((self.order_seed + epoch) % 2**64)
         self._epoch_rng = gen.get_state() if gen is not None else None
         self._current_epoch, self._next_epoch, self._steps = epoch, epoch + 1, skip
         if not self._iterable:
@@ -263,17 +273,17 @@ class PreparedDataLoader(DataLoader):
             for obj in (self.batch_sampler.batch_sampler, self.batch_sampler.sampler):
                 if hasattr(obj, "set_epoch"):
                     obj.set_epoch(epoch)
-        return skip, resuming
+        return skip
 
     def __iter__(self) -> Iterator[Any]:
-        skip, resuming = self._start_pass()
+        skip = self._start_pass()
         self.end_of_dataloader = False
         self.remainder = -1
         self.gradient_state.enter_dataloader(self)
         try:
-            # Starting an iterator draws its workers' base seed from the global RNG. A resumed pass made that draw
-            # before the checkpoint was taken, so it must not draw again from the restored state.
-            rng = torch.get_rng_state() if resuming else None
+            # Starting an iterator draws its workers' base seed from the global RNG. A pass resumed mid-way made that
+            # draw before the checkpoint was taken, so it must not draw again from the restored state.
+            rng = torch.get_rng_state() if skip else None
             it = super().__iter__()
             if rng is not None:
                 torch.set_rng_state(rng)
@@ -301,7 +311,7 @@ _END = object()
 
 def prepare_dataloader(loader: DataLoader, *, num_processes: int, process_index: int, device: torch.device | None,
                        split_batches: bool, even_batches: bool, gradient_state: GradientState,
-                       non_blocking: bool = False) -> PreparedDataLoader:
+                       non_blocking: bool = False, data_seed: int | None = None) -> PreparedDataLoader:
     if isinstance(loader, PreparedDataLoader):
         return loader
     if isinstance(loader.dataset, IterableDataset):
@@ -316,18 +326,20 @@ def prepare_dataloader(loader: DataLoader, *, num_processes: int, process_index:
         raise HfBackendError("prepare() needs a DataLoader that batches (batch_size=None gives it nothing to shard)")
     if isinstance(getattr(batch_sampler, "sampler", None), torch.utils.data.DistributedSampler):
         num_processes, process_index = 1, 0  # the user's sampler shards already: do not split twice
-    _share_order_generator(batch_sampler)
+    order_seed = _share_order_generator(batch_sampler, data_seed)
     sharded = ShardedBatchSampler(batch_sampler, num_processes, process_index, split_batches, even_batches)
-    return PreparedDataLoader(loader, sharded, device, gradient_state, non_blocking)
+    return PreparedDataLoader(loader, sharded, device, gradient_state, non_blocking, order_seed)
 
 
-def _share_order_generator(batch_sampler: Any) -> None:
-    """Give a random sampler its own generator, with rank 0's state on every rank: one epoch order for all ranks,
-    reproducible from the global seed, and resumable from its saved state."""
+def _share_order_generator(batch_sampler: Any, data_seed: int | None) -> int | None:
+    """One epoch order on every rank. A random sampler without a generator gets one, and the seed its epochs derive
+    from (returned); one with its own generator gets rank 0's state of it (None is returned)."""
     sampler = getattr(batch_sampler, "sampler", None)
     if sampler is None or not hasattr(sampler, "generator"):
-        return
+        return None
     if sampler.generator is None:
-        seed = int(torch.empty((), dtype=torch.int64).random_().item())
-        sampler.generator = torch.Generator().manual_seed(seed)
+        sampler.generator = torch.Generator()
+        seed = data_seed if data_seed is not None else torch.initial_seed()
+        return int(broadcast_object_list([seed])[0])
     sampler.generator.set_state(broadcast_object_list([sampler.generator.get_state()])[0])
+    return None

@@ -36,11 +36,14 @@ class DataLoaderConfiguration:
         number of processes); otherwise each process gets whole batches and the global batch is N times larger.
     even_batches: pad the last global batch with samples from the start of the epoch so that every process gets the
         same number of equally sized batches (`gather_for_metrics` drops the padding again).
+    data_seed: the seed epoch orders of shuffling loaders derive from (epoch e: data_seed + e); by default the
+        process's torch seed (rank 0's).
     """
 
     split_batches: bool = False
     even_batches: bool = True
     non_blocking: bool = False
+    data_seed: int | None = None
 
 
 @dataclass
