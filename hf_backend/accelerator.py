@@ -25,7 +25,7 @@ from .data import PreparedDataLoader, prepare_dataloader
 from .errors import HfBackendError
 from .gradient_state import GradientState
 from .log import note
-from .optim import AcceleratedOptimizer, AcceleratedScheduler, DummyOptim, DummyScheduler
+from .optim import AcceleratedOptimizer, AcceleratedScheduler, DummyOptim, DummyScheduler, as_placeholder
 from .options import (
     KWARGS_HANDLERS,
     DataLoaderConfiguration,
@@ -34,7 +34,7 @@ from .options import (
     ProjectConfiguration,
 )
 from .precision import Precision
-from .state import DistributedType, ProcessState, get_process_state, shutdown_process_group
+from .state import AcceleratorState, DistributedType, ProcessState, get_process_state, shutdown_process_group
 from .strategies import select_strategy
 
 _HANDLER_SLOTS = dict(zip(KWARGS_HANDLERS, ("ddp", "scaler", "init", "autocast")))
@@ -79,11 +79,11 @@ class Accelerator:
 
         cpu = env.resolve("cpu", cpu, env.USE_CPU, env.parse_bool, False)
         init = self.handlers.init
-        self.state: ProcessState = get_process_state(cpu=cpu, timeout=init.timeout, backend=init.backend)
+        self.process: ProcessState = get_process_state(cpu=cpu, timeout=init.timeout, backend=init.backend)
 
         mixed_precision = getattr(mixed_precision, "value", mixed_precision)  # Accelerate's PrecisionType enum
         mixed_precision = env.resolve("mixed_precision", mixed_precision, env.MIXED_PRECISION, str, "no")
-        self.precision = Precision(str(mixed_precision), self.state.device, self.handlers.scaler,
+        self.precision = Precision(str(mixed_precision), self.process.device, self.handlers.scaler,
                                    self.handlers.autocast)
 
         if gradient_accumulation_plugin is not None and gradient_accumulation_steps not in (None, 1):
@@ -108,43 +108,56 @@ class Accelerator:
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self.launch_config = env.read_launch_config()  # what `hf-backend launch` handed over, or None
         fsdp_plugin, deepspeed_plugin = plugins_in_effect(fsdp_plugin, deepspeed_plugin, self.launch_config)
-        self.strategy = select_strategy(self.state, self.precision, self.handlers, fsdp_plugin, deepspeed_plugin,
+        self.strategy = select_strategy(self.process, self.precision, self.handlers, fsdp_plugin, deepspeed_plugin,
                                         self.gradient_state, self.dataloader_config.split_batches)
         self._objects = checkpoint.Checkpointable()
         self.step = 0  # micro steps seen by accumulate() since the last sync
 
     # -- process state ---------------------------------------------------------------------------------------------
     @property
+    def state(self) -> AcceleratorState:
+        """Accelerate's `accelerator.state`: process facts plus the distributed type, precision and plugin in use."""
+        kind, plugin = self.distributed_type, self.strategy.plugin
+        return AcceleratorState(self.process, kind, self.mixed_precision,
+                                fsdp_plugin=plugin if kind == DistributedType.FSDP else None,
+                                deepspeed_plugin=plugin if kind == DistributedType.DEEPSPEED else None)
+
+    @property
+    def _models(self) -> list[torch.nn.Module]:
+        """The prepared models (an attribute transformers' Trainer reads)."""
+        return self._objects.models
+
+    @property
     def device(self) -> torch.device:
-        return self.state.device
+        return self.process.device
 
     @property
     def num_processes(self) -> int:
-        return self.state.num_processes
+        return self.process.num_processes
 
     @property
     def process_index(self) -> int:
-        return self.state.process_index
+        return self.process.process_index
 
     @property
     def local_process_index(self) -> int:
-        return self.state.local_process_index
+        return self.process.local_process_index
 
     @property
     def is_main_process(self) -> bool:
-        return self.state.is_main_process
+        return self.process.is_main_process
 
     @property
     def is_local_main_process(self) -> bool:
-        return self.state.is_local_main_process
+        return self.process.is_local_main_process
 
     @property
     def is_last_process(self) -> bool:
-        return self.state.is_last_process
+        return self.process.is_last_process
 
     @property
     def use_distributed(self) -> bool:
-        return self.state.distributed
+        return self.process.distributed
 
     @property
     def distributed_type(self) -> DistributedType:
@@ -187,7 +200,7 @@ class Accelerator:
         return any(opt.step_was_skipped for opt in self._objects.optimizers)
 
     def wait_for_everyone(self) -> None:
-        self.state.wait_for_everyone()
+        self.process.wait_for_everyone()
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         if self.is_local_main_process:
@@ -242,6 +255,7 @@ class Accelerator:
         placement = device_placement or [None] * len(args)
         if len(placement) != len(args):
             raise HfBackendError(f"prepare(): device_placement has {len(placement)} entries for {len(args)} objects")
+        args = tuple(as_placeholder(obj) for obj in args)
         self.strategy.bind([obj for obj in args if not _is_prepared(obj)])
         result = list(args)
         passes = (
@@ -258,10 +272,12 @@ class Accelerator:
 
     def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None,
                       evaluation_mode: bool = False) -> torch.nn.Module:
+        """`evaluation_mode`: the model is only evaluated, so it is placed and autocast but not wrapped for training
+        (no DDP)."""
         if any(model is m for m in self._objects.models):
             return model
         placement = self.device_placement if device_placement is None else device_placement
-        prepared = self.strategy.setup_model(model, device_placement=placement)
+        prepared = self.strategy.setup_model(model, device_placement=placement, evaluation_mode=evaluation_mode)
         self._objects.models.append(prepared)
         return prepared
 
@@ -292,7 +308,7 @@ class Accelerator:
             data_loader, num_processes=self.num_processes, process_index=self.process_index,
             device=device, split_batches=self.split_batches,
             even_batches=self.even_batches, gradient_state=self.gradient_state,
-            non_blocking=self.dataloader_config.non_blocking,
+            non_blocking=self.dataloader_config.non_blocking, data_seed=self.dataloader_config.data_seed,
         )
         self._objects.dataloaders.append(prepared)
         return prepared
@@ -393,8 +409,9 @@ class Accelerator:
         return collectives.pad_across_processes(tensor, dim, pad_index, pad_first)
 
     # -- models and saving -----------------------------------------------------------------------------------------
-    def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True) -> torch.nn.Module:
-        inner = self.strategy.unwrap_model(model)
+    def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True,
+                     keep_torch_compile: bool = False) -> torch.nn.Module:
+        inner = self.strategy.unwrap_model(model, keep_torch_compile=keep_torch_compile)
         if not keep_fp32_wrapper:
             Precision.unwrap_forward(inner)
         return inner
@@ -444,7 +461,7 @@ class Accelerator:
         automatic = output_dir is None
         output_dir = output_dir if output_dir is not None else checkpoint.automatic_dir(config)
         target = checkpoint.save_checkpoint(
-            output_dir, self._objects, state=self.state, strategy=self.strategy, scaler=self.scaler,
+            output_dir, self._objects, state=self.process, strategy=self.strategy, scaler=self.scaler,
             extra={"accumulation_step": self.step, "iteration": config.iteration},
             safe_serialization=safe_serialization,
         )
@@ -460,7 +477,7 @@ class Accelerator:
         the last one seen, in the same order: no manual skipping."""
         config = self.project_configuration
         input_dir = input_dir if input_dir is not None else checkpoint.latest_automatic_dir(config)
-        meta = checkpoint.load_checkpoint(input_dir, self._objects, state=self.state, strategy=self.strategy,
+        meta = checkpoint.load_checkpoint(input_dir, self._objects, state=self.process, strategy=self.strategy,
                                           scaler=self.scaler)
         saved_world = meta["num_processes"]
         if saved_world != self.num_processes:

@@ -188,40 +188,46 @@ def _staged_write(target: Path, state: ProcessState, write: Callable[[Path], Non
 
 
 # -- state checkpoints ------------------------------------------------------------------------------------------------
+def write_state(directory: Path, objects: Checkpointable, *, state: ProcessState, strategy: Any,
+                scaler: torch.amp.GradScaler | None, extra: dict[str, Any], safe_serialization: bool = True,
+                rng: bool = True) -> None:
+    """Write `objects` into the existing `directory`; every process calls it (gathering a full state, or writing
+    each process's shards, is collective)."""
+    if rng:
+        torch.save(capture_rng(), directory / f"rng_state_{state.process_index}.pt")
+    for i, model in enumerate(objects.models):
+        strategy.save_model_state(model, directory, _name("model", i, ""), safe_serialization)
+    for i, opt in enumerate(objects.optimizers):
+        strategy.save_optimizer_state(opt, directory, _name("optimizer", i, ""))
+    if not state.is_main_process:
+        return
+    for i, sched in enumerate(objects.schedulers):
+        torch.save(sched.state_dict(), directory / _name("scheduler", i, ".bin"))
+    for i, loader in enumerate(objects.dataloaders):
+        torch.save(loader.state_dict(), directory / _name("dataloader", i, ".bin"))
+    for i, obj in enumerate(objects.custom):
+        torch.save(obj.state_dict(), directory / f"custom_checkpoint_{i}.pkl")
+    if scaler is not None:
+        torch.save(scaler.state_dict(), directory / "scaler.pt")
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "num_processes": state.num_processes,
+        "counts": {k: len(getattr(objects, k)) for k in ("models", "optimizers", "schedulers", "dataloaders",
+                                                          "custom")},
+        "scaler": scaler is not None,
+        **extra,
+    }
+    (directory / METADATA).write_text(json.dumps(meta, indent=2))
+
+
 def save_checkpoint(target: str | os.PathLike, objects: Checkpointable, *, state: ProcessState, strategy: Any,
                     scaler: torch.amp.GradScaler | None, extra: dict[str, Any],
                     safe_serialization: bool = True) -> Path:
+    """`write_state` into a new directory `target`, staged so that it appears complete or not at all."""
     target = Path(target)
-
-    def write(directory: Path) -> None:
-        torch.save(capture_rng(), directory / f"rng_state_{state.process_index}.pt")
-        # Model and optimizer states go through the strategy on every process: gathering a full state, or writing
-        # each process's shards, is collective.
-        for i, model in enumerate(objects.models):
-            strategy.save_model_state(model, directory, _name("model", i, ""), safe_serialization)
-        for i, opt in enumerate(objects.optimizers):
-            strategy.save_optimizer_state(opt, directory, _name("optimizer", i, ""))
-        if not state.is_main_process:
-            return
-        for i, sched in enumerate(objects.schedulers):
-            torch.save(sched.state_dict(), directory / _name("scheduler", i, ".bin"))
-        for i, loader in enumerate(objects.dataloaders):
-            torch.save(loader.state_dict(), directory / _name("dataloader", i, ".bin"))
-        for i, obj in enumerate(objects.custom):
-            torch.save(obj.state_dict(), directory / f"custom_checkpoint_{i}.pkl")
-        if scaler is not None:
-            torch.save(scaler.state_dict(), directory / "scaler.pt")
-        meta = {
-            "format_version": FORMAT_VERSION,
-            "num_processes": state.num_processes,
-            "counts": {k: len(getattr(objects, k)) for k in ("models", "optimizers", "schedulers", "dataloaders",
-                                                              "custom")},
-            "scaler": scaler is not None,
-            **extra,
-        }
-        (directory / METADATA).write_text(json.dumps(meta, indent=2))
-
-    _staged_write(target, state, write)
+    _staged_write(target, state, lambda directory: write_state(
+        directory, objects, state=state, strategy=strategy, scaler=scaler, extra=extra,
+        safe_serialization=safe_serialization))
     return target
 
 
@@ -241,7 +247,7 @@ def read_metadata(source: str | os.PathLike) -> dict[str, Any]:
 
 
 def load_checkpoint(source: str | os.PathLike, objects: Checkpointable, *, state: ProcessState, strategy: Any,
-                    scaler: torch.amp.GradScaler | None) -> dict[str, Any]:
+                    scaler: torch.amp.GradScaler | None, rng: bool = True) -> dict[str, Any]:
     source = Path(source)
     meta = read_metadata(source)
     for kind, saved in meta["counts"].items():
@@ -264,7 +270,7 @@ def load_checkpoint(source: str | os.PathLike, objects: Checkpointable, *, state
     if scaler is not None and meta.get("scaler"):
         scaler.load_state_dict(load_file(source / "scaler.pt"))
     rng_file = source / f"rng_state_{state.process_index}.pt"
-    if rng_file.is_file():
+    if rng and rng_file.is_file():
         restore_rng(load_file(rng_file))
     return meta
 

@@ -5,6 +5,7 @@ One instance per Accelerator, shared with its prepared optimizers, schedulers an
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from .options import GradientAccumulationPlugin
@@ -23,6 +24,14 @@ class GradientState:
     @property
     def adjust_scheduler(self) -> bool:
         return self.plugin.adjust_scheduler
+
+    @property
+    def plugin_kwargs(self) -> dict[str, Any]:
+        return dataclasses.asdict(self.plugin)
+
+    def _set_sync_gradients(self, sync_gradients: bool) -> None:
+        """Accelerate's name: transformers' Trainer decides the accumulation window itself and says so here."""
+        self.sync_gradients = sync_gradients
 
     @property
     def active_dataloader(self) -> Any | None:

@@ -149,3 +149,17 @@ class DummyScheduler:
         self.warmup_num_steps = warmup_num_steps
         self.lr_scheduler_callable = lr_scheduler_callable
         self.kwargs = kwargs
+
+
+def as_placeholder(obj: Any) -> Any:
+    """Accelerate's DummyOptim / DummyScheduler (transformers' DeepSpeed integration creates those) as ours, read by
+    their fields; anything else comes back as it is."""
+    if not type(obj).__module__.startswith("accelerate."):
+        return obj
+    name = type(obj).__name__
+    if name == "DummyOptim":
+        return DummyOptim(obj.params, lr=obj.lr, weight_decay=obj.weight_decay, **obj.kwargs)
+    if name == "DummyScheduler":
+        return DummyScheduler(as_placeholder(obj.optimizer), obj.total_num_steps, obj.warmup_num_steps,
+                              obj.lr_scheduler_callable, **obj.kwargs)
+    return obj

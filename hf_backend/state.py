@@ -15,6 +15,7 @@ import enum
 import gc
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -49,6 +50,13 @@ class ProcessState:
         return self.num_processes > 1
 
     @property
+    def distributed_type(self) -> DistributedType:
+        """Plain data parallelism or none; an Accelerator's strategy may refine it (FSDP, DEEPSPEED)."""
+        if not self.distributed:
+            return DistributedType.NO
+        return DistributedType.MULTI_GPU if self.device.type == "cuda" else DistributedType.MULTI_CPU
+
+    @property
     def is_main_process(self) -> bool:
         return self.process_index == 0
 
@@ -63,6 +71,22 @@ class ProcessState:
     def wait_for_everyone(self) -> None:
         if self.distributed:
             dist.barrier()
+
+
+class AcceleratorState:
+    """What Accelerate scripts and transformers' Trainer read from `accelerator.state`: the process state (ranks,
+    device, ...) plus this Accelerator's distributed type, precision and the plugin of its strategy (or None)."""
+
+    def __init__(self, process: ProcessState, distributed_type: DistributedType, mixed_precision: str,
+                 fsdp_plugin: Any = None, deepspeed_plugin: Any = None) -> None:
+        self.process = process
+        self.distributed_type = distributed_type
+        self.mixed_precision = mixed_precision
+        self.fsdp_plugin = fsdp_plugin
+        self.deepspeed_plugin = deepspeed_plugin
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.process, name)
 
 
 _STATE: ProcessState | None = None

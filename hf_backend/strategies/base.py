@@ -32,6 +32,7 @@ class Strategy:
     """Defaults are those of a plain, unwrapped model on one device; subclasses override what they change."""
 
     distributed_type = DistributedType.NO
+    plugin: Any = None  # the FSDP / DeepSpeed plugin in effect, as `accelerator.state` shows it
 
     def __init__(self, state: ProcessState, precision: Precision, handlers: Handlers) -> None:
         self.state = state
@@ -40,7 +41,8 @@ class Strategy:
         self.models: list[torch.nn.Module] = []  # prepared by this strategy, in order
 
     # -- preparing ---------------------------------------------------------------------------------------------------
-    def setup_model(self, model: torch.nn.Module, device_placement: bool = True) -> torch.nn.Module:
+    def setup_model(self, model: torch.nn.Module, device_placement: bool = True,
+                    evaluation_mode: bool = False) -> torch.nn.Module:
         if device_placement:
             model = model.to(self.state.device)
         self.precision.wrap_forward(model)
@@ -59,10 +61,13 @@ class Strategy:
                                  "without DeepSpeed")
         return scheduler
 
-    def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The user's module: no parallel wrapper, no torch.compile wrapper."""
+    def unwrap_model(self, model: torch.nn.Module, keep_torch_compile: bool = False) -> torch.nn.Module:
+        """The user's module: no parallel wrapper (and no torch.compile wrapper unless `keep_torch_compile`)."""
         while True:
-            inner = getattr(model, "module", None) if self.is_wrapper(model) else getattr(model, "_orig_mod", None)
+            if self.is_wrapper(model):
+                inner = getattr(model, "module", None)
+            else:
+                inner = None if keep_torch_compile else getattr(model, "_orig_mod", None)
             if not isinstance(inner, torch.nn.Module):
                 return model
             model = inner

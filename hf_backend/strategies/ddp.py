@@ -16,10 +16,11 @@ class DDPStrategy(Strategy):
     def distributed_type(self) -> DistributedType:  # type: ignore[override]
         return DistributedType.MULTI_GPU if self.state.device.type == "cuda" else DistributedType.MULTI_CPU
 
-    def setup_model(self, model: torch.nn.Module, device_placement: bool = True) -> torch.nn.Module:
+    def setup_model(self, model: torch.nn.Module, device_placement: bool = True,
+                    evaluation_mode: bool = False) -> torch.nn.Module:
         model = super().setup_model(model, device_placement)
-        if not any(p.requires_grad for p in model.parameters()):
-            return model  # nothing to synchronize (a frozen model used for evaluation)
+        if evaluation_mode or not any(p.requires_grad for p in model.parameters()):
+            return model  # nothing to synchronize (a model only evaluated, or frozen)
         device_ids = [self.state.device.index] if self.state.device.type == "cuda" else None
         # DDP broadcasts rank 0's parameters and buffers at construction: ranks that seeded differently agree.
         return DistributedDataParallel(model, device_ids=device_ids, **self.handlers.ddp.to_kwargs())

@@ -9,6 +9,7 @@ values in the config are resolved from them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -53,8 +54,8 @@ class DeepSpeedStrategy(Strategy):
                                  "(or pip install 'hf-backend[deepspeed]')") from None
         if precision.mode == "fp16":
             raise HfBackendError(_FP16_MESSAGE[state.device.type == "cpu"])
-        self.plugin = plugin
         self.config = plugin.config()
+        self.plugin = dataclasses.replace(plugin, zero_stage=self.zero_stage)
         self.gradient_state = gradient_state
         self.split_batches = split_batches
         self.engine: Any = None
@@ -81,7 +82,8 @@ class DeepSpeedStrategy(Strategy):
         loaders = [o for o in objects if isinstance(o, DataLoader)]
         optimizer = optimizers[0] if optimizers else None
         scheduler = schedulers[0] if schedulers else None
-        self.config = self._resolve(self.config, models[0], loaders[0] if loaders else None)
+        # Read the plugin's config again: transformers' Trainer completes it ("auto" values) after construction.
+        self.config = self._resolve(self.plugin.config(), models[0], loaders[0] if loaders else None)
         self._resolve_placeholders(self.config, optimizer, scheduler)
         import deepspeed
 
@@ -201,7 +203,8 @@ class DeepSpeedStrategy(Strategy):
         config.setdefault("steps_per_print", 2**31 - 1)  # DeepSpeed's own progress prints stay off
         return config
 
-    def setup_model(self, model: torch.nn.Module, device_placement: bool = True) -> torch.nn.Module:
+    def setup_model(self, model: torch.nn.Module, device_placement: bool = True,
+                    evaluation_mode: bool = False) -> torch.nn.Module:
         if self.engine is None:
             raise HfBackendError("DeepSpeed: prepare() the model together with its optimizer (and training "
                                  "DataLoader) in one call")

@@ -34,8 +34,8 @@ class FSDPStrategy(Strategy):
     def __init__(self, state: ProcessState, precision: Precision, handlers: Handlers,
                  plugin: FullyShardedDataParallelPlugin) -> None:
         super().__init__(state, precision, handlers)
-        self.plugin = plugin
         self.options = plugin.resolved()
+        self.plugin = plugin.canonical(self.options)
         self.sharded_checkpoints = self.options.fsdp_state_dict_type != "FULL_STATE_DICT"
         if self.options.fsdp_cpu_ram_efficient_loading:
             # transformers' from_pretrained builds the model on the meta device on ranks other than local rank 0
@@ -49,7 +49,8 @@ class FSDPStrategy(Strategy):
 
 
     # -- wrapping ----------------------------------------------------------------------------------------------------
-    def setup_model(self, model: torch.nn.Module, device_placement: bool = True) -> torch.nn.Module:
+    def setup_model(self, model: torch.nn.Module, device_placement: bool = True,
+                    evaluation_mode: bool = False) -> torch.nn.Module:
         before = list(model.parameters())  # what an optimizer built before prepare holds; mapped to the shards below
         efficient = self.options.fsdp_cpu_ram_efficient_loading
         main = self.state.is_main_process
