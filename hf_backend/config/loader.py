@@ -84,6 +84,17 @@ def validate(raw: dict[str, Any], source: str = "<config>") -> LaunchConfig:
     return config
 
 
+def validate_section(raw: dict[str, Any], model: type, source: str) -> tuple[Any, set[str]]:
+    """One section on its own (transformers' flat `fsdp_config`, say), checked like the same keys in a config file;
+    returns it and the names of the fields the mapping gave."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source} must be a mapping of option names to values, not a {type(raw).__name__}")
+    values, unused = _check_keys(raw, model, source, prefix="")
+    if unused:
+        note(f"{source}: {', '.join(unused)} accepted from Accelerate's format; they have no effect in hf_backend")
+    return model(**values), set(values)
+
+
 def _check_keys(raw: dict, model: type, source: str, prefix: str) -> tuple[dict[str, Any], list[str]]:
     fields = fields_of(model)
     aliases = {alias: name for name, f in fields.items() for alias in f.metadata["aliases"]}

@@ -55,8 +55,13 @@ class FullyShardedDataParallelPlugin:
     min_num_params: int | None = None
 
     @classmethod
-    def from_section(cls, section: FsdpSection) -> FullyShardedDataParallelPlugin:
-        return cls(**{field: getattr(section, key) for field, key in _KEYS.items()})
+    def from_section(cls, section: FsdpSection, keys: set[str] | None = None) -> FullyShardedDataParallelPlugin:
+        """The plugin holding `section`'s options (only those named in `keys`, when given; the rest stay unset)."""
+        return cls(**{field: getattr(section, key) for field, key in _KEYS.items() if keys is None or key in keys})
+
+    def given_options(self) -> set[str]:
+        """The config keys (FsdpSection names) of the fields set on this plugin."""
+        return {key for field, key in _KEYS.items() if getattr(self, field) is not None}
 
     @classmethod
     def from_object(cls, obj: Any) -> FullyShardedDataParallelPlugin:
@@ -64,6 +69,12 @@ class FullyShardedDataParallelPlugin:
         if isinstance(obj, cls):
             return obj
         return cls(**{f.name: getattr(obj, f.name) for f in dataclasses.fields(cls) if hasattr(obj, f.name)})
+
+    def canonical(self, section: FsdpSection) -> FullyShardedDataParallelPlugin:
+        """This plugin with its options as the FSDP2 strategy runs them (what `accelerator.state.fsdp_plugin` shows)."""
+        values = {name: getattr(section, key) for name, key in _KEYS.items()}
+        values["fsdp_version"] = 2
+        return dataclasses.replace(self, **values)
 
     def resolved(self) -> FsdpSection:
         """The options in canonical form; raises ConfigError naming a bad field."""
@@ -155,6 +166,7 @@ class DeepSpeedPlugin:
     def config(self) -> dict[str, Any]:
         """The DeepSpeed config before "auto" values are resolved against the prepared objects."""
         base = self.hf_ds_config
+        base = getattr(base, "config", base)  # transformers' HfDeepSpeedConfig holds the dict as `.config`
         if base is None:
             config: dict[str, Any] = {}
         elif isinstance(base, dict):

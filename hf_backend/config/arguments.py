@@ -1,0 +1,127 @@
+"""transformers' TrainingArguments `fsdp`, `fsdp_config` and `deepspeed` values, read into hf_backend's plugins.
+
+`fsdp_config` may be:
+- a path to transformers' flat JSON of FSDP options (`{"transformer_layer_cls_to_wrap": [...], ...}`), or to a config
+  file that `hf-backend config` / `accelerate config` wrote (YAML or JSON, `distributed_type: FSDP`), whose
+  `fsdp_config:` section is used: the Transformers docs pass exactly that file, which transformers itself cannot read;
+- a dict of the flat options, or a FullyShardedDataParallelPlugin (ours or Accelerate's).
+`fsdp` may hold transformers' legacy option words ("full_shard auto_wrap offload"); they fill what the config leaves
+out and contradicting it is an error. `deepspeed` may be a DeepSpeed JSON path, a dict, or a DeepSpeedPlugin.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from ..log import note
+from .loader import ConfigError, read_mapping, validate, validate_section
+from .plugins import DeepSpeedPlugin, FullyShardedDataParallelPlugin
+from .schema import FsdpSection
+
+_FSDP_WORDS = {
+    "full_shard": ("fsdp_sharding_strategy", "FULL_SHARD"),
+    "shard_grad_op": ("fsdp_sharding_strategy", "SHARD_GRAD_OP"),
+    "no_shard": ("fsdp_sharding_strategy", "NO_SHARD"), "hybrid_shard": ("fsdp_sharding_strategy", "HYBRID_SHARD"),
+    "hybrid_shard_zero2": ("fsdp_sharding_strategy", "HYBRID_SHARD_ZERO2"), "offload": ("fsdp_offload_params", True),
+    "auto_wrap": ("fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP"),
+}
+_XLA_KEYS = ("xla", "xla_fsdp_v2", "xla_fsdp_grad_ckpt", "xla_fsdp_settings")
+_PLUGIN_ONLY_KEYS = ("limit_all_gathers",)  # plugin fields without a config-file key
+
+
+def fsdp_plugin_from_arguments(fsdp: Any, fsdp_config: Any) -> FullyShardedDataParallelPlugin | None:
+    """The FSDP plugin TrainingArguments(fsdp=..., fsdp_config=...) asks for; None when FSDP is off."""
+    if not fsdp and fsdp_config in (None, {}):
+        return None
+    source = "fsdp_config"
+    if fsdp_config is None:
+        plugin = FullyShardedDataParallelPlugin()
+    elif isinstance(fsdp_config, (str, os.PathLike, dict)):
+        raw = fsdp_config
+        if not isinstance(fsdp_config, dict):
+            source = str(fsdp_config)
+            raw = read_mapping(fsdp_config)
+        if "fsdp_config" in raw or "distributed_type" in raw:
+            plugin = FullyShardedDataParallelPlugin.from_section(_from_launch_config(raw, source))
+        else:
+            flat, extras = _split_flat(raw, source)
+            section, given = validate_section(flat, FsdpSection, source)
+            plugin = FullyShardedDataParallelPlugin.from_section(section, given)
+            for key, value in extras.items():
+                setattr(plugin, key, value)
+    else:
+        plugin = FullyShardedDataParallelPlugin.from_object(fsdp_config)
+    section = plugin.resolved()
+    _apply_words(section, _fsdp_words(fsdp), plugin.given_options(), source)
+    return plugin.canonical(section)
+
+
+def _fsdp_words(fsdp: Any) -> list[str]:
+    if isinstance(fsdp, str):
+        return fsdp.split()
+    if isinstance(fsdp, (list, tuple)):
+        return [str(getattr(word, "value", word)) for word in fsdp]
+    return []
+
+
+def _apply_words(section: FsdpSection, words: list[str], given: set[str], source: str) -> None:
+    for word in words:
+        if word not in _FSDP_WORDS:
+            raise ConfigError(f"fsdp={word!r} is not an FSDP option; use fsdp=True or one of "
+                              f"{', '.join(_FSDP_WORDS)}")
+        key, value = _FSDP_WORDS[word]
+        if key in given and getattr(section, key) != value:
+            raise ConfigError(f"fsdp={word!r} contradicts {source}'s {key.removeprefix('fsdp_')}="
+                              f"{getattr(section, key)!r}; keep one")
+        setattr(section, key, value)
+        if key == "fsdp_sharding_strategy" and "fsdp_reshard_after_forward" not in given:
+            section.fsdp_reshard_after_forward = value in ("FULL_SHARD", "HYBRID_SHARD")
+
+
+def _split_flat(raw: Any, source: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """transformers' flat options minus its XLA keys and the plugin-only keys."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: the FSDP options must be a mapping, not a {type(raw).__name__}")
+    flat, extras = {}, {}
+    for key, value in raw.items():
+        bare = key.removeprefix("fsdp_") if isinstance(key, str) else key
+        if bare in _XLA_KEYS:
+            if value:
+                raise ConfigError(f"{source}: {key} asks for PyTorch/XLA FSDP, which hf_backend does not run; "
+                                  "remove it")
+        elif bare in _PLUGIN_ONLY_KEYS:
+            extras[bare] = value
+        else:
+            flat[key] = value
+    return flat, extras
+
+
+def _from_launch_config(raw: dict[str, Any], source: str) -> FsdpSection:
+    config = validate(raw, source=source)
+    if config.distributed_type != "FSDP":
+        raise ConfigError(f"{source} sets distributed_type: {config.distributed_type}, not FSDP; pass an FSDP config "
+                          "as fsdp_config")
+    launch_only = [f"{key}: {value}" for key, value in (("mixed_precision", config.mixed_precision),
+                                                         ("num_processes", config.num_processes)) if value not in
+                   ("no", 1)]
+    if launch_only:
+        note(f"fsdp_config={source}: its FSDP section is used here; {', '.join(launch_only)} take effect when the file "
+             "is given to `hf-backend launch --config_file`")
+    return config.fsdp
+
+
+def deepspeed_config_from_argument(deepspeed: Any) -> dict[str, Any]:
+    """TrainingArguments(deepspeed=...) as a config dict whose batch sizes, accumulation and clipping default to
+    "auto" (which transformers fills from the TrainingArguments)."""
+    if isinstance(deepspeed, (str, os.PathLike)):
+        config = read_mapping(deepspeed)
+    elif isinstance(deepspeed, dict):
+        config = json.loads(json.dumps(deepspeed))
+    else:
+        config = DeepSpeedPlugin.from_object(deepspeed).config()
+    for key in ("train_micro_batch_size_per_gpu", "train_batch_size", "gradient_accumulation_steps",
+                "gradient_clipping"):
+        config.setdefault(key, "auto")
+    return config
