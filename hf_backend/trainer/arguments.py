@@ -1,0 +1,109 @@
+"""`TrainingArguments`: transformers' class on hf_backend's process state and plugins.
+
+What differs from transformers.TrainingArguments:
+- processes and device come from hf_backend's process state (never Accelerate's `PartialState`);
+- `fsdp_config` also takes the YAML that `hf-backend config` / `accelerate config` write and plugin objects, and
+  `deepspeed` takes a DeepSpeedPlugin (see config/arguments.py); with neither set, the FSDP or DeepSpeed choice of
+  `hf-backend launch` applies, and so does its mixed precision;
+- contradictions (fsdp and deepspeed both set, a bad option) and `push_to_hub` without a reachable Hub fail here,
+  at construction, in one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+from urllib.parse import urlparse
+
+import torch
+import transformers
+
+from ..config import environment as env
+from ..config.arguments import deepspeed_config_from_argument, fsdp_plugin_from_arguments
+from ..config.loader import ConfigError
+from ..config.plugins import DeepSpeedPlugin, FullyShardedDataParallelPlugin
+from ..errors import HfBackendError
+from ..log import note
+from ..state import get_process_state
+
+
+@dataclass
+class TrainingArguments(transformers.TrainingArguments):
+    def __post_init__(self) -> None:
+        self._choose_backend()
+        if self.push_to_hub:
+            _check_hub_reachable()
+        # transformers would turn `deepspeed` into Accelerate's DeepSpeedPlugin; it is read after the rest, below.
+        deepspeed, self.deepspeed = self.deepspeed, None
+        super().__post_init__()
+        self.deepspeed_plugin = self._deepspeed_plugin(deepspeed) if deepspeed else None
+        if deepspeed and not isinstance(deepspeed, (str, os.PathLike, dict)):
+            deepspeed = self.hf_deepspeed_config.config  # a plugin object is kept as its (serializable) config
+        self.deepspeed = deepspeed
+        if not (self.fp16 or self.bf16) and "ACCELERATE_MIXED_PRECISION" not in os.environ:
+            self.mixed_precision = env.resolve("mixed_precision", None, env.MIXED_PRECISION, str, "no")
+
+    def _choose_backend(self) -> None:
+        wants_fsdp = bool(self.fsdp) or self.fsdp_config not in (None, {})
+        if wants_fsdp and self.deepspeed:
+            raise ConfigError("TrainingArguments: fsdp and deepspeed are both set; keep one of them")
+        launch = env.read_launch_config()
+        kind = launch.distributed_type if launch is not None else None
+        if wants_fsdp or self.deepspeed:
+            chosen = "FSDP" if wants_fsdp else "DEEPSPEED"
+            if kind in ("FSDP", "DEEPSPEED") and kind != chosen:
+                note(f"TrainingArguments ask for {chosen}; the launcher's distributed_type {kind} is not used")
+        elif kind == "FSDP":
+            self.fsdp_config = FullyShardedDataParallelPlugin.from_section(launch.fsdp)
+        elif kind == "DEEPSPEED":
+            self.deepspeed = DeepSpeedPlugin.from_section(launch.deepspeed)
+
+    @cached_property
+    def _setup_devices(self) -> torch.device:
+        cpu = env.resolve("cpu", True if self.use_cpu else None, env.USE_CPU, env.parse_bool, False)
+        timeout = datetime.timedelta(seconds=self.ddp_timeout) if self.ddp_timeout else None
+        # Read by transformers through the attribute names of Accelerate's PartialState, which ProcessState shares.
+        self.distributed_state = get_process_state(cpu=cpu, timeout=timeout, backend=self.ddp_backend)
+        self._n_gpu = 1 if self.distributed_state.device.type == "cuda" else 0  # never torch's DataParallel
+        return self.distributed_state.device
+
+    def _process_fsdp_args(self) -> None:
+        """Called by transformers' __post_init__: the plugin goes to `fsdp_plugin`, `fsdp_config` becomes the options
+        in effect (a plain dict), and transformers' own plugin arguments stay None (its Accelerate path is unused)."""
+        self.fsdp_plugin = fsdp_plugin_from_arguments(self.fsdp, self.fsdp_config)
+        if self.fsdp_plugin is None:
+            return None
+        self.fsdp_config = dataclasses.asdict(self.fsdp_plugin.resolved())
+        # transformers' Trainer refuses FSDP in one process; the engine trains unsharded there, with a note.
+        self.fsdp = self.world_size > 1
+        return None
+
+    def _deepspeed_plugin(self, deepspeed: Any) -> DeepSpeedPlugin:
+        from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
+        # transformers fills the config's "auto" values from these arguments, and later from the model.
+        self.hf_deepspeed_config = HfTrainerDeepSpeedConfig(deepspeed_config_from_argument(deepspeed))
+        self.hf_deepspeed_config.trainer_config_process(self)
+        given = isinstance(deepspeed, (str, os.PathLike, dict))
+        plugin = DeepSpeedPlugin() if given else DeepSpeedPlugin.from_object(deepspeed)  # keeps e.g. zero3_init_flag
+        return dataclasses.replace(plugin, hf_ds_config=self.hf_deepspeed_config)
+
+
+def _check_hub_reachable() -> None:
+    from huggingface_hub import constants
+
+    endpoint = constants.ENDPOINT
+    fix = "set push_to_hub=False (save_model() writes the model locally; push it later)"
+    if constants.HF_HUB_OFFLINE:
+        raise HfBackendError(f"push_to_hub=True but HF_HUB_OFFLINE is set; {fix}")
+    url = urlparse(endpoint)
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout=5).close()
+    except OSError as err:
+        raise HfBackendError(f"push_to_hub=True but the Hub at {endpoint} is not reachable from this machine "
+                             f"({err.__class__.__name__}: {err}); {fix}") from None

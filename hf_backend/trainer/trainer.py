@@ -1,0 +1,262 @@
+"""`Trainer`: transformers' Trainer with hf_backend's Accelerator underneath.
+
+The training loop, logging, callbacks, evaluation and the checkpoint layout (`output_dir/checkpoint-{step}` with
+`trainer_state.json`, safetensors weights, RNG files) are transformers' own code. Overridden, and only these:
+- `create_accelerator_and_postprocess`: builds hf_backend.Accelerator from the TrainingArguments;
+- `_run_epoch`: transformers' epoch loop, run with the engine's `skip_first_batches` in place of Accelerate's;
+- `_get_num_items_in_batch`: decides once whether the model's loss honours `num_items_in_batch` (see there);
+- checkpoint I/O the Accelerate path did: FSDP weights (sharded under SHARDED_STATE_DICT, otherwise full), and the
+  optimizer, scheduler and dataloader position through the engine, so a checkpoint resumes under another strategy
+  or world size and continues the exact batch order. DeepSpeed keeps its own engine checkpoint (`global_step*/`).
+- `train(resume_from_checkpoint=True)`: resumes from the newest *complete* checkpoint.
+docs/trainer.md lists the transformers internals this relies on.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import types
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from transformers.trainer import TRAINER_STATE_NAME, TRAINING_ARGS_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from .. import checkpoint
+from ..accelerator import Accelerator
+from ..errors import HfBackendError
+from ..log import note
+from ..options import DataLoaderConfiguration, DistributedDataParallelKwargs, GradientAccumulationPlugin
+from .arguments import TrainingArguments
+
+
+def _skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
+    """The engine's version of the function transformers imports from Accelerate: the prepared loader starts its next
+    pass at that batch (an absolute position, consistent with the one a checkpoint restored)."""
+    return dataloader.skip_first_batches(num_batches)
+
+
+def _with_globals(function: types.FunctionType, **names: Any) -> types.FunctionType:
+    """`function` (unchanged code) looking up `names` in place of its module's globals of the same names."""
+    rebound = types.FunctionType(function.__code__, {**function.__globals__, **names}, function.__name__,
+                                 function.__defaults__, function.__closure__)
+    rebound.__kwdefaults__ = function.__kwdefaults__
+    rebound.__qualname__ = function.__qualname__
+    rebound.__doc__ = function.__doc__
+    return rebound
+
+
+class Trainer(transformers.Trainer):
+    def __init__(self, model: Any = None, args: TrainingArguments | None = None, *rest: Any, **kwargs: Any) -> None:
+        if args is None:
+            args = TrainingArguments(output_dir="tmp_trainer")
+        if not isinstance(args, TrainingArguments):
+            raise HfBackendError("hf_backend.Trainer needs hf_backend.TrainingArguments: "
+                                 "`from hf_backend import Trainer, TrainingArguments`")
+        self._train_loader: Any = None
+        self._loss_checked = False
+        super().__init__(model, args, *rest, **kwargs)
+
+    # -- the engine ------------------------------------------------------------------------------------------------
+    def create_accelerator_and_postprocess(self) -> None:
+        args = self.args
+        config = args.accelerator_config
+        accumulation = dict(config.gradient_accumulation_kwargs or {})
+        if "num_steps" in accumulation:
+            if args.gradient_accumulation_steps > 1:
+                raise HfBackendError("accelerator_config gradient_accumulation_kwargs num_steps and "
+                                     "gradient_accumulation_steps are both set; keep gradient_accumulation_steps")
+            args.gradient_accumulation_steps = accumulation["num_steps"]
+        accumulation["num_steps"] = 1  # the Trainer accumulates itself and tells the engine when to sync
+        if config.dispatch_batches:
+            note("accelerator_config dispatch_batches=True: every process reads its own shard in hf_backend")
+        self.accelerator = Accelerator(
+            mixed_precision=args.mixed_precision,
+            dataloader_config=DataLoaderConfiguration(split_batches=config.split_batches,
+                                                      even_batches=config.even_batches,
+                                                      non_blocking=config.non_blocking, data_seed=args.data_seed),
+            gradient_accumulation_plugin=GradientAccumulationPlugin(**accumulation),
+            kwargs_handlers=[self._ddp_kwargs()],
+            fsdp_plugin=args.fsdp_plugin,
+            deepspeed_plugin=args.deepspeed_plugin,
+        )
+        self.gather_function = functools.partial(self.accelerator.gather_for_metrics,
+                                                 use_gather_object=args.eval_use_gather_object)
+        state = self.accelerator.state
+        self.is_deepspeed_enabled = state.deepspeed_plugin is not None
+        self.is_fsdp_enabled = state.fsdp_plugin is not None
+        self._check_combinations()
+
+    def _ddp_kwargs(self) -> DistributedDataParallelKwargs:
+        args = self.args
+        find_unused = args.ddp_find_unused_parameters
+        if find_unused is None:  # transformers' default: only models with activation checkpointing skip the search
+            if isinstance(self.model, transformers.PreTrainedModel):
+                find_unused = not (self.model.is_activation_checkpointing or args.activation_checkpointing)
+            else:
+                find_unused = True
+        kwargs = {"find_unused_parameters": find_unused}
+        for name in ("bucket_cap_mb", "broadcast_buffers", "static_graph"):
+            if getattr(args, f"ddp_{name}") is not None:
+                kwargs[name] = getattr(args, f"ddp_{name}")
+        return DistributedDataParallelKwargs(**kwargs)
+
+    def _check_combinations(self) -> None:
+        args, state = self.args, self.accelerator.state
+        if self.is_fsdp_enabled and state.fsdp_plugin.activation_checkpointing and args.activation_checkpointing:
+            raise HfBackendError("fsdp_config activation_checkpointing and the activation_checkpointing argument are "
+                                 "both set; keep FSDP's (fsdp_config) under FSDP")
+        sharded = self.is_fsdp_enabled and self._sharded_weights()
+        if args.save_only_model and sharded:
+            raise HfBackendError("save_only_model does not go with FSDP's SHARDED_STATE_DICT; use FULL_STATE_DICT")
+        if args.save_only_model and args.load_best_model_at_end and (self.is_deepspeed_enabled or
+                                                                     self.is_fsdp_enabled):
+            raise HfBackendError("save_only_model with load_best_model_at_end needs full checkpoints under FSDP and "
+                                 "DeepSpeed; drop save_only_model")
+        if self.is_deepspeed_enabled and state.deepspeed_plugin.zero_stage == 3 and args.auto_find_batch_size:
+            raise HfBackendError("auto_find_batch_size does not work with DeepSpeed ZeRO-3; set the batch size")
+
+    def _sharded_weights(self) -> bool:
+        return self.is_fsdp_enabled and self.accelerator.strategy.sharded_checkpoints
+
+    # transformers' epoch loop, with the engine's skip_first_batches (the original builds Accelerate's PartialState).
+    _run_epoch = _with_globals(transformers.Trainer._run_epoch, skip_first_batches=_skip_first_batches)
+
+    def get_train_dataloader(self) -> Any:
+        self._train_loader = super().get_train_dataloader()
+        return self._train_loader
+
+    # -- loss normalization ----------------------------------------------------------------------------------------
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> Any:
+        """transformers passes models whose forward takes **kwargs the item count of the whole accumulated global
+        batch and multiplies their loss by the number of processes, assuming the loss is a sum divided by that
+        count. Many heads (BERT-family sequence classification among them) ignore the count and return a mean:
+        transformers then reports, and backpropagates, the loss times the world size (and, with gradient
+        accumulation, times the accumulation steps). So the first time it matters, ask the model once: without
+        that behaviour it is treated as taking no loss kwargs, and its mean loss is averaged as for any other."""
+        if self._loss_check_needed(batch_samples):
+            self._loss_checked = True
+            self.model_accepts_loss_kwargs = self._loss_divides_by_item_count(batch_samples[0])
+            if not self.model_accepts_loss_kwargs:
+                note("the model's loss ignores num_items_in_batch (a mean per batch): averaged over processes and "
+                     "accumulation steps as such")
+        return super()._get_num_items_in_batch(batch_samples, device)
+
+    def _loss_check_needed(self, batch_samples: list) -> bool:
+        declared = hasattr(self.accelerator.unwrap_model(self.model), "accepts_loss_kwargs")
+        spread = self.args.world_size > 1 or self.args.gradient_accumulation_steps > 1
+        return (not self._loss_checked and spread and self.model_accepts_loss_kwargs and not declared
+                and self.compute_loss_func is None and self.loss_is_scaled_for_ga is None
+                and len(batch_samples) > 0 and isinstance(batch_samples[0], Mapping) and "labels" in batch_samples[0])
+
+    @torch.no_grad()
+    def _loss_divides_by_item_count(self, batch: Mapping[str, Any]) -> bool:
+        """Evaluate the loss of one batch with the item count and with twice the count: a loss that divides by it
+        halves. Dropout is off and the random state is kept, so training continues exactly as without the check."""
+        model = self.model_wrapped
+        inputs = self._prepare_inputs(batch)
+        count = inputs["labels"].ne(-100).sum()
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.random.fork_rng(devices=[]):
+                one, two = (_loss_of(model(**inputs, num_items_in_batch=count * k)) for k in (1, 2))
+        finally:
+            model.train(was_training)
+        divides = bool(torch.isclose(one, 2 * two, rtol=1e-3)) and not bool(torch.isclose(one, two, rtol=1e-3))
+        return bool(self.accelerator.gather(torch.tensor([divides], device=self.args.device)).all())
+
+    # -- checkpoints -----------------------------------------------------------------------------------------------
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        if not self._sharded_weights():
+            return super().save_model(output_dir, _internal_call)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if _internal_call:  # a checkpoint: each process writes its shards (model_dcp/), no full copy is gathered
+            os.makedirs(output_dir, exist_ok=True)
+            self.accelerator.strategy.save_model_state(self.model_wrapped, Path(output_dir), "model", True)
+            self._save_model_files(output_dir)
+        else:  # the user's save: full weights that from_pretrained reads, gathered from the shards
+            self._save(output_dir, state_dict=self.accelerator.get_state_dict(self.model_wrapped))
+            if self.args.push_to_hub:
+                self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_model_files(self, output_dir: str) -> None:
+        """What `_save` writes besides the weights: model config, tokenizer or processor, training arguments."""
+        if not self.args.should_save:
+            return
+        config = getattr(self.accelerator.unwrap_model(self.model), "config", None)
+        if config is not None:
+            config.save_pretrained(output_dir)
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if self.is_deepspeed_enabled:  # the DeepSpeed engine's checkpoint, as transformers writes it
+            super()._save_optimizer_and_scheduler(output_dir)
+        os.makedirs(output_dir, exist_ok=True)
+        acc = self.accelerator
+        checkpoint.write_state(Path(output_dir), self._training_state(), state=acc.process, strategy=acc.strategy,
+                               scaler=None, extra={"written_by": "hf_backend.Trainer"}, rng=False)
+
+    def _training_state(self) -> checkpoint.Checkpointable:
+        """Optimizer, scheduler (DeepSpeed's engine checkpoint holds those) and the train loader position; the
+        Trainer itself writes the weights, RNG and scaler files."""
+        loaders = [self._train_loader] if self._train_loader is not None else []
+        if self.is_deepspeed_enabled:
+            return checkpoint.Checkpointable(dataloaders=loaders)
+        return checkpoint.Checkpointable(optimizers=[self.optimizer], schedulers=[self.lr_scheduler],
+                                         dataloaders=loaders)
+
+    def _load_optimizer_and_scheduler(self, checkpoint_dir: str | None) -> None:
+        if checkpoint_dir is None:
+            return
+        if self.is_deepspeed_enabled or not (Path(checkpoint_dir) / checkpoint.METADATA).is_file():
+            super()._load_optimizer_and_scheduler(checkpoint_dir)  # DeepSpeed's, or a stock Trainer checkpoint
+        if (Path(checkpoint_dir) / checkpoint.METADATA).is_file():
+            acc = self.accelerator
+            checkpoint.load_checkpoint(checkpoint_dir, self._training_state(), state=acc.process,
+                                       strategy=acc.strategy, scaler=None, rng=False)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
+        if not self.is_fsdp_enabled:
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        self.accelerator.strategy.load_model_state(model or self.model_wrapped, Path(resume_from_checkpoint), "model")
+
+    def _load_best_model(self) -> None:
+        if not self.is_fsdp_enabled:
+            return super()._load_best_model()
+        best = self.state.best_model_checkpoint
+        note(f"loading the best model from {best} (score: {self.state.best_metric})")
+        self.accelerator.strategy.load_model_state(self.model_wrapped, Path(best), "model")
+
+
+def _loss_of(outputs: Any) -> torch.Tensor:
+    return outputs["loss"] if isinstance(outputs, dict) else outputs[0]
+
+
+_CHECKPOINT_NAME = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+
+
+def last_complete_checkpoint(output_dir: str) -> str:
+    """The newest `checkpoint-{step}` in `output_dir` whose save finished (`trainer_state.json` is written last);
+    newer, interrupted ones are passed over with a note."""
+    root = Path(output_dir)
+    found = sorted(((int(m.group(1)), p) for p in (root.iterdir() if root.is_dir() else [])
+                    if p.is_dir() and (m := _CHECKPOINT_NAME.match(p.name))), reverse=True)
+    for _, path in found:
+        if (path / TRAINER_STATE_NAME).is_file():
+            return str(path)
+        note(f"{path} is incomplete (its save was interrupted: no {TRAINER_STATE_NAME}); resuming from an older one")
+    raise HfBackendError(f"resume_from_checkpoint=True: no complete checkpoint-* directory in {output_dir}; train "
+                         "without resuming or pass a checkpoint path")

@@ -1,0 +1,175 @@
+"""The Trainer example of the Transformers docs, on a tiny BERT and a made-up sentiment set, instrumented for tests.
+
+`--stock` runs transformers' own Trainer (the reference); otherwise hf_backend's. Rank 0 writes a JSON report: the
+log history, the final parameters (flattened, rounded) and the checkpoint directories.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from datasets import Dataset
+from transformers import (
+    BertConfig,
+    BertForSequenceClassification,
+    BertTokenizerFast,
+    DataCollatorWithPadding,
+    TrainerCallback,
+)
+
+WORDS = ["good", "great", "fine", "nice", "bad", "awful", "poor", "sad",
+         "the", "a", "movie", "film", "plot", "was", "is", "very", "quite"]
+POSITIVE, NEGATIVE = set(WORDS[:4]), set(WORDS[4:8])
+
+
+def tokenizer(directory: Path) -> BertTokenizerFast:
+    directory.mkdir(parents=True, exist_ok=True)
+    vocab = directory / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]))
+    return BertTokenizerFast(vocab_file=str(vocab))
+
+
+def sentences(n: int, seed: int) -> Dataset:
+    r = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        words = [r.choice(WORDS) for _ in range(r.randint(3, 12))]
+        pos, neg = sum(w in POSITIVE for w in words), sum(w in NEGATIVE for w in words)
+        rows.append({"text": " ".join(words), "label": int(pos >= neg)})
+    return Dataset.from_list(rows)
+
+
+def compute_metrics(prediction) -> dict[str, float]:
+    return {"accuracy": float((np.argmax(prediction.predictions, -1) == prediction.label_ids).mean())}
+
+
+class KillAfterSave(TrainerCallback):
+    """SIGKILL this process `steps` optimizer steps after checkpoint `after` was saved (mid-epoch)."""
+
+    def __init__(self, after: int, steps: int) -> None:
+        self.after, self.steps, self.saved_at = after, steps, None
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.global_step == self.after:
+            self.saved_at = state.global_step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.saved_at is not None and state.global_step == self.saved_at + self.steps:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def forbid_accelerate_state() -> None:
+    """hf_backend's Trainer must never build Accelerate's Accelerator or its process state: make that fail loudly."""
+    import accelerate
+    import accelerate.state
+
+    def refuse(self, *args, **kwargs):
+        raise RuntimeError(f"accelerate's {type(self).__name__} was constructed")
+
+    for cls in (accelerate.Accelerator, accelerate.state.AcceleratorState, accelerate.state.PartialState):
+        cls.__init__ = refuse
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--output-dir", required=True)
+    p.add_argument("--stock", action="store_true", help="transformers.Trainer (the reference)")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--epochs", type=float, default=2)
+    p.add_argument("--train-rows", type=int, default=256)
+    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--fsdp-config", default=None, help="a path, or 'plugin' for a plugin object")
+    p.add_argument("--state-dict-type", default="FULL_STATE_DICT", help="with --fsdp-config plugin")
+    p.add_argument("--deepspeed", default=None, help="a DeepSpeed JSON path")
+    p.add_argument("--save-steps", type=int, default=0, help="save by steps (else by epoch)")
+    p.add_argument("--kill-after-checkpoint", type=int, default=0)
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--report-to", default="none")
+    p.add_argument("--lr", type=float, default=2e-5)
+    args = p.parse_args()
+
+    if args.stock:
+        from transformers import Trainer, TrainingArguments
+    else:
+        forbid_accelerate_state()
+        from hf_backend import Trainer, TrainingArguments
+
+    tok = tokenizer(Path(args.output_dir) / "tokenizer")
+    train = sentences(args.train_rows, 0).map(lambda b: tok(b["text"], truncation=True), batched=True)
+    evaluation = sentences(72, 1).map(lambda b: tok(b["text"], truncation=True), batched=True)
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(
+        vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=64, num_labels=2, hidden_dropout_prob=args.dropout,
+        attention_probs_dropout_prob=args.dropout))
+
+    backend: dict = {}
+    if args.fsdp_config == "plugin":
+        from hf_backend import FullyShardedDataParallelPlugin
+
+        backend = {"fsdp": "full_shard", "fsdp_config": FullyShardedDataParallelPlugin(
+            transformer_cls_names_to_wrap="BertLayer", state_dict_type=args.state_dict_type)}
+    elif args.fsdp_config:
+        backend = {"fsdp": "full_shard", "fsdp_config": args.fsdp_config}
+    elif args.deepspeed:
+        backend = {"deepspeed": args.deepspeed}
+    # The docs' arguments; --save-steps switches saving and evaluation from every epoch to every N steps.
+    schedule = {"eval_strategy": "epoch", "save_strategy": "epoch"}
+    if args.save_steps:
+        schedule = {"eval_strategy": "steps", "eval_steps": args.save_steps, "save_strategy": "steps",
+                    "save_steps": args.save_steps, "save_total_limit": 3}
+    training_args = TrainingArguments(
+        output_dir=args.output_dir,
+        learning_rate=args.lr,
+        per_device_train_batch_size=args.batch_size,
+        per_device_eval_batch_size=args.batch_size,
+        num_train_epochs=args.epochs,
+        weight_decay=0.01,
+        load_best_model_at_end=True,
+        gradient_accumulation_steps=args.grad_accum,
+        logging_steps=2,
+        report_to=args.report_to,
+        disable_tqdm=True,
+        **schedule,
+        **backend,
+    )
+    callbacks = [KillAfterSave(args.kill_after_checkpoint, 2)] if args.kill_after_checkpoint else []
+    trainer = Trainer(
+        model=model,
+        args=training_args,
+        train_dataset=train,
+        eval_dataset=evaluation,
+        processing_class=tok,
+        data_collator=DataCollatorWithPadding(tok),
+        compute_metrics=compute_metrics,
+        callbacks=callbacks,
+    )
+    trainer.train(resume_from_checkpoint=True if args.resume else None)
+    metrics = trainer.evaluate()
+    params = trainer.accelerator.get_state_dict(trainer.model_wrapped)
+    if trainer.is_world_process_zero():
+        flat = torch.cat([v.detach().float().flatten() for _, v in sorted(params.items())])
+        report = {
+            "log_history": trainer.state.log_history,
+            "final_eval": metrics,
+            "params": flat.tolist(),
+            "checkpoints": sorted(p.name for p in Path(args.output_dir).glob("checkpoint-*")),
+            "best": trainer.state.best_model_checkpoint,
+            "world_size": training_args.world_size,
+        }
+        Path(args.out).write_text(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

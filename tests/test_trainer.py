@@ -1,0 +1,218 @@
+"""hf_backend.Trainer / TrainingArguments: the Transformers docs' example under every backend, parity with
+transformers.Trainer, true losses under DDP, and resuming after a SIGKILL. Accelerate's Accelerator and process state
+are made to raise in every hf_backend run (tests/scripts/trainer_docs.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import SCRIPTS
+from test_cli import cli
+from test_config import DOCS_FSDP_YAML
+
+pytest.importorskip("datasets")
+
+SCRIPT = "trainer_docs.py"
+OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+# Dropout off and a larger step for the cross-world-size comparisons (dropout masks depend on the batch split).
+DDP_ARGS = ["--dropout", "0", "--lr", "1e-3", "--save-steps", "4"]
+FSDP_JSON = {"fsdp_transformer_layer_cls_to_wrap": ["BertLayer"], "fsdp_backward_prefetch": "backward_pre",
+             "fsdp_forward_prefetch": "false", "fsdp_sync_module_states": "true", "version": 2}
+
+
+def run(tmp: Path, name: str, args: list[str], nproc: int = 1, expect_kill: bool = False) -> dict | None:
+    """Run the docs example, in one process or through `hf-backend launch --cpu`; its report (None when the run is
+    expected to be SIGKILLed by its --kill-after-checkpoint callback)."""
+    out = tmp / f"{name}.json"
+    script = [str(SCRIPTS / SCRIPT), "--out", str(out), "--output-dir", str(tmp / name), *args]
+    if nproc == 1:
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+        proc = subprocess.run([sys.executable, *script], capture_output=True, text=True, timeout=240,
+                              env={**env, "OMP_NUM_THREADS": "1", **OFFLINE})
+        killed = proc.returncode == -signal.SIGKILL
+    else:
+        proc = cli("launch", "--cpu", "--num_processes", str(nproc), *script, timeout=300, **OFFLINE)
+        killed = proc.returncode != 0 and "was killed by SIGKILL" in proc.stderr
+    if expect_kill:
+        assert killed, proc.stderr[-3000:]
+        return None
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def losses(report: dict, after: int = 0) -> list[float]:
+    return [h["loss"] for h in report["log_history"] if "loss" in h and h["step"] > after]
+
+
+def evals(report: dict) -> list[float]:
+    """eval_loss and eval_accuracy of each evaluation, in order."""
+    return [h[k] for h in report["log_history"] if "eval_loss" in h for k in ("eval_loss", "eval_accuracy")]
+
+
+def relative(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b) and a
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+def max_abs(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b)
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> dict:
+    """hf_backend, one process, global batch 16: the reference of the 2-process runs."""
+    return run(tmp_path_factory.mktemp("one"), "one", [*DDP_ARGS, "--batch-size", "16"])
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory) -> dict:
+    return run(tmp_path_factory.mktemp("ddp"), "ddp", [*DDP_ARGS, "--batch-size", "8"], nproc=2)
+
+
+def test_one_process_logs_what_transformers_trainer_logs(tmp_path):
+    stock = run(tmp_path, "stock", ["--stock"])
+    ours = run(tmp_path, "ours", ["--report-to", "tensorboard"])
+    assert list((tmp_path / "ours" / "runs").rglob("events.out.tfevents.*"))
+    assert len(losses(ours)) == 16
+    assert relative(losses(ours), losses(stock)) <= 1e-5
+    assert evals(ours) == pytest.approx(evals(stock), rel=1e-5)
+    assert max_abs(ours["params"], stock["params"]) <= 1e-6
+    assert ours["checkpoints"] == stock["checkpoints"] == ["checkpoint-16", "checkpoint-32"]
+
+
+def test_ddp_logs_the_true_losses_of_the_global_batch(one_process, ddp):
+    """transformers 5.23 under torchrun reports (and backpropagates) BERT's mean loss times the world size."""
+    assert ddp["world_size"] == 2
+    assert relative(losses(ddp), losses(one_process)) <= 1e-5
+    assert evals(ddp) == pytest.approx(evals(one_process), rel=1e-5)
+    assert max_abs(ddp["params"], one_process["params"]) <= 1e-5
+
+
+@pytest.mark.parametrize("kind", ["docs_yaml", "json", "plugin"])
+def test_fsdp_config_as_the_docs_yaml_as_json_and_as_a_plugin(kind, ddp, tmp_path):
+    if kind == "docs_yaml":
+        config = tmp_path / "fsdp.yaml"
+        config.write_text(DOCS_FSDP_YAML)  # SHARDED_STATE_DICT, FULL_SHARD, BertLayer, cpu_ram_efficient_loading
+    elif kind == "json":
+        config = tmp_path / "fsdp.json"
+        config.write_text(json.dumps(FSDP_JSON))
+    report = run(tmp_path, kind, [*DDP_ARGS, "--batch-size", "8", "--fsdp-config",
+                                  "plugin" if kind == "plugin" else str(config)], nproc=2)
+    assert relative(losses(report), losses(ddp)) <= 1e-4
+    assert max_abs(report["params"], ddp["params"]) <= 1e-4
+    last = tmp_path / kind / report["checkpoints"][-1]
+    assert (last / "model_dcp").is_dir() == (kind == "docs_yaml")  # sharded checkpoints under SHARDED_STATE_DICT
+    assert (last / "trainer_state.json").is_file()
+
+
+def test_deepspeed_config(ddp, tmp_path):
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto",
+                                  "gradient_accumulation_steps": "auto", "gradient_clipping": "auto"}))
+    report = run(tmp_path, "ds", [*DDP_ARGS, "--batch-size", "8", "--deepspeed", str(config)], nproc=2)
+    assert relative(losses(report), losses(ddp)) <= 1e-4
+    assert max_abs(report["params"], ddp["params"]) <= 1e-4
+    assert any((tmp_path / "ds" / report["checkpoints"][-1]).glob("global_step*"))
+
+
+def _kill_and_resume(tmp: Path, args: list[str], nproc: int) -> dict:
+    run(tmp, "run", [*args, "--kill-after-checkpoint", "8"], nproc=nproc, expect_kill=True)
+    assert (tmp / "run" / "checkpoint-8" / "trainer_state.json").is_file()
+    assert not (tmp / "run" / "checkpoint-12").exists()
+    return run(tmp, "run", [*args, "--resume"], nproc=nproc)
+
+
+def test_sigkill_then_resume_is_bitwise_in_one_process(tmp_path):
+    args = ["--save-steps", "4", "--lr", "1e-3"]  # dropout on: the RNG must be restored too
+    whole = run(tmp_path, "whole", args)
+    resumed = _kill_and_resume(tmp_path, args, nproc=1)
+    assert losses(resumed, after=8) == losses(whole, after=8)
+    assert resumed["params"] == whole["params"]
+
+
+def test_sigkill_then_resume_under_ddp(ddp, tmp_path):
+    resumed = _kill_and_resume(tmp_path, [*DDP_ARGS, "--batch-size", "8"], nproc=2)
+    assert relative(losses(resumed, after=8), losses(ddp, after=8)) <= 1e-6
+    assert max_abs(resumed["params"], ddp["params"]) <= 1e-6
+
+
+def test_sigkill_then_resume_under_fsdp_from_sharded_checkpoints(tmp_path):
+    args = [*DDP_ARGS, "--batch-size", "8", "--fsdp-config", "plugin", "--state-dict-type", "SHARDED_STATE_DICT"]
+    whole = run(tmp_path, "whole", args, nproc=2)
+    assert (tmp_path / "whole" / whole["checkpoints"][-1] / "model_dcp").is_dir()
+    resumed = _kill_and_resume(tmp_path, args, nproc=2)
+    assert relative(losses(resumed, after=8), losses(whole, after=8)) <= 1e-6
+    assert max_abs(resumed["params"], whole["params"]) <= 1e-6
+
+
+# -- construction: one-line errors before any training ----------------------------------------------------------------
+def _arguments(tmp_path: Path, **kwargs):
+    from hf_backend import TrainingArguments
+
+    return TrainingArguments(output_dir=str(tmp_path / "out"), report_to="none", **kwargs)
+
+
+def test_contradictions_and_bad_options_fail_at_construction(tmp_path):
+    from hf_backend import HfBackendError
+
+    cases = [
+        (dict(fsdp="full_shard", deepspeed={"zero_optimization": {"stage": 2}}),
+         "TrainingArguments: fsdp and deepspeed are both set; keep one of them"),
+        (dict(fsdp="full_shard", fsdp_config={"transformer_layer_cls_to_wrapp": ["BertLayer"]}),
+         "fsdp_config: unknown key 'transformer_layer_cls_to_wrapp'; did you mean 'transformer_layer_cls_to_wrap'?"),
+        (dict(fsdp="shard_grad_op", fsdp_config={"sharding_strategy": "FULL_SHARD"}),
+         "fsdp='shard_grad_op' contradicts fsdp_config's sharding_strategy='FULL_SHARD'; keep one"),
+        (dict(fsdp_config=str(tmp_path / "missing.yaml")),
+         f"{tmp_path / 'missing.yaml'}: no such config file; create one with `hf-backend config` or fix the path"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(HfBackendError) as err:
+            _arguments(tmp_path, **kwargs)
+        assert str(err.value) == message
+
+
+def test_push_to_hub_without_a_reachable_hub_fails_at_construction(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    from hf_backend import HfBackendError
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(HfBackendError) as err:
+        _arguments(tmp_path, push_to_hub=True)
+    assert str(err.value) == ("push_to_hub=True but HF_HUB_OFFLINE is set; set push_to_hub=False (save_model() "
+                              "writes the model locally; push it later)")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "https://127.0.0.1:9")  # nothing listens on the discard port
+    with pytest.raises(HfBackendError, match=r"^push_to_hub=True but the Hub at https://127.0.0.1:9 is not reachable"):
+        _arguments(tmp_path, push_to_hub=True)
+
+
+def test_the_docs_yaml_becomes_the_fsdp_options_in_effect(tmp_path):
+    config = tmp_path / "fsdp.yaml"
+    config.write_text(DOCS_FSDP_YAML)
+    args = _arguments(tmp_path, fsdp="full_shard", fsdp_config=str(config))
+    plugin = args.fsdp_plugin
+    assert (plugin.sharding_strategy, plugin.state_dict_type, plugin.transformer_cls_names_to_wrap) == \
+        ("FULL_SHARD", "SHARDED_STATE_DICT", "BertLayer")
+    assert args.fsdp_config["fsdp_cpu_ram_efficient_loading"] is True and args.to_json_string()
+    assert args.fsdp is False  # one process: transformers' Trainer would refuse FSDP; the engine trains unsharded
+
+
+def test_resume_true_takes_the_newest_complete_checkpoint(tmp_path):
+    from hf_backend import HfBackendError
+    from hf_backend.trainer import last_complete_checkpoint
+
+    for step, complete in ((4, True), (8, True), (12, False)):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        if complete:
+            (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
+    assert last_complete_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-8")
+    with pytest.raises(HfBackendError, match="no complete checkpoint-"):
+        last_complete_checkpoint(str(tmp_path / "empty"))
