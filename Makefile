@@ -23,6 +23,7 @@ test: lint
 bench: setup
 	$(PY) benchmarks/run.py
 	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/distributed.py
+	$(PY) benchmarks/trainer.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -51,6 +51,10 @@ class FSDPStrategy(Strategy):
     # -- wrapping ----------------------------------------------------------------------------------------------------
     def setup_model(self, model: torch.nn.Module, device_placement: bool = True,
                     evaluation_mode: bool = False) -> torch.nn.Module:
+        if isinstance(model, FSDPModule):  # sharded by an earlier prepare (transformers evaluates, frees, trains)
+            if not any(model is m for m in self.models):
+                self.models.append(model)
+            return model
         before = list(model.parameters())  # what an optimizer built before prepare holds; mapped to the shards below
         efficient = self.options.fsdp_cpu_ram_efficient_loading
         main = self.state.is_main_process

@@ -6,7 +6,8 @@ What differs from transformers.TrainingArguments:
   `deepspeed` takes a DeepSpeedPlugin (see config/arguments.py); with neither set, the FSDP or DeepSpeed choice of
   `hf-backend launch` applies, and so does its mixed precision;
 - contradictions (fsdp and deepspeed both set, a bad option) and `push_to_hub` without a reachable Hub fail here,
-  at construction, in one line.
+  at construction, in one line;
+- `bf16=True` on a machine without a GPU trains in bf16 on the CPU (transformers demands `use_cpu=True`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ class TrainingArguments(transformers.TrainingArguments):
         self._choose_backend()
         if self.push_to_hub:
             _check_hub_reachable()
+        if (self.bf16 or self.bf16_full_eval) and not self.use_cpu and not torch.cuda.is_available():
+            self.use_cpu = True  # the CPU is the device anyway; transformers would ask for use_cpu=True to allow bf16
         # transformers would turn `deepspeed` into Accelerate's DeepSpeedPlugin; it is read after the rest, below.
         deepspeed, self.deepspeed = self.deepspeed, None
         super().__post_init__()

@@ -30,9 +30,19 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from .. import checkpoint
 from ..accelerator import Accelerator
 from ..errors import HfBackendError
-from ..log import note
+from ..log import note, warn
 from ..options import DataLoaderConfiguration, DistributedDataParallelKwargs, GradientAccumulationPlugin
 from .arguments import TrainingArguments
+
+TESTED_TRANSFORMERS = "5.23"  # the minor version whose Trainer internals this module is written and tested against
+if not all(hasattr(transformers.Trainer, name) for name in ("_run_epoch", "_get_num_items_in_batch",
+                                                             "_save_optimizer_and_scheduler")):
+    raise ImportError(f"hf_backend.Trainer needs transformers {TESTED_TRANSFORMERS} (it builds on Trainer internals "
+                      f"that older versions lack); you have {transformers.__version__}: "
+                      f"pip install 'transformers=={TESTED_TRANSFORMERS}.*'")
+if not transformers.__version__.startswith(TESTED_TRANSFORMERS + "."):
+    warn(f"hf_backend.Trainer is tested with transformers {TESTED_TRANSFORMERS}; you have {transformers.__version__} "
+         "(docs/trainer.md lists the internals it relies on)")
 
 
 def _skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:

@@ -22,6 +22,7 @@ from transformers import (
     BertForSequenceClassification,
     BertTokenizerFast,
     DataCollatorWithPadding,
+    EarlyStoppingCallback,
     TrainerCallback,
 )
 
@@ -96,6 +97,11 @@ def main() -> int:
     p.add_argument("--resume", action="store_true")
     p.add_argument("--report-to", default="none")
     p.add_argument("--lr", type=float, default=2e-5)
+    p.add_argument("--early-stopping", type=int, default=0, help="EarlyStoppingCallback with this patience")
+    p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
+    p.add_argument("--evaluate-first", action="store_true", help="trainer.evaluate() before train() (prepares the "
+                   "model for evaluation, then again for training)")
     args = p.parse_args()
 
     if args.stock:
@@ -137,6 +143,11 @@ def main() -> int:
         weight_decay=0.01,
         load_best_model_at_end=True,
         gradient_accumulation_steps=args.grad_accum,
+        activation_checkpointing=args.activation_checkpointing,
+        bf16=args.precision == "bf16",
+        use_cpu=args.precision == "bf16" and args.stock,  # transformers refuses bf16 on a CPU-only machine without
+        fp16=args.precision == "fp16",
+        metric_for_best_model="eval_loss" if args.early_stopping else None,
         logging_steps=2,
         report_to=args.report_to,
         disable_tqdm=True,
@@ -144,6 +155,8 @@ def main() -> int:
         **backend,
     )
     callbacks = [KillAfterSave(args.kill_after_checkpoint, 2)] if args.kill_after_checkpoint else []
+    if args.early_stopping:
+        callbacks.append(EarlyStoppingCallback(early_stopping_patience=args.early_stopping))
     trainer = Trainer(
         model=model,
         args=training_args,
@@ -154,6 +167,8 @@ def main() -> int:
         compute_metrics=compute_metrics,
         callbacks=callbacks,
     )
+    if args.evaluate_first:
+        trainer.evaluate()
     trainer.train(resume_from_checkpoint=True if args.resume else None)
     metrics = trainer.evaluate()
     params = trainer.accelerator.get_state_dict(trainer.model_wrapped)
