@@ -11,7 +11,9 @@ Reports the median of:
   first optimizer step, the model and data already in memory;
 - samples/s: steady state, optimizer steps 10..end, global batch / step time.
 
-    .venv/bin/python benchmarks/trainer.py [--repeats 3] [--steps 120] [--nproc 1 2] [--json out.json]
+    .venv/bin/python benchmarks/trainer.py [--repeats 3] [--steps 150] [--nproc 1 2] [--json out.json]
+    .venv/bin/python benchmarks/trainer.py --tiny --batch 4 --steps 600 --nproc 1   # per-step overhead: a model so
+                                                                                    # small the loop's own code shows
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ WORDS = ["good", "great", "fine", "nice", "bad", "awful", "poor", "sad", "the", 
          "is", "very", "quite", "story", "acting", "actors", "music", "scene", "long", "short", "funny", "boring"]
 
 
-def _setup(workdir: Path):
+def _setup(workdir: Path, tiny: bool = False):
     import torch
     from datasets import Dataset
     from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
@@ -47,15 +49,16 @@ def _setup(workdir: Path):
     data = Dataset.from_list(rows).map(lambda b: tok(b["text"], truncation=True), batched=True,
                                        remove_columns=["text"])
     torch.manual_seed(0)
-    model = BertForSequenceClassification(BertConfig(
-        vocab_size=len(tok), hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=256,
-        max_position_embeddings=64, num_labels=2))
+    size = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=1, intermediate_size=16) if tiny else \
+        dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=256)
+    model = BertForSequenceClassification(BertConfig(vocab_size=len(tok), max_position_embeddings=64, num_labels=2,
+                                                     **size))
     return tok, data, model
 
 
-def _worker(variant: str, steps: int, batch: int, out: Path) -> None:
+def _worker(variant: str, steps: int, batch: int, out: Path, tiny: bool) -> None:
     workdir = Path(tempfile.mkdtemp())
-    tok, data, model = _setup(workdir)
+    tok, data, model = _setup(workdir, tiny)
     stamps: list[float] = []
     start = time.perf_counter()
     if variant == "bare":
@@ -118,13 +121,14 @@ def _trainer(variant, model, tok, data, steps, batch, stamps, workdir) -> None:
             data_collator=DataCollatorWithPadding(tok), callbacks=[Stamp()]).train()
 
 
-def _run(variant: str, nproc: int, steps: int, batch: int) -> dict:
+def _run(variant: str, nproc: int, steps: int, batch: int, tiny: bool) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "r.json"
         cmd = [sys.executable]
         if nproc > 1:
             cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-        cmd += [__file__, "--worker", variant, "--steps", str(steps), "--batch", str(batch), "--out", str(out)]
+        cmd += [__file__, "--worker", variant, "--steps", str(steps), "--batch", str(batch), "--out", str(out),
+                *(["--tiny"] if tiny else [])]
         env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc)),
                "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -141,21 +145,22 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--tiny", action="store_true", help="a 1-layer, 16-wide model: measures per-step overhead")
     p.add_argument("--json", default=None)
     p.add_argument("--worker", choices=VARIANTS, default=None)
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.worker:
-        _worker(args.worker, args.steps, args.batch, Path(args.out))
+        _worker(args.worker, args.steps, args.batch, Path(args.out), args.tiny)
         return 0
 
-    results: dict = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "steps": args.steps,
+    results: dict = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "steps": args.steps, "tiny": args.tiny,
                      "batch_per_process": args.batch, "runs": {}}
     for nproc in args.nproc:
         samples: dict[str, list[dict]] = {v: [] for v in VARIANTS}
         for _ in range(args.repeats):
             for variant in VARIANTS:
-                samples[variant].append(_run(variant, nproc, args.steps, args.batch))
+                samples[variant].append(_run(variant, nproc, args.steps, args.batch, args.tiny))
         rows = {v: {"samples_per_s": statistics.median(r["samples_per_s"] for r in runs),
                     "first_step_s": statistics.median(r["first_step_s"] for r in runs),
                     "crashed_at_exit": sum(r["crashed_at_exit"] for r in runs)} for v, runs in samples.items()}

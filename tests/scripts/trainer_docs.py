@@ -181,6 +181,8 @@ def main() -> int:
             "checkpoints": sorted(p.name for p in Path(args.output_dir).glob("checkpoint-*")),
             "best": trainer.state.best_model_checkpoint,
             "world_size": training_args.world_size,
+            "distributed_type": str(trainer.accelerator.distributed_type.value),
+            "model_wrapped": type(trainer.model_wrapped).__name__,
         }
         Path(args.out).write_text(json.dumps(report))
     return 0
