@@ -92,8 +92,8 @@ class TrainingArguments(transformers.TrainingArguments):
         # transformers fills the config's "auto" values from these arguments, and later from the model.
         self.hf_deepspeed_config = HfTrainerDeepSpeedConfig(deepspeed_config_from_argument(deepspeed))
         self.hf_deepspeed_config.trainer_config_process(self)
-        given = isinstance(deepspeed, (str, os.PathLike, dict))
-        plugin = DeepSpeedPlugin() if given else DeepSpeedPlugin.from_object(deepspeed)  # keeps e.g. zero3_init_flag
+        is_config = isinstance(deepspeed, (str, os.PathLike, dict))
+        plugin = DeepSpeedPlugin() if is_config else DeepSpeedPlugin.from_object(deepspeed)  # keeps zero3_init_flag
         return dataclasses.replace(plugin, hf_ds_config=self.hf_deepspeed_config)
 
 

@@ -121,8 +121,7 @@ class Trainer(transformers.Trainer):
         if self.is_fsdp_enabled and state.fsdp_plugin.activation_checkpointing and args.activation_checkpointing:
             raise HfBackendError("fsdp_config activation_checkpointing and the activation_checkpointing argument are "
                                  "both set; keep FSDP's (fsdp_config) under FSDP")
-        sharded = self.is_fsdp_enabled and self._sharded_weights()
-        if args.save_only_model and sharded:
+        if args.save_only_model and self._sharded_weights():
             raise HfBackendError("save_only_model does not go with FSDP's SHARDED_STATE_DICT; use FULL_STATE_DICT")
         if args.save_only_model and args.load_best_model_at_end and (self.is_deepspeed_enabled or
                                                                      self.is_fsdp_enabled):

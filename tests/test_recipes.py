@@ -1,0 +1,157 @@
+"""The GLUE recipes: seconds-long smoke runs of both flavours (a tiny BERT built from a config, a few steps) so they
+cannot rot, their data reader's one-line errors, and the metric module against known values."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_cli import cli
+
+pytest.importorskip("evaluate")
+RECIPES = Path(__file__).parent.parent / "recipes" / "glue"
+sys.path.insert(0, str(RECIPES))
+import glue_data  # noqa: E402
+
+OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+HEADER = "\ufeffQuality\t#1 ID\t#2 ID\t#1 String\t#2 String\n"  # MRPC's header starts with a byte-order mark
+WORDS = ["the", "cat", "sat", "on", "mat", "a", "dog", "ran", "he", "said", "it", "was", "not", "good"]
+
+
+def _mrpc_rows(n: int, seed: int) -> str:
+    import random
+
+    r = random.Random(seed)
+    rows = []
+    for i in range(n):
+        a = " ".join(r.choice(WORDS) for _ in range(r.randint(4, 10)))
+        b = " ".join(r.choice(WORDS) for _ in range(r.randint(4, 10)))
+        rows.append(f"{i % 2}\t{1000 + i}\t{2000 + i}\t\"{a}\t{b}\"")  # unbalanced quotes, as in the real files
+    return "".join(row + "\n" for row in rows)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> tuple[Path, Path]:
+    """A tiny BERT with a word-level vocabulary (saved like a hub model) and an MRPC-format data folder."""
+    from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
+
+    root = tmp_path_factory.mktemp("tiny")
+    model_dir, data_dir = root / "model", root / "MRPC"
+    model_dir.mkdir()
+    (model_dir / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS, '"']))
+    tokenizer = BertTokenizerFast(vocab_file=str(model_dir / "vocab.txt"))
+    tokenizer.save_pretrained(model_dir)
+    BertForSequenceClassification(BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1,
+                                             num_attention_heads=2, intermediate_size=32,
+                                             max_position_embeddings=64)).save_pretrained(model_dir)
+    data_dir.mkdir()
+    (data_dir / "train.tsv").write_text(HEADER + _mrpc_rows(64, 0), encoding="utf-8")
+    (data_dir / "dev.tsv").write_text(HEADER + _mrpc_rows(21, 1), encoding="utf-8")
+    return model_dir, data_dir
+
+
+def _recipe_args(tiny, out: Path) -> list[str]:
+    model_dir, data_dir = tiny
+    return ["--task", "mrpc", "--model", str(model_dir), "--data_dir", str(data_dir), "--output_dir", str(out),
+            "--epochs", "2", "--batch_size", "8", "--max_length", "32", "--logging_steps", "2"]
+
+
+def _python(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=240,
+                          env={**env, "OMP_NUM_THREADS": "1", **OFFLINE})
+
+
+def test_trainer_recipe_smoke_run(tiny, tmp_path):
+    out = tmp_path / "run"
+    proc = _python(str(RECIPES / "run_glue.py"), *_recipe_args(tiny, out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results["task"] == "mrpc" and results["world_size"] == 1 and results["flavour"] == "hf_backend.Trainer"
+    assert set(results["metrics"]["dev"]) >= {"accuracy", "f1"} and results["train_samples_per_second"] > 0
+    assert results["args"]["lr"] == 5e-5 and any("loss" in h for h in results["history"])
+    report = _python(str(RECIPES / "report.py"), str(out))
+    assert report.returncode == 0, report.stderr[-2000:]
+    assert (out / "curves.png").stat().st_size > 1000 and "from_pretrained loads it" in report.stdout
+
+
+def test_loop_recipe_smoke_run_on_two_processes_and_resume(tiny, tmp_path):
+    out = tmp_path / "run"
+    args = [str(RECIPES / "run_glue_loop.py"), *_recipe_args(tiny, out), "--checkpointing_steps", "2"]
+    proc = cli("launch", "--cpu", "--num_processes", "2", *args, timeout=300, **OFFLINE)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first = json.loads((out / "results.json").read_text())
+    assert first["world_size"] == 2 and first["flavour"] == "hf_backend.Accelerator loop"
+    assert set(first["metrics"]["dev"]) == {"accuracy", "f1"}
+    # saved at steps 2, 4, 6, 8 (4 steps an epoch); total_limit=2 keeps the newest two
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["checkpoint_2", "checkpoint_3"]
+    proc = cli("launch", "--cpu", "--num_processes", "2", *args, "--epochs", "3", "--resume", timeout=300, **OFFLINE)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed = json.loads((out / "results.json").read_text())
+    steps = [h["step"] for h in resumed["history"] if "loss" in h]
+    assert steps[0] > 8 and steps[-1] == 12  # continued after epoch 2 (4 steps an epoch), not from the start
+
+
+# -- the data reader: one line naming the file and row ---------------------------------------------------------------
+def test_bad_input_is_one_line_naming_the_file_and_row(tiny, tmp_path):
+    task = glue_data.get_task("mrpc")
+    bad = tmp_path / "MRPC"
+    bad.mkdir()
+    (bad / "dev.tsv").write_text(HEADER + _mrpc_rows(3, 1))
+    cases = {
+        "fields": HEADER + _mrpc_rows(3, 0) + "1\t5\t6\tonly one sentence\n",
+        "label": HEADER + _mrpc_rows(2, 0) + "2\t5\t6\ta b\tc d\n",
+    }
+    for kind, text in cases.items():
+        (bad / "train.tsv").write_text(text)
+        with pytest.raises(glue_data.DataError) as err:
+            glue_data.load(task, str(bad))
+        where = f"{bad / 'train.tsv'}: row {4 if kind == 'label' else 5}: "
+        assert str(err.value) == where + ("4 tab-separated fields, expected 5; fix or remove the row" if kind ==
+                                          "fields" else "label '2' is not one of 0, 1")
+    with pytest.raises(glue_data.DataError, match=r"--task cola2: not a GLUE task; use one of cola, sst2"):
+        glue_data.get_task("cola2")
+    with pytest.raises(glue_data.DataError, match=r"--data_dir .*nowhere: no such directory"):
+        glue_data.load(task, str(tmp_path / "nowhere"))
+    (bad / "dev.tsv").unlink()
+    (bad / "train.tsv").write_text(HEADER + _mrpc_rows(3, 0))
+    with pytest.raises(glue_data.DataError, match=r"dev.tsv: missing; a GLUE mrpc folder holds train.tsv, dev.tsv"):
+        glue_data.load(task, str(bad))
+
+    proc = _python(str(RECIPES / "run_glue.py"), "--task", "mrpc", "--data_dir", str(bad), "--model", str(tiny[0]))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == f"error: {bad / 'dev.tsv'}: missing; a GLUE mrpc folder holds " \
+                                                   "train.tsv, dev.tsv"
+
+
+def test_real_tsv_quirks_are_read_as_glue_means_them(tiny):
+    """MRPC's byte-order mark and unbalanced quotes: every row stays one example, quotes kept as text."""
+    data = glue_data.load(glue_data.get_task("mrpc"), str(tiny[1]))
+    assert len(data["train"]) == 64 and len(data["dev"]) == 21
+    assert data["train"][0]["text_a"].startswith('"') and data["train"][0]["label"] == 0
+
+
+def test_the_offline_default_corpus():
+    data = glue_data.load(glue_data.get_task("tweets"), None, max_train=100, max_eval=50)
+    assert (len(data["train"]), len(data["test"])) == (100, 50)
+    assert set(data["train"]["label"]) <= {0, 1, 2} and data["train"][0]["text_b"] is None
+
+
+# -- metrics -----------------------------------------------------------------------------------------------------------
+def test_metric_module_computes_the_official_glue_metrics():
+    predictions, references = [1, 0, 1, 1, 0, 1], [1, 0, 0, 1, 1, 1]  # tp 3, tn 1, fp 1, fn 1
+    mrpc = glue_data.metric(glue_data.get_task("mrpc")).compute(predictions=predictions, references=references)
+    assert mrpc == pytest.approx({"accuracy": 4 / 6, "f1": 0.75})
+    cola = glue_data.metric(glue_data.get_task("cola")).compute(predictions=predictions, references=references)
+    assert cola["matthews_correlation"] == pytest.approx((3 * 1 - 1 * 1) / (4 * 4 * 2 * 2) ** 0.5)
+    x, y = [1.0, 2.0, 2.0, 4.0], [0.5, 1.0, 3.0, 5.0]
+    stsb = glue_data.metric(glue_data.get_task("stsb")).compute(predictions=x, references=y)
+    assert stsb["pearson"] == pytest.approx(statistics.correlation(x, y))
+    assert stsb["spearmanr"] == pytest.approx(statistics.correlation([1, 2.5, 2.5, 4], [1, 2, 3, 4]))  # ties: 2.5
+    tweets = glue_data.metric(glue_data.get_task("tweets")).compute(predictions=[0, 1, 2, 2], references=[0, 1, 1, 2])
+    assert tweets == pytest.approx({"accuracy": 0.75, "macro_f1": (1 + 2 / 3 + 2 / 3) / 3})
