@@ -114,9 +114,10 @@ class Accelerator:
         self.step = 0  # micro steps seen by accumulate() since the last sync
 
     # -- process state ---------------------------------------------------------------------------------------------
-    @property
+    @functools.cached_property
     def state(self) -> AcceleratorState:
-        """Accelerate's `accelerator.state`: process facts plus the distributed type, precision and plugin in use."""
+        """Accelerate's `accelerator.state`: process facts plus the distributed type, precision and plugin in use
+        (all fixed once the strategy is chosen)."""
         kind, plugin = self.distributed_type, self.strategy.plugin
         return AcceleratorState(self.process, kind, self.mixed_precision,
                                 fsdp_plugin=plugin if kind == DistributedType.FSDP else None,

@@ -258,14 +258,13 @@ class PreparedDataLoader(DataLoader):
     def _start_pass(self) -> int:
         gen = self.generator_of_order
         if self._resume is not None:
-            epoch, skip, rng = self._resume
-            self._resume = None
-            if rng is not None and gen is not None:
-                gen.set_state(rng)
+            (epoch, skip, rng), self._resume = self._resume, None
         else:
-            epoch, skip = self._next_epoch, 0
-        if self.order_seed is not None and gen is not None:
-            gen.manual_seed((self.order_seed + epoch) % 2**64)
+            epoch, skip, rng = self._next_epoch, 0, None
+        if gen is not None and self.order_seed is not None:
+            gen.manual_seed((self.order_seed + epoch) % 2**64)  # the order follows from the seed and the epoch alone
+        elif gen is not None and rng is not None:
+            gen.set_state(rng)
         self._epoch_rng = gen.get_state() if gen is not None else None
         self._current_epoch, self._next_epoch, self._steps = epoch, epoch + 1, skip
         if not self._iterable:

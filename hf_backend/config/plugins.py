@@ -57,7 +57,7 @@ class FullyShardedDataParallelPlugin:
     @classmethod
     def from_section(cls, section: FsdpSection, keys: set[str] | None = None) -> FullyShardedDataParallelPlugin:
         """The plugin holding `section`'s options (only those named in `keys`, when given; the rest stay unset)."""
-        return cls(**{field: getattr(section, key) for field, key in _KEYS.items() if keys is None or key in keys})
+        return cls(**_plugin_fields(section, keys))
 
     def given_options(self) -> set[str]:
         """The config keys (FsdpSection names) of the fields set on this plugin."""
@@ -72,9 +72,7 @@ class FullyShardedDataParallelPlugin:
 
     def canonical(self, section: FsdpSection) -> FullyShardedDataParallelPlugin:
         """This plugin with its options as the FSDP2 strategy runs them (what `accelerator.state.fsdp_plugin` shows)."""
-        values = {name: getattr(section, key) for name, key in _KEYS.items()}
-        values["fsdp_version"] = 2
-        return dataclasses.replace(self, **values)
+        return dataclasses.replace(self, **{**_plugin_fields(section), "fsdp_version": 2})
 
     def resolved(self) -> FsdpSection:
         """The options in canonical form; raises ConfigError naming a bad field."""
@@ -108,6 +106,11 @@ class FullyShardedDataParallelPlugin:
             note("FullyShardedDataParallelPlugin.use_orig_params=False has no FSDP2 meaning: parameters stay as they "
                  "are (sharded as DTensors)")
         return section
+
+
+def _plugin_fields(section: FsdpSection, keys: set[str] | None = None) -> dict[str, Any]:
+    """Plugin field -> value for the options of `section` (those named in `keys`, when given)."""
+    return {field: getattr(section, key) for field, key in _KEYS.items() if keys is None or key in keys}
 
 
 # torch's FSDP1 wrap-policy functions, which Accelerate's plugin turns policy names into

@@ -157,10 +157,11 @@ class Trainer(transformers.Trainer):
         return super()._get_num_items_in_batch(batch_samples, device)
 
     def _loss_check_needed(self, batch_samples: list) -> bool:
-        declared = hasattr(self.accelerator.unwrap_model(self.model), "accepts_loss_kwargs")
+        if self._loss_checked or not self.model_accepts_loss_kwargs:  # called every step: the cheap answer first
+            return False
         spread = self.args.world_size > 1 or self.args.gradient_accumulation_steps > 1
-        return (not self._loss_checked and spread and self.model_accepts_loss_kwargs and not declared
-                and self.compute_loss_func is None and self.loss_is_scaled_for_ga is None
+        declared = hasattr(self.accelerator.unwrap_model(self.model), "accepts_loss_kwargs")
+        return (spread and not declared and self.compute_loss_func is None and self.loss_is_scaled_for_ga is None
                 and len(batch_samples) > 0 and isinstance(batch_samples[0], Mapping) and "labels" in batch_samples[0])
 
     @torch.no_grad()

@@ -19,9 +19,9 @@ def curves(history: list[dict]) -> tuple[list[tuple[int, float]], dict[str, list
     metrics: dict[str, list[tuple[int, float]]] = {}
     for h in history:
         for key, value in h.items():
-            if key.startswith("eval_") and key.split("_", 1)[1].split("_", 1)[-1] in METRICS or \
-                    key.removeprefix("eval_") in METRICS:
-                metrics.setdefault(key.removeprefix("eval_"), []).append((h["step"], value))
+            name = key.removeprefix("eval_")  # the Trainer logs eval_<metric>, the loop eval_<split>_<metric>
+            if key.startswith("eval_") and any(name == m or name.endswith("_" + m) for m in METRICS):
+                metrics.setdefault(name, []).append((h["step"], value))
     return loss, metrics
 
 
