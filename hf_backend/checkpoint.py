@@ -57,10 +57,17 @@ def write_weights(state_dict: dict[str, torch.Tensor], directory: str | os.PathL
     """Write a full state dict as safetensors shards (with an index JSON when there is more than one shard)."""
     ext = ".safetensors" if safe_serialization else ".bin"
     save_torch_state_dict(
-        {k: v.detach().cpu() for k, v in state_dict.items()}, directory,
+        {k: _own_storage(v.detach().cpu()) for k, v in state_dict.items()}, directory,
         filename_pattern=filename_stem + "{suffix}" + ext, max_shard_size=max_shard_size,
         safe_serialization=safe_serialization, shared_tensors_to_discard=tied_keys or None,
     )
+
+
+def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """A view into a larger buffer (DeepSpeed's ZeRO-3 gathered weights are) copied out: safetensors refuses to
+    write part of a storage, and would otherwise write the whole buffer."""
+    whole = tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+    return tensor if whole else tensor.clone()
 
 
 def read_state_dict(directory: str | os.PathLike, filename_stem: str = "model") -> dict[str, torch.Tensor]:

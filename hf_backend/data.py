@@ -12,6 +12,11 @@ transformers' Trainer, gives. A sampler with its own generator keeps it, with ra
 Resuming: the loader records, for the epoch in progress, the state its sampler's random generator had when the epoch
 started and how many steps it has handed out. `load_state_dict` makes the next `iter()` replay that epoch's order and
 skip those steps (only indices are skipped; no sample is loaded twice).
+
+What gets split: a DataLoader over a map-style dataset, through its batch sampler (one whose sampler is a
+DistributedSampler is already per process and is not split again). Data Ray has already split per worker is never
+split again: `prepare()` returns Ray Data's `iter_torch_batches(...)` iterable unchanged (it is not a DataLoader), and
+a DataLoader whose dataset is Ray's (what Ray's `prepare_trainer` builds) is only wrapped, not sharded.
 """
 
 from __future__ import annotations
@@ -314,7 +319,7 @@ def prepare_dataloader(loader: DataLoader, *, num_processes: int, process_index:
     if isinstance(loader, PreparedDataLoader):
         return loader
     if isinstance(loader.dataset, IterableDataset):
-        if num_processes > 1:
+        if num_processes > 1 and not split_per_process(loader.dataset):
             raise HfBackendError(
                 "prepare() cannot shard a DataLoader over an IterableDataset across processes: give each process its "
                 "own stream (e.g. split by RANK in the dataset) and pass the batches to the model directly"
@@ -328,6 +333,12 @@ def prepare_dataloader(loader: DataLoader, *, num_processes: int, process_index:
     order_seed = _share_order_generator(batch_sampler, data_seed)
     sharded = ShardedBatchSampler(batch_sampler, num_processes, process_index, split_batches, even_batches)
     return PreparedDataLoader(loader, sharded, device, gradient_state, non_blocking, order_seed)
+
+
+def split_per_process(data: Any) -> bool:
+    """Whether `data` comes from Ray (Ray Data's `iter_torch_batches`, or Ray's wrapper of it in a DataLoader's
+    dataset): Ray has already given each worker its own part, so it must not be split again."""
+    return type(data).__module__.split(".")[0] == "ray"
 
 
 def _share_order_generator(batch_sampler: Any, data_seed: int | None) -> int | None:

@@ -103,6 +103,15 @@ def _env_int(name: str, default: int) -> int:
 
 
 def _pick_device(cpu: bool, local_rank: int) -> torch.device:
+    """The CPU when asked; else the device a launcher named (Ray Train sets ACCELERATE_TORCH_DEVICE for each worker,
+    as Accelerate reads it); else the local rank's GPU when there is one."""
+    named = os.environ.get("ACCELERATE_TORCH_DEVICE")
+    if not cpu and named:
+        try:
+            return torch.device(named)
+        except RuntimeError:
+            raise HfBackendError(f"ACCELERATE_TORCH_DEVICE={named!r} is not a torch device; unset it or name one "
+                                 "such as cpu or cuda:0") from None
     if not cpu and torch.cuda.is_available():
         return torch.device("cuda", local_rank % torch.cuda.device_count())
     return torch.device("cpu")

@@ -37,6 +37,18 @@ def test_one_process_state():
         assert part == [1, 2, 3]
 
 
+def test_the_device_a_launcher_names_is_used(monkeypatch):
+    """Ray Train names each worker's device in ACCELERATE_TORCH_DEVICE (as Accelerate reads it); cpu=True wins."""
+    from hf_backend.state import _pick_device
+
+    monkeypatch.setenv("ACCELERATE_TORCH_DEVICE", "meta")  # any device torch knows; meta exists on every machine
+    assert _pick_device(cpu=False, local_rank=1) == torch.device("meta")
+    assert _pick_device(cpu=True, local_rank=1) == torch.device("cpu")
+    monkeypatch.setenv("ACCELERATE_TORCH_DEVICE", "gpu0")
+    with pytest.raises(HfBackendError, match="ACCELERATE_TORCH_DEVICE='gpu0' is not a torch device"):
+        _pick_device(cpu=False, local_rank=0)
+
+
 def test_prepare_keeps_order_and_never_wraps_twice():
     acc = Accelerator()
     model, opt, loader, sched = _setup(acc)

@@ -185,3 +185,13 @@ def test_an_iterable_dataset_works_and_resumes_in_one_process():
         prepare_dataloader(DataLoader(_Stream(), batch_size=3), num_processes=2, process_index=0, device=None,
                            split_batches=False, even_batches=True,
                            gradient_state=GradientState(GradientAccumulationPlugin()))
+
+
+def test_data_ray_already_split_per_worker_is_not_split_again():
+    """Ray's wrapper of a Ray Data shard (what `prepare_trainer` builds) is recognized by its module: in 2 processes
+    it is wrapped whole, where any other IterableDataset is refused."""
+    stream = type("RayTorchIterableDataset", (_Stream,), {"__module__": "ray.train.huggingface.transformers"})
+    prepared = prepare_dataloader(DataLoader(stream(), batch_size=5), num_processes=2, process_index=1, device=None,
+                                  split_batches=False, even_batches=True,
+                                  gradient_state=GradientState(GradientAccumulationPlugin()))
+    assert [b.tolist() for b in prepared] == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]

@@ -11,54 +11,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import HEADER, OFFLINE, _mrpc_rows, recipe_args
 from test_cli import cli
 
 pytest.importorskip("evaluate")
 RECIPES = Path(__file__).parent.parent / "recipes" / "glue"
 sys.path.insert(0, str(RECIPES))
 import glue_data  # noqa: E402
-
-OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
-HEADER = "\ufeffQuality\t#1 ID\t#2 ID\t#1 String\t#2 String\n"  # MRPC's header starts with a byte-order mark
-WORDS = ["the", "cat", "sat", "on", "mat", "a", "dog", "ran", "he", "said", "it", "was", "not", "good"]
-
-
-def _mrpc_rows(n: int, seed: int) -> str:
-    import random
-
-    r = random.Random(seed)
-    rows = []
-    for i in range(n):
-        a = " ".join(r.choice(WORDS) for _ in range(r.randint(4, 10)))
-        b = " ".join(r.choice(WORDS) for _ in range(r.randint(4, 10)))
-        rows.append(f"{i % 2}\t{1000 + i}\t{2000 + i}\t\"{a}\t{b}\"")  # unbalanced quotes, as in the real files
-    return "".join(row + "\n" for row in rows)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> tuple[Path, Path]:
-    """A tiny BERT with a word-level vocabulary (saved like a hub model) and an MRPC-format data folder."""
-    from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
-
-    root = tmp_path_factory.mktemp("tiny")
-    model_dir, data_dir = root / "model", root / "MRPC"
-    model_dir.mkdir()
-    (model_dir / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS, '"']))
-    tokenizer = BertTokenizerFast(vocab_file=str(model_dir / "vocab.txt"))
-    tokenizer.save_pretrained(model_dir)
-    BertForSequenceClassification(BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1,
-                                             num_attention_heads=2, intermediate_size=32,
-                                             max_position_embeddings=64)).save_pretrained(model_dir)
-    data_dir.mkdir()
-    (data_dir / "train.tsv").write_text(HEADER + _mrpc_rows(64, 0), encoding="utf-8")
-    (data_dir / "dev.tsv").write_text(HEADER + _mrpc_rows(21, 1), encoding="utf-8")
-    return model_dir, data_dir
-
-
-def _recipe_args(tiny, out: Path) -> list[str]:
-    model_dir, data_dir = tiny
-    return ["--task", "mrpc", "--model", str(model_dir), "--data_dir", str(data_dir), "--output_dir", str(out),
-            "--epochs", "2", "--batch_size", "8", "--max_length", "32", "--logging_steps", "2"]
 
 
 def _python(*args: str) -> subprocess.CompletedProcess:
@@ -69,7 +28,7 @@ def _python(*args: str) -> subprocess.CompletedProcess:
 
 def test_trainer_recipe_smoke_run(tiny, tmp_path):
     out = tmp_path / "run"
-    proc = _python(str(RECIPES / "run_glue.py"), *_recipe_args(tiny, out))
+    proc = _python(str(RECIPES / "run_glue.py"), *recipe_args(tiny, out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     assert results["task"] == "mrpc" and results["world_size"] == 1 and results["flavour"] == "hf_backend.Trainer"
@@ -82,7 +41,7 @@ def test_trainer_recipe_smoke_run(tiny, tmp_path):
 
 def test_loop_recipe_smoke_run_on_two_processes_and_resume(tiny, tmp_path):
     out = tmp_path / "run"
-    args = [str(RECIPES / "run_glue_loop.py"), *_recipe_args(tiny, out), "--checkpointing_steps", "2"]
+    args = [str(RECIPES / "run_glue_loop.py"), *recipe_args(tiny, out), "--checkpointing_steps", "2"]
     proc = cli("launch", "--cpu", "--num_processes", "2", *args, timeout=300, **OFFLINE)
     assert proc.returncode == 0, proc.stderr[-3000:]
     first = json.loads((out / "results.json").read_text())

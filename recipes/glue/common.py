@@ -6,13 +6,15 @@ import argparse
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from glue_data import GLUE_TASKS
 
 
-def parse_args(description: str, argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args(description: str, argv: list[str] | None = None,
+               more_options: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--task", default="tweets", help=f"{', '.join(GLUE_TASKS)}, or tweets (offline, the default)")
     p.add_argument("--model", default=None, help="from_pretrained path or hub id (default: all-MiniLM-L6-v2 from "
@@ -35,6 +37,8 @@ def parse_args(description: str, argv: list[str] | None = None) -> argparse.Name
     p.add_argument("--max_steps", type=int, default=-1, help="stop after this many optimizer steps (smoke runs)")
     p.add_argument("--logging_steps", type=int, default=20)
     p.add_argument("--eval_steps", type=int, default=0, help="evaluate every N optimizer steps too (0: per epoch)")
+    if more_options is not None:
+        more_options(p)
     args = p.parse_args(argv)
     args.output_dir = args.output_dir or os.path.join("glue_output", args.task)
     return args

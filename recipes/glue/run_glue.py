@@ -17,6 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 import numpy as np  # noqa: E402
+import torch  # noqa: E402
 from common import Clock, parse_args, write_results  # noqa: E402
 from glue_data import DataError, default_model, fail, get_task, load, metric, tokenize  # noqa: E402
 
@@ -75,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
         save_steps=int(args.checkpointing_steps) if by_steps else 500,
         logging_steps=args.logging_steps,
         report_to="none",
+        # Without it transformers.Trainer on a GPU-less machine neither wraps the model in DDP nor shards the data
+        # under a launcher: each process would train its own copy (hf_backend's Trainer does not need it).
+        use_cpu=not torch.cuda.is_available(),
     )
     trainer = Trainer(model=model, args=training_args, train_dataset=encoded["train"],
                       eval_dataset=encoded[task.dev[0]], processing_class=tokenizer,

@@ -11,9 +11,12 @@ Writes output_dir/model and output_dir/results.json.
 
 from __future__ import annotations
 
+import argparse
 import math
 import sys
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any, Protocol
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -28,17 +31,43 @@ from hf_backend.utils import set_seed  # noqa: E402
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(__doc__.splitlines()[0], argv)
-    try:
-        task = get_task(args.task)
-        model_path = args.model or default_model()
-    except DataError as err:
-        fail(err)
     accelerator = Accelerator(
         mixed_precision=args.mixed_precision,
         project_config=ProjectConfiguration(project_dir=args.output_dir, automatic_checkpoint_naming=True,
                                             total_limit=2),
     )
+    return train(args, accelerator, SavedState(args.resume))
+
+
+class SavedState:
+    """Checkpoints as `save_state` directories in output_dir (rotated, 2 kept); `--resume` loads the newest or the
+    one given. recipes/ray swaps in checkpoints reported to Ray."""
+
+    def __init__(self, resume: bool | str | None) -> None:
+        self.resume = resume
+
+    def restore(self, accelerator: Accelerator) -> None:
+        if self.resume:
+            accelerator.load_state(None if self.resume is True else self.resume)
+
+    def save(self, accelerator: Accelerator, metrics: dict[str, Any]) -> None:
+        accelerator.save_state()
+
+
+class ExternalBatches(Protocol):
+    """Training batches from elsewhere (Ray Data, already split per process): one iterable per epoch."""
+
+    steps_per_epoch: int
+
+    def __call__(self, epoch: int, collate: Callable) -> Iterable[dict[str, torch.Tensor]]: ...
+
+
+def train(args: argparse.Namespace, accelerator: Accelerator, checkpoints: Any,
+          external_batches: ExternalBatches | None = None) -> int:
+    """The whole run in this process: data, model, training with evaluations and checkpoints, results."""
     try:
+        task = get_task(args.task)
+        model_path = args.model or default_model()
         with accelerator.main_process_first():  # the main process fills the datasets cache, the others read it
             data = load(task, args.data_dir, args.max_train_samples, args.max_eval_samples)
     except DataError as err:
@@ -68,16 +97,22 @@ def main(argv: list[str] | None = None) -> int:
          "weight_decay": args.weight_decay},
         {"params": [p for n, p in model.named_parameters() if any(k in n for k in no_decay)], "weight_decay": 0.0},
     ]
-    optimizer = torch.optim.AdamW(groups, lr=args.lr, fused=True)  # transformers.Trainer's default optimizer
-    # As in Accelerate: the schedule counts batches of the loader as given; the prepared scheduler advances one such
-    # batch per process at each optimizer step.
-    batches = math.ceil(args.epochs * len(train_dl))
+    adamw = torch.optim.AdamW(groups, lr=args.lr, fused=True)  # transformers.Trainer's default optimizer
+    if external_batches is None:
+        model, optimizer, train_dl, *eval_dls = accelerator.prepare(model, adamw, train_dl, *eval_dls)
+        steps_per_epoch = len(train_dl)
+    else:  # evaluation keeps the engine's loaders: predictions are gathered exactly, no row dropped
+        model, optimizer, *eval_dls = accelerator.prepare(model, adamw, *eval_dls)
+        steps_per_epoch = external_batches.steps_per_epoch
+    # The schedule is sized from the per-process batches, as transformers.Trainer sizes it, so that both flavours
+    # take the same steps in any number of processes. A prepared scheduler advances once per process at each
+    # optimizer step (Accelerate's rule), hence the factor.
+    total = math.ceil(args.epochs * steps_per_epoch)
     if args.max_steps > 0:
-        batches = min(batches, args.max_steps * accelerator.num_processes)
-    scheduler = get_linear_schedule_with_warmup(optimizer, math.ceil(args.warmup * batches), batches)
-    model, optimizer, train_dl, scheduler, *eval_dls = accelerator.prepare(model, optimizer, train_dl, scheduler,
-                                                                          *eval_dls)
-    steps_per_epoch, total = len(train_dl), math.ceil(batches / accelerator.num_processes)
+        total = min(total, args.max_steps)
+    ticks = accelerator.num_processes
+    scheduler = accelerator.prepare(
+        get_linear_schedule_with_warmup(adamw, math.ceil(args.warmup * total) * ticks, total * ticks))
     epochs = math.ceil(total / steps_per_epoch)
     scorer = metric(task)
     progress = Progress()
@@ -85,15 +120,15 @@ def main(argv: list[str] | None = None) -> int:
     # Seeded again as training starts, as transformers.Trainer does: both flavours draw the same dropout masks (a
     # resumed run then gets the random state the checkpoint saved).
     set_seed(args.seed)
-    if args.resume:
-        accelerator.load_state(None if args.resume is True else args.resume)  # the dataloader continues by itself
+    checkpoints.restore(accelerator)  # a DataLoader continues by itself from the batch after the last one seen
     step = progress.step
     history: list[dict] = []
     metrics: dict[str, dict[str, float]] = {}
     clock, seen, running = Clock(), 0, 0.0
-    for epoch in range(train_dl.epoch, epochs):
+    first = train_dl.epoch if external_batches is None else step // steps_per_epoch
+    for epoch in range(first, epochs):
         model.train()
-        for batch in train_dl:
+        for batch in (train_dl if external_batches is None else external_batches(epoch, collate)):
             loss = model(**batch).loss
             accelerator.backward(loss)
             accelerator.clip_grad_norm_(model.parameters(), 1.0)
@@ -112,12 +147,13 @@ def main(argv: list[str] | None = None) -> int:
                 evaluate_all(accelerator, model, eval_dls, scorer, task, step, step / steps_per_epoch, history)
                 model.train()
             if args.checkpointing_steps.isdigit() and step % int(args.checkpointing_steps) == 0:
-                accelerator.save_state()
+                checkpoints.save(accelerator, {"step": step, "epoch": step / steps_per_epoch})
             if step >= total:
                 break
         metrics = evaluate_all(accelerator, model, eval_dls, scorer, task, step, epoch + 1, history)
         if args.checkpointing_steps == "epoch":
-            accelerator.save_state()
+            checkpoints.save(accelerator, {"step": step, "epoch": epoch + 1, **{
+                f"{split}_{k}": v for split, values in metrics.items() for k, v in values.items()}})
         if step >= total:
             break
     seconds = clock.seconds()

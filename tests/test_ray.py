@@ -1,0 +1,190 @@
+"""hf_backend inside Ray Train's TorchTrainer: one local Ray cluster (2 CPU workers) for the whole module.
+
+The loop in tests/scripts/ray_loop.py runs unchanged under `hf-backend launch --num_processes 2` and in Ray; the Ray
+runs with a DataLoader (DDP, FSDP, DeepSpeed ZeRO-3) crash once after an epoch and continue from the checkpoint they
+reported, and must still end where the launcher's uninterrupted run ends.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import OFFLINE, SCRIPTS, recipe_args
+
+ray = pytest.importorskip("ray")
+RECIPE_DIRS = [Path(__file__).parent.parent / "recipes" / d for d in ("glue", "ray")]
+sys.path[:0] = [str(SCRIPTS), *map(str, RECIPE_DIRS)]  # the worker functions: tests/scripts, recipes/
+from ray.train import FailureConfig, RunConfig, ScalingConfig  # noqa: E402
+from ray.train.torch import TorchTrainer  # noqa: E402
+
+pytestmark = pytest.mark.timeout(400)
+EPOCHS = 3
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_cluster():
+    """Two workers of one CPU each; the cluster has one CPU more for Ray Data's own tasks."""
+    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "RAY_USAGE_STATS_ENABLED", *OFFLINE)}
+    # The workers import the test scripts and recipes; the local cluster's processes inherit the driver's environment.
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SCRIPTS), *map(str, RECIPE_DIRS),
+                                                             saved["PYTHONPATH"]]))
+    os.environ.update(RAY_USAGE_STATS_ENABLED="0", **OFFLINE)
+    ray.init(num_cpus=3, include_dashboard=False, configure_logging=False)
+    yield
+    ray.shutdown()
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def fit(function, config: dict, storage: Path, **kwargs):
+    trainer = TorchTrainer(function, train_loop_config=config,
+                           scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 1}),
+                           run_config=RunConfig(storage_path=str(storage), name="run",
+                                                failure_config=FailureConfig(max_failures=1)), **kwargs)
+    return trainer.fit()
+
+
+def records(out: Path) -> list[dict]:
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory) -> list[dict]:
+    """The same loop and seed under `hf-backend launch --num_processes 2`."""
+    out = tmp_path_factory.mktemp("launched")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT")}
+    cmd = [sys.executable, "-m", "hf_backend.cli.main", "launch", "--cpu", "--num_processes", "2",
+           str(SCRIPTS / "ray_loop.py"), "--out", str(out), "--epochs", str(EPOCHS)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return records(out)
+
+
+def assert_close_params(a: dict, b: dict, tol: float = 1e-5) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        diff = (torch.tensor(a[name]) - torch.tensor(b[name])).abs().max().item()
+        assert diff <= tol, f"{name} differs by {diff}"
+
+
+def test_dataloader_path_matches_the_launcher_and_resumes_after_a_crash(launched, tmp_path):
+    from ray_loop import train
+
+    out = tmp_path / "out"
+    out.mkdir()
+    result = fit(train, {"out": str(out), "ray": True, "epochs": EPOCHS, "crash_after": 1}, tmp_path / "storage")
+    assert result.error is None
+    ranks = records(out)
+    assert [r["world"] for r in ranks] == [2, 2] and [r["rank"] for r in ranks] == [0, 1]
+    assert [r["local_rank"] for r in ranks] == [0, 1] and {r["device"] for r in ranks} == {"cpu"}
+    assert {r["distributed_type"] for r in ranks} == {"MULTI_CPU"}
+    # The first attempt crashed after epoch 1; Ray restarted the workers, which restored that checkpoint.
+    assert (out / "crashed").exists() and all(r["starts"] == [0, 1] and r["restored"] for r in ranks)
+    for epoch in map(str, range(EPOCHS)):
+        halves = [r["ids"][epoch] for r in ranks]
+        assert [len(h) for h in halves] == [32, 32] and sorted(halves[0] + halves[1]) == list(range(64))
+        assert halves == [launched[0]["ids"][epoch], launched[1]["ids"][epoch]]  # the same order as the launcher's
+    assert ranks[0]["local_params"] == ranks[1]["local_params"]  # one model, synchronized
+    assert_close_params(ranks[0]["full_params"], launched[0]["full_params"])
+    # The last checkpoint Ray kept: the state (metadata, each rank's random state) and the model's weights.
+    with result.checkpoint.as_directory() as directory:
+        files = {p.name for p in Path(directory).iterdir()}
+        assert {"hf_backend_checkpoint.json", "rng_state_0.pt", "rng_state_1.pt", "model"} <= files
+        assert (Path(directory) / "model" / "model.safetensors").is_file()
+    assert result.metrics["epoch"] == EPOCHS
+
+
+def test_ray_data_shards_are_not_split_again(tmp_path):
+    from ray_loop import samples, train
+
+    out = tmp_path / "out"
+    out.mkdir()
+    dataset = ray.data.from_items(samples())
+    result = fit(train, {"out": str(out), "ray": True, "epochs": 2, "data": "ray"}, tmp_path / "storage",
+                 datasets={"train": dataset})
+    assert result.error is None
+    ranks = records(out)
+    assert [r["world"] for r in ranks] == [2, 2]
+    assert {r["batches_type"].split(".")[0] for r in ranks} == {"ray"}  # prepare() handed it back as it was
+    for epoch in ("0", "1"):
+        halves = [r["ids"][epoch] for r in ranks]
+        assert [len(h) for h in halves] == [32, 32] and sorted(halves[0] + halves[1]) == list(range(64))
+    assert ranks[0]["local_params"] == ranks[1]["local_params"]
+
+
+def test_fsdp_sharded_checkpoints_resume_inside_ray(launched, tmp_path):
+    from ray_loop import train
+
+    out = tmp_path / "out"
+    out.mkdir()
+    result = fit(train, {"out": str(out), "ray": True, "epochs": EPOCHS, "crash_after": 2, "strategy": "fsdp"},
+                 tmp_path / "storage")
+    assert result.error is None
+    ranks = records(out)
+    assert {r["distributed_type"] for r in ranks} == {"FSDP"} and all(r["starts"] == [0, 2] for r in ranks)
+    with result.checkpoint.as_directory() as directory:
+        shards = sorted(p.name for p in (Path(directory) / "model_dcp").iterdir())
+    assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # written by both ranks, merged by Ray
+    assert_close_params(ranks[0]["full_params"], launched[0]["full_params"])
+
+
+def test_deepspeed_zero3_checkpoints_resume_inside_ray(launched, tmp_path):
+    pytest.importorskip("deepspeed")
+    from ray_loop import train
+
+    out = tmp_path / "out"
+    out.mkdir()
+    result = fit(train, {"out": str(out), "ray": True, "epochs": EPOCHS, "crash_after": 1,
+                         "strategy": "deepspeed"}, tmp_path / "storage")
+    assert result.error is None
+    ranks = records(out)
+    assert {r["distributed_type"] for r in ranks} == {"DEEPSPEED"} and all(r["starts"] == [0, 1] for r in ranks)
+    with result.checkpoint.as_directory() as directory:
+        names = {p.name for p in (Path(directory) / "model_deepspeed").iterdir()}
+    assert {n for n in names if n.startswith("zero_pp_rank_")} >= {
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"}
+    assert_close_params(ranks[0]["full_params"], launched[0]["full_params"], tol=1e-4)
+
+
+def test_the_trainer_inside_ray_with_ray_data(tmp_path):
+    from ray_loop import trainer_job, trainer_rows
+
+    out = tmp_path / "out"
+    out.mkdir()
+    result = fit(trainer_job, {"out": str(out)}, tmp_path / "storage", datasets={"train": ray.data.from_items(
+        trainer_rows())})
+    assert result.error is None
+    ranks = [json.loads((out / f"trainer_rank{r}.json").read_text()) for r in range(2)]
+    assert [r["world"] for r in ranks] == [2, 2] and {r["wrapped"] for r in ranks} == {"DistributedDataParallel"}
+    assert [(r["steps"], r["rows"]) for r in ranks] == [(4, 32), (4, 32)]  # 64 rows: half to each, not split again
+    assert ranks[0]["params"] == ranks[1]["params"]
+    with result.checkpoint.as_directory() as directory:  # what Ray's RayTrainReportCallback reported
+        assert (Path(directory) / "checkpoint" / "trainer_state.json").is_file()
+
+
+def test_the_glue_recipe_on_ray_both_data_paths(tiny, tmp_path):
+    import run_glue_ray
+
+    out, storage = tmp_path / "run", tmp_path / "ray"
+    args = [*recipe_args(tiny, out), "--storage_path", str(storage), "--num_workers", "2"]
+    assert run_glue_ray.main([*args, "--data", "ray"]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["world_size"] == 2 and set(results["metrics"]["dev"]) == {"accuracy", "f1"}
+    # 64 rows, 32 a worker, batch 8: 4 steps an epoch, 2 epochs, a checkpoint (2 kept) reported after each
+    assert [h["step"] for h in results["history"] if "loss" in h][-1] == 8
+    kept = sorted((storage / "glue_mrpc_ray").glob("checkpoint_2*"))
+    assert len(kept) == 2 and all((k / "hf_backend_checkpoint.json").is_file() for k in kept)
+
+    assert run_glue_ray.main([*args, "--data", "torch"]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["world_size"] == 2 and [h["step"] for h in results["history"] if "loss" in h][-1] == 8
