@@ -26,6 +26,7 @@ def parse_args(description: str, argv: list[str] | None = None,
     p.add_argument("--max_length", type=int, default=128)
     p.add_argument("--warmup", type=float, default=0.1, help="warmup, as a fraction of the optimizer steps")
     p.add_argument("--weight_decay", type=float, default=0.01)
+    p.add_argument("--max_grad_norm", type=float, default=1.0, help="gradient clipping (transformers' default)")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--mixed_precision", choices=("no", "bf16", "fp16"), default="no")
     p.add_argument("--output_dir", default=None, help="default: glue_output/<task>")

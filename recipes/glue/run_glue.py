@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         max_steps=args.max_steps,
         warmup_steps=args.warmup,
         weight_decay=args.weight_decay,
+        max_grad_norm=args.max_grad_norm,
         seed=args.seed,
         bf16=args.mixed_precision == "bf16",
         fp16=args.mixed_precision == "fp16",

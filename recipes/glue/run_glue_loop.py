@@ -131,7 +131,7 @@ def train(args: argparse.Namespace, accelerator: Accelerator, checkpoints: Any,
         for batch in (train_dl if external_batches is None else external_batches(epoch, collate)):
             loss = model(**batch).loss
             accelerator.backward(loss)
-            accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad()
