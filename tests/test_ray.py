@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import OFFLINE, SCRIPTS, recipe_args
+from test_cli import cli
 
 ray = pytest.importorskip("ray")
 RECIPE_DIRS = [Path(__file__).parent.parent / "recipes" / d for d in ("glue", "ray")]
@@ -61,11 +61,8 @@ def records(out: Path) -> list[dict]:
 def launched(tmp_path_factory) -> list[dict]:
     """The same loop and seed under `hf-backend launch --num_processes 2`."""
     out = tmp_path_factory.mktemp("launched")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                             "MASTER_PORT")}
-    cmd = [sys.executable, "-m", "hf_backend.cli.main", "launch", "--cpu", "--num_processes", "2",
-           str(SCRIPTS / "ray_loop.py"), "--out", str(out), "--epochs", str(EPOCHS)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    proc = cli("launch", "--cpu", "--num_processes", "2", str(SCRIPTS / "ray_loop.py"), "--out", str(out),
+               "--epochs", str(EPOCHS), timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return records(out)
 

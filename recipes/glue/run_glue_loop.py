@@ -82,10 +82,11 @@ def train(args: argparse.Namespace, accelerator: Accelerator, checkpoints: Any,
 
     set_seed(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if external_batches is not None:
+        data.pop("train")  # the training batches come from elsewhere, already tokenized
     encoded = tokenize(data, tokenizer, args.max_length).rename_column("label", "labels")
     encoded.set_format("torch")
     collate = DataCollatorWithPadding(tokenizer)
-    train_dl = DataLoader(encoded["train"], batch_size=args.batch_size, shuffle=True, collate_fn=collate)
     eval_dls = [DataLoader(encoded[split], batch_size=args.batch_size, collate_fn=collate) for split in task.dev]
     labels = task.labels or ("score",)
     model = AutoModelForSequenceClassification.from_pretrained(
@@ -99,6 +100,7 @@ def train(args: argparse.Namespace, accelerator: Accelerator, checkpoints: Any,
     ]
     adamw = torch.optim.AdamW(groups, lr=args.lr, fused=True)  # transformers.Trainer's default optimizer
     if external_batches is None:
+        train_dl = DataLoader(encoded["train"], batch_size=args.batch_size, shuffle=True, collate_fn=collate)
         model, optimizer, train_dl, *eval_dls = accelerator.prepare(model, adamw, train_dl, *eval_dls)
         steps_per_epoch = len(train_dl)
     else:  # evaluation keeps the engine's loaders: predictions are gathered exactly, no row dropped
