@@ -11,6 +11,7 @@ transformers.Trainer, for side-by-side comparisons.
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -23,12 +24,8 @@ from glue_data import DataError, default_model, fail, get_task, load, metric, to
 
 
 def main(argv: list[str] | None = None) -> int:
-    trainer_choice = "hf_backend"
-    if argv is None and "--trainer" in sys.argv:  # --trainer {hf_backend,transformers}
-        at = sys.argv.index("--trainer")
-        trainer_choice = sys.argv[at + 1]
-        argv = sys.argv[1:at] + sys.argv[at + 2:]
-    args = parse_args(__doc__.splitlines()[0], argv)
+    args = parse_args(__doc__.splitlines()[0], argv, more_options=_trainer_options)
+    trainer_choice = args.trainer
     try:
         task = get_task(args.task)
         data = load(task, args.data_dir, args.max_train_samples, args.max_eval_samples)
@@ -80,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         # Without it transformers.Trainer on a GPU-less machine neither wraps the model in DDP nor shards the data
         # under a launcher: each process would train its own copy (hf_backend's Trainer does not need it).
         use_cpu=not torch.cuda.is_available(),
+        average_tokens_across_devices=args.average_tokens_across_devices == "true",
     )
     trainer = Trainer(model=model, args=training_args, train_dataset=encoded["train"],
                       eval_dataset=encoded[task.dev[0]], processing_class=tokenizer,
@@ -98,6 +96,15 @@ def main(argv: list[str] | None = None) -> int:
         for split, values in metrics.items():
             print(f"{split}: " + ", ".join(f"{k} {v:.4f}" for k, v in values.items()))
     return 0
+
+
+def _trainer_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trainer", choices=("hf_backend", "transformers"), default="hf_backend",
+                        help="transformers: the same recipe on the stock Trainer, for side-by-side runs")
+    parser.add_argument("--average_tokens_across_devices", choices=("true", "false"), default="true",
+                        help="TrainingArguments' option. transformers.Trainer multiplies a model's loss by the number "
+                             "of processes when it is true (its default), even for a loss that is a mean per batch "
+                             "(docs/results.md); hf_backend.Trainer checks what the loss does")
 
 
 _METRIC_NAMES = ("accuracy", "f1", "macro_f1", "matthews_correlation", "pearson", "spearmanr", "loss")
