@@ -41,15 +41,15 @@ def test_accumulation_two_by_eight_equals_one_by_sixteen(tmp_path):
     assert _relative(two["losses"], one["losses"]) <= 1e-5
 
 
-def test_zero3_resume_and_save_model(tmp_path):
-    full = run_report(LOOP, tmp_path / "full.json", [*TRAIN, "--zero", "3"], nproc=2)
+def test_zero3_resume_and_save_model(bert_ddp, tmp_path):
     ckpt = str(tmp_path / "ckpt")
     first = run_report(LOOP, tmp_path / "a.json", [*TRAIN, "--zero", "3", "--stop-after", "11", "--checkpoint", ckpt],
                        nproc=2)
     assert (tmp_path / "ckpt" / "model_deepspeed").is_dir()
     second = run_report(LOOP, tmp_path / "b.json", [*TRAIN, "--zero", "3", "--resume", "--checkpoint", ckpt,
                                                     "--save-model", str(tmp_path / "model")], nproc=2)
-    assert _relative(first["losses"] + second["losses"], full["losses"]) <= 1e-5
+    # stopped after step 11 of 32 and resumed: the uninterrupted run's losses (ZeRO-3 equals DDP, test above)
+    assert len(first["losses"]) == 11 and _relative(first["losses"] + second["losses"], bert_ddp["losses"]) <= 1e-5
     loaded = transformers.BertForSequenceClassification.from_pretrained(tmp_path / "model").eval()
     with torch.no_grad():
         logits = loaded(input_ids=data(4).tensors[0]).logits
@@ -171,10 +171,10 @@ def test_zero3_init_flag_partitions_parameters_while_from_pretrained_builds(tmp_
     assert partitioned["losses"] == plain["losses"]
 
 
-def test_config_optimizer_and_scheduler_through_placeholders(tmp_path):
-    torch_adamw = run_report(LOOP, tmp_path / "a.json", ["--zero", "2"], nproc=2)
-    own = run_report(LOOP, tmp_path / "b.json", ["--zero", "2", "--ds-optimizer", "optimizer"], nproc=2)
-    assert _relative(own["losses"], torch_adamw["losses"]) <= 1e-4  # "auto" lr / weight decay came from DummyOptim
+def test_config_optimizer_and_scheduler_through_placeholders(bert_ddp, tmp_path):
+    own = run_report(LOOP, tmp_path / "b.json", [*TRAIN, "--zero", "2", "--ds-optimizer", "optimizer"], nproc=2)
+    # DeepSpeed's AdamW with the "auto" lr / weight decay of DummyOptim trains what torch's AdamW trains under DDP
+    assert _relative(own["losses"], bert_ddp["losses"]) <= 1e-5
     warm = run_report(LOOP, tmp_path / "c.json", ["--zero", "2", "--ds-optimizer", "optimizer+scheduler"], nproc=2)
     lrs = warm["lrs"]
     assert lrs[0] < lrs[2] < lrs[3] == pytest.approx(1e-3)  # warm-up over warmup_num_steps=4

