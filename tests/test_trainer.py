@@ -169,7 +169,7 @@ def test_sigkill_then_resume_under_fsdp_from_sharded_checkpoints(ddp, tmp_path):
     args = [*DDP_ARGS, "--batch-size", "8", "--fsdp-config", "plugin", "--state-dict-type", "SHARDED_STATE_DICT"]
     resumed = _kill_and_resume(tmp_path, args, nproc=2)
     assert (tmp_path / "run" / resumed["checkpoints"][-1] / "model_dcp").is_dir()
-    # the uninterrupted run: FSDP trains what DDP trains (measured 1e-7 apart; test_fsdp_config_as_... above)
+    # the uninterrupted run: FSDP trains what DDP trains (test_fsdp_config_as_the_docs_yaml_... above)
     assert relative(losses(resumed, after=8), losses(ddp, after=8)) <= 1e-5
     assert max_abs(resumed["params"], ddp["params"]) <= 1e-5
 
