@@ -461,8 +461,7 @@ class Accelerator:
         config = self.project_configuration
         automatic = output_dir is None
         output_dir = output_dir if output_dir is not None else checkpoint.automatic_dir(config)
-        target = checkpoint.save_checkpoint(output_dir, self._objects, **self._checkpoint_io(),
-                                            safe_serialization=safe_serialization)
+        target = checkpoint.save_checkpoint(output_dir, **self._checkpoint_io(), safe_serialization=safe_serialization)
         if automatic:
             config.iteration += 1
             if config.total_limit is not None and self.is_main_process:
@@ -471,8 +470,9 @@ class Accelerator:
         return str(target)
 
     def _checkpoint_io(self) -> dict[str, Any]:
-        """What `checkpoint.write_state` needs besides the objects (also used by hf_backend.ray_train)."""
-        return {"state": self.process, "strategy": self.strategy, "scaler": self.scaler,
+        """What `checkpoint.write_state` writes: the registered objects and the process's state (also used by
+        hf_backend.ray_train)."""
+        return {"objects": self._objects, "state": self.process, "strategy": self.strategy, "scaler": self.scaler,
                 "extra": {"accumulation_step": self.step, "iteration": self.project_configuration.iteration}}
 
     def load_state(self, input_dir: str | os.PathLike | None = None) -> None:

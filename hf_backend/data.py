@@ -319,7 +319,7 @@ def prepare_dataloader(loader: DataLoader, *, num_processes: int, process_index:
     if isinstance(loader, PreparedDataLoader):
         return loader
     if isinstance(loader.dataset, IterableDataset):
-        if num_processes > 1 and not split_per_process(loader.dataset):
+        if num_processes > 1 and not _split_by_ray(loader.dataset):
             raise HfBackendError(
                 "prepare() cannot shard a DataLoader over an IterableDataset across processes: give each process its "
                 "own stream (e.g. split by RANK in the dataset) and pass the batches to the model directly"
@@ -335,10 +335,10 @@ def prepare_dataloader(loader: DataLoader, *, num_processes: int, process_index:
     return PreparedDataLoader(loader, sharded, device, gradient_state, non_blocking, order_seed)
 
 
-def split_per_process(data: Any) -> bool:
-    """Whether `data` comes from Ray (Ray Data's `iter_torch_batches`, or Ray's wrapper of it in a DataLoader's
-    dataset): Ray has already given each worker its own part, so it must not be split again."""
-    return type(data).__module__.split(".")[0] == "ray"
+def _split_by_ray(dataset: IterableDataset) -> bool:
+    """Whether `dataset` is Ray's wrapper of a Ray Data shard (what Ray's `prepare_trainer` puts in a DataLoader):
+    Ray has already given each worker its own part, so it must not be split again."""
+    return type(dataset).__module__.split(".")[0] == "ray"
 
 
 def _share_order_generator(batch_sampler: Any, data_seed: int | None) -> int | None:

@@ -79,7 +79,7 @@ def report(accelerator: Accelerator, metrics: dict[str, Any], *, model: torch.nn
     with tempfile.TemporaryDirectory(prefix=f"hf_backend_ray_rank{accelerator.process_index}_") as tmp:
         directory = Path(tmp)
         if checkpoint_state:
-            checkpoint.write_state(directory, accelerator._objects, **accelerator._checkpoint_io())
+            checkpoint.write_state(directory, **accelerator._checkpoint_io())
         if model is not None:
             accelerator.save_model(model, directory / MODEL_DIR)
         # Upload is synchronous: the directory is in storage when report returns and can go.

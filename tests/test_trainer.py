@@ -12,14 +12,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import SCRIPTS
+from conftest import OFFLINE, SCRIPTS
 from test_cli import cli
 from test_config import DOCS_FSDP_YAML
 
 pytest.importorskip("datasets")
 
 SCRIPT = "trainer_docs.py"
-OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
 # Dropout off and a larger step for the cross-world-size comparisons (dropout masks depend on the batch split).
 DDP_ARGS = ["--dropout", "0", "--lr", "1e-3", "--save-steps", "4"]
 FSDP_JSON = {"fsdp_transformer_layer_cls_to_wrap": ["BertLayer"], "fsdp_backward_prefetch": "backward_pre",

@@ -39,6 +39,14 @@ def main(argv: list[str] | None = None) -> int:
     return train(args, accelerator, SavedState(args.resume))
 
 
+class Checkpoints(Protocol):
+    """Where the loop's checkpoints go and come back from: `SavedState` here, Ray's in recipes/ray."""
+
+    def restore(self, accelerator: Accelerator) -> None: ...
+
+    def save(self, accelerator: Accelerator, metrics: dict[str, Any]) -> None: ...
+
+
 class SavedState:
     """Checkpoints as `save_state` directories in output_dir (rotated, 2 kept); `--resume` loads the newest or the
     one given. recipes/ray swaps in checkpoints reported to Ray."""
@@ -62,7 +70,7 @@ class ExternalBatches(Protocol):
     def __call__(self, epoch: int, collate: Callable) -> Iterable[dict[str, torch.Tensor]]: ...
 
 
-def train(args: argparse.Namespace, accelerator: Accelerator, checkpoints: Any,
+def train(args: argparse.Namespace, accelerator: Accelerator, checkpoints: Checkpoints,
           external_batches: ExternalBatches | None = None) -> int:
     """The whole run in this process: data, model, training with evaluations and checkpoints, results."""
     try:
