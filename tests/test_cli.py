@@ -174,3 +174,16 @@ def test_version_and_every_flag_has_help():
                 assert action.help, f"{where}: {action.dest} has no help text"
 
     check(build_parser(), "hf-backend")
+
+
+def test_config_commands_start_without_importing_torch(tmp_path):
+    """`hf-backend config ...` and `--version` answer in a fraction of a second: hf_backend imports lazily."""
+    path = tmp_path / "c.yaml"
+    path.write_text("distributed_type: MULTI_CPU\nnum_processes: 2\n")
+    code = ("import sys; from hf_backend.cli.main import main; import hf_backend; "
+            f"code = main(['config', 'validate', {str(path)!r}]); "
+            "assert sorted(hf_backend.__all__) == sorted(hf_backend._WHERE); "
+            "print(code, 'torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=_env())
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().endswith("0 False")
