@@ -5,27 +5,25 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import warm_processes
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
 
 def run_script(script: str, args: list[str], nproc: int = 1, timeout: int = 240,
                env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Run tests/scripts/<script> and fail with its output when it fails."""
-    cmd = [sys.executable]
-    if nproc > 1:
-        cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    cmd += [str(SCRIPTS / script), *args]
+    """Run tests/scripts/<script> in `nproc` processes (forked warm, see warm_processes.py; torchrun's environment
+    when nproc > 1) and fail with its output when it fails."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         full_env.pop(name, None)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)
+    proc = warm_processes.run(SCRIPTS / script, args, nproc=nproc, env=full_env, timeout=timeout)
     if proc.returncode != 0:
-        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        pytest.fail(f"{script} {' '.join(args)} in {nproc} process(es) exited {proc.returncode}\n"
+                    f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
+import signal
 import subprocess
 import sys
 import time
@@ -13,6 +13,7 @@ import time
 import pytest
 from conftest import SCRIPTS, run_report
 from test_config import DOCS_FSDP_YAML
+from warm_processes import free_port
 
 from hf_backend.cli.main import build_parser
 from hf_backend.config.loader import load_config
@@ -30,12 +31,6 @@ def _env(**extra: str) -> dict[str, str]:
 def cli(*args: str, input: str | None = None, timeout: int = 180, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run([*CLI, *args], capture_output=True, text=True, input=input, timeout=timeout,
                           env=_env(**env))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -59,16 +54,30 @@ def test_launch_cpu_two_processes_trains_one_model_like_one_process_with_twice_t
 
 
 def test_two_launchers_on_loopback_form_one_two_node_job(one_process, tmp_path):
-    port = str(_free_port())
+    port = str(free_port())
     out = tmp_path / "r.json"
     common = ["launch", "--cpu", "--num_processes", "2", "--num_machines", "2", "--main_process_ip", "127.0.0.1",
               "--main_process_port", port, "--num_cpu_threads_per_process", "1"]
     script = [str(SCRIPTS / "tutorial_loop.py"), "--out", str(out), "--batch-size", "8"]
-    nodes = [subprocess.Popen([*CLI, *common, "--machine_rank", str(rank), *script], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=_env(HF_HOME=str(tmp_path))) for rank in (0, 1)]
-    results = [node.communicate(timeout=180) for node in nodes]
-    for node, (_, err) in zip(nodes, results):
-        assert node.returncode == 0, err[-3000:]
+    logs = [tmp_path / f"node{rank}.log" for rank in (0, 1)]
+    nodes = []
+    for rank, log in enumerate(logs):  # output to files, never an unread pipe that could fill and stall a node
+        with log.open("w") as sink:
+            nodes.append(subprocess.Popen([*CLI, *common, "--machine_rank", str(rank), *script], stdout=sink,
+                                          stderr=subprocess.STDOUT, text=True, env=_env(HF_HOME=str(tmp_path)),
+                                          start_new_session=True))
+    deadline = time.monotonic() + 120  # about 10 s when it works; a node that failed ends the wait at once
+    while time.monotonic() < deadline and any(node.poll() is None for node in nodes):
+        if any(node.returncode not in (None, 0) for node in nodes):
+            break
+        time.sleep(0.2)
+    for node in nodes:
+        if node.poll() is None:
+            os.killpg(node.pid, signal.SIGKILL)
+            node.wait()
+    report = "\n".join(f"node {rank} (exit {node.returncode}):\n{log.read_text()[-3000:]}"
+                       for rank, (node, log) in enumerate(zip(nodes, logs)))
+    assert all(node.returncode == 0 for node in nodes), report
     two = json.loads(out.read_text())
     assert two["world"] == 2 and two["ranks_agree"]
     _close(two["params"], one_process["params"])

@@ -7,11 +7,10 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import warm_processes
 from conftest import OFFLINE, SCRIPTS
 from test_cli import cli
 from test_config import DOCS_FSDP_YAML
@@ -25,19 +24,20 @@ FSDP_JSON = {"fsdp_transformer_layer_cls_to_wrap": ["BertLayer"], "fsdp_backward
              "fsdp_forward_prefetch": "false", "fsdp_sync_module_states": "true", "version": 2}
 
 
-def run(tmp: Path, name: str, args: list[str], nproc: int = 1, expect_kill: bool = False) -> dict | None:
-    """Run the docs example, in one process or through `hf-backend launch --cpu`; its report (None when the run is
-    expected to be SIGKILLed by its --kill-after-checkpoint callback)."""
+def run(tmp: Path, name: str, args: list[str], nproc: int = 1, expect_kill: bool = False,
+        launcher: bool = False) -> dict | None:
+    """Run the docs example in `nproc` processes (forked warm; through `hf-backend launch --cpu` with `launcher`);
+    its report (None when the run is expected to be SIGKILLed by its --kill-after-checkpoint callback)."""
     out = tmp / f"{name}.json"
     script = [str(SCRIPTS / SCRIPT), "--out", str(out), "--output-dir", str(tmp / name), *args]
-    if nproc == 1:
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-        proc = subprocess.run([sys.executable, *script], capture_output=True, text=True, timeout=240,
-                              env={**env, "OMP_NUM_THREADS": "1", **OFFLINE})
-        killed = proc.returncode == -signal.SIGKILL
-    else:
+    if launcher:
         proc = cli("launch", "--cpu", "--num_processes", str(nproc), *script, timeout=300, **OFFLINE)
         killed = proc.returncode != 0 and "was killed by SIGKILL" in proc.stderr
+    else:
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+        proc = warm_processes.run(script[0], script[1:], nproc=nproc, env={**env, "OMP_NUM_THREADS": "1"},
+                                  timeout=300)
+        killed = proc.returncode == -signal.SIGKILL
     if expect_kill:
         assert killed, proc.stderr[-3000:]
         return None
@@ -122,7 +122,8 @@ def test_fsdp_config_as_the_docs_yaml_as_json_and_as_a_plugin(kind, ddp, tmp_pat
         config.write_text(json.dumps(FSDP_JSON))
     extra = ["--evaluate-first"] if kind == "json" else []  # the model is prepared for evaluation, then training
     report = run(tmp_path, kind, [*DDP_ARGS, "--batch-size", "8", *extra, "--fsdp-config",
-                                  "plugin" if kind == "plugin" else str(config)], nproc=2)
+                                  "plugin" if kind == "plugin" else str(config)], nproc=2,
+                 launcher=kind == "docs_yaml")  # the docs' way: their YAML, through the launcher
     assert report["distributed_type"] == "FSDP"  # transformers 5.23 silently trains plain DDP with the JSON
     assert relative(losses(report), losses(ddp)) <= 1e-4
     assert max_abs(report["params"], ddp["params"]) <= 1e-4

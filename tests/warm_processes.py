@@ -1,0 +1,225 @@
+"""Run a test script in N processes forked from one warm interpreter: the suite's own stand-in for torchrun.
+
+A fresh interpreter that imports torch, transformers and DeepSpeed takes 8-12 s on the 2-core CI machine, and the
+suite starts a hundred of them. So the session starts one server process (this file, run as a script) that imports
+those modules once, and every `run` forks the processes of one job from it. Each job gets fresh copies of the
+server, with nothing carried over from earlier jobs; the environment torchrun gives its workers (RANK, WORLD_SIZE,
+LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, a port of its own); and its script run as `python script.py
+args` would run it. When one process fails, the others are stopped, as torch elastic stops them. The launcher itself
+is still tested through real launches (test_cli.py, the recipes, the Trainer's launcher test, Ray).
+
+Variables that those modules read at import (HF_HUB_OFFLINE, DS_ACCELERATOR, KMP_DUPLICATE_LIB_OK, ...) cannot change
+per job: a job whose environment sets them otherwise than the server's gets a new server started with its
+environment. Every job runs offline (HF_HUB_OFFLINE, HF_DATASETS_OFFLINE).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import random
+import runpy
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+# Read by the preloaded modules at import; a job's environment must leave them as the server had them.
+_FROZEN_PREFIXES = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "DS_", "DEEPSPEED_", "PYTORCH_", "TORCH_", "MKL_", "KMP_")
+_PER_JOB = ("HF_BACKEND_", "TORCH_DISTRIBUTED_DEBUG", "TORCHELASTIC_")  # read when a job uses them, not at import
+_OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}  # tests talk to nothing but 127.0.0.1
+
+
+def _frozen(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k.startswith(_FROZEN_PREFIXES) and not k.startswith(_PER_JOB)}
+
+
+def free_port() -> int:
+    """A free port below Linux's ephemeral range (32768-60999): a port the kernel hands out for binding port 0 can be
+    handed out again as the source port of any client's connect before the store binds it."""
+    for port in random.Random().sample(range(20000, 32000), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-31999 on 127.0.0.1")
+
+
+# -- the client, in the pytest process ---------------------------------------------------------------------------------
+class _Server:
+    def __init__(self, env: dict[str, str]) -> None:
+        self.frozen = _frozen(env)
+        self.dir = Path(tempfile.mkdtemp(prefix="warm_processes_"))
+        self.log = self.dir / "server.log"
+        with self.log.open("w") as log:
+            self.proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=log, text=True, env={**env, "OMP_NUM_THREADS": "1"})
+        if self.proc.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"the warm process server did not start:\n{self.log.read_text()[-3000:]}")
+        self.jobs = 0
+
+    def submit(self, request: dict) -> dict:
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the warm process server died:\n{self.log.read_text()[-3000:]}")
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+_SERVER: _Server | None = None
+
+
+def run(script: str | Path, args: list[str], nproc: int = 1, env: dict[str, str] | None = None,
+        timeout: float = 240) -> subprocess.CompletedProcess:
+    """Run `script args` in `nproc` processes (torchrun's environment when nproc > 1), like subprocess.run with
+    capture_output: returncode 0 when every process succeeded, else the first failure's (negative for a signal);
+    stdout and stderr hold every process's output, rank by rank. Raises subprocess.TimeoutExpired after `timeout`."""
+    global _SERVER
+    job_env = {**(os.environ if env is None else env), **_OFFLINE}
+    if _SERVER is None or _SERVER.proc.poll() is not None or _SERVER.frozen != _frozen(job_env):
+        if _SERVER is not None:
+            _SERVER.close()
+        _SERVER = _Server(job_env)
+        atexit.register(_SERVER.close)
+    _SERVER.jobs += 1
+    logs = _SERVER.dir / f"job{_SERVER.jobs}"
+    logs.mkdir()
+    reply = _SERVER.submit({"script": str(script), "args": [str(a) for a in args], "nproc": nproc, "env": job_env,
+                            "cwd": os.getcwd(), "timeout": timeout, "logs": str(logs)})
+    streams = {}
+    for stream in ("out", "err"):
+        parts = [(logs / f"rank{r}.{stream}").read_text(errors="replace") for r in range(nproc)]
+        streams[stream] = parts[0] if nproc == 1 else "".join(f"[rank {r}]\n{p}" for r, p in enumerate(parts))
+    cmd = [f"{script}", *args]
+    if reply["timed_out"]:
+        raise subprocess.TimeoutExpired(cmd, timeout, streams["out"], streams["err"])
+    return subprocess.CompletedProcess(cmd, reply["first_failure"], streams["out"], streams["err"])
+
+
+# -- the server: `python warm_processes.py`, one JSON request per line on stdin, one reply per line on stdout ---------
+def _serve() -> None:
+    replies = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # anything the imports print goes to the server's log, never into the replies
+    import torch  # noqa: F401  (the imports every job would otherwise repeat)
+    import torch.distributed.checkpoint  # noqa: F401
+    import transformers  # noqa: F401
+    from transformers import BertForSequenceClassification, Trainer  # noqa: F401
+
+    import hf_backend.trainer  # noqa: F401
+    try:
+        import datasets  # noqa: F401
+        import deepspeed  # noqa: F401
+    except ImportError:
+        pass
+    print("ready", file=replies, flush=True)
+    for line in sys.stdin:
+        print(json.dumps(_job(json.loads(line))), file=replies, flush=True)
+
+
+def _job(request: dict) -> dict:
+    nproc, port = request["nproc"], free_port()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pids: list[int] = []
+    for rank in range(nproc):
+        pid = os.fork()
+        if pid == 0:
+            _child(request, rank, port, pids[0] if pids else 0)
+        try:
+            os.setpgid(pid, pids[0] if pids else pid)  # one process group per job (the child does the same)
+        except OSError:
+            pass  # already exited, or already in it
+        pids.append(pid)
+    codes: dict[int, int] = {}
+    deadline = time.monotonic() + request["timeout"]
+    timed_out = False
+    while len(codes) < nproc:
+        for pid in pids:
+            if pid not in codes:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    codes[pid] = os.waitstatus_to_exitcode(status)
+        failed = any(code != 0 for code in codes.values())
+        if len(codes) < nproc and (failed or time.monotonic() > deadline):
+            timed_out = not failed
+            _kill_group(pids[0])
+            for pid in pids:
+                if pid not in codes:
+                    codes[pid] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        time.sleep(0.02)
+    _kill_group(pids[0])  # whatever a job's processes started and left behind
+    first_failure = next((code for code in codes.values() if code != 0), 0)  # in the order they ended
+    return {"returncodes": [codes[pid] for pid in pids], "first_failure": first_failure, "timed_out": timed_out}
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _child(request: dict, rank: int, port: int, pgid: int) -> None:
+    """Become rank `rank` of the job and run its script; never returns."""
+    code = 1
+    try:
+        os.setpgid(0, pgid)
+        logs = Path(request["logs"])
+        for fd, name in ((1, "out"), (2, "err")):
+            target = os.open(logs / f"rank{rank}.{name}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(target, fd)
+            os.close(target)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.close(devnull)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        nproc = request["nproc"]
+        if nproc > 1:
+            os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                              LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=str(port))
+        import torch
+
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        os.chdir(request["cwd"])
+        script = request["script"]
+        sys.argv = [script, *request["args"]]
+        sys.path[0] = os.path.dirname(os.path.abspath(script))
+        try:
+            runpy.run_path(script, run_name="__main__")
+            code = 0
+        except SystemExit as stop:
+            if stop.code is None or isinstance(stop.code, int):
+                code = stop.code or 0
+            else:
+                print(stop.code, file=sys.stderr)
+        atexit._run_exitfuncs()  # what a normal interpreter exit runs (the engine's process-group teardown)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+if __name__ == "__main__":
+    _serve()
