@@ -30,11 +30,14 @@ EPOCHS = 3
 @pytest.fixture(scope="module", autouse=True)
 def ray_cluster():
     """Two workers of one CPU each; the cluster has one CPU more for Ray Data's own tasks."""
-    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "RAY_USAGE_STATS_ENABLED", *OFFLINE)}
+    # Ray Train's controller polls its workers every 2 s by default: each fit would wait that long to notice the end
+    # (or a crash) of its workers.
+    settings = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5", **OFFLINE}
+    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", *settings)}
     # The workers import the test scripts and recipes; the local cluster's processes inherit the driver's environment.
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SCRIPTS), *map(str, RECIPE_DIRS),
                                                              saved["PYTHONPATH"]]))
-    os.environ.update(RAY_USAGE_STATS_ENABLED="0", **OFFLINE)
+    os.environ.update(settings)
     ray.init(num_cpus=3, include_dashboard=False, configure_logging=False)
     yield
     ray.shutdown()
