@@ -115,8 +115,13 @@ def run(script: str | Path, args: list[str], nproc: int = 1, env: dict[str, str]
 
 
 # -- the server: `python warm_processes.py`, one JSON request per line on stdin, one reply per line on stdout ---------
+_REPLIES_FD = -1  # the server's end of the reply pipe, which its jobs' processes must not keep open
+
+
 def _serve() -> None:
-    replies = os.fdopen(os.dup(1), "w")
+    global _REPLIES_FD
+    _REPLIES_FD = os.dup(1)
+    replies = os.fdopen(_REPLIES_FD, "w")
     os.dup2(2, 1)  # anything the imports print goes to the server's log, never into the replies
     import torch  # noqa: F401  (the imports every job would otherwise repeat)
     import torch.distributed.checkpoint  # noqa: F401
@@ -181,6 +186,7 @@ def _child(request: dict, rank: int, port: int, pgid: int) -> None:
     """Become rank `rank` of the job and run its script; never returns."""
     code = 1
     try:
+        os.close(_REPLIES_FD)  # else a client could wait forever on a server that died while this process lives
         os.setpgid(0, pgid)
         logs = Path(request["logs"])
         for fd, name in ((1, "out"), (2, "err")):
