@@ -16,6 +16,7 @@ environment. Every job runs offline (HF_HUB_OFFLINE, HF_DATASETS_OFFLINE).
 from __future__ import annotations
 
 import atexit
+import importlib
 import json
 import os
 import random
@@ -129,11 +130,12 @@ def _serve() -> None:
     from transformers import BertForSequenceClassification, Trainer  # noqa: F401
 
     import hf_backend.trainer  # noqa: F401
-    try:
-        import datasets  # noqa: F401
-        import deepspeed  # noqa: F401
-    except ImportError:
-        pass
+
+    for optional in ("datasets", "deepspeed"):
+        try:
+            importlib.import_module(optional)
+        except ImportError:
+            pass
     print("ready", file=replies, flush=True)
     for line in sys.stdin:
         print(json.dumps(_job(json.loads(line))), file=replies, flush=True)
