@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 from conftest import SCRIPTS, run_report
 from test_config import DOCS_FSDP_YAML
@@ -64,16 +64,16 @@ def test_two_launchers_on_loopback_form_one_two_node_job(one_process, tmp_path):
     for rank, log in enumerate(logs):  # output to files, never an unread pipe that could fill and stall a node
         with log.open("w") as sink:
             nodes.append(subprocess.Popen([*CLI, *common, "--machine_rank", str(rank), *script], stdout=sink,
-                                          stderr=subprocess.STDOUT, text=True, env=_env(HF_HOME=str(tmp_path)),
-                                          start_new_session=True))
+                                          stderr=subprocess.STDOUT, text=True, env=_env(HF_HOME=str(tmp_path))))
     deadline = time.monotonic() + 120  # about 10 s when it works; a node that failed ends the wait at once
-    while time.monotonic() < deadline and any(node.poll() is None for node in nodes):
-        if any(node.returncode not in (None, 0) for node in nodes):
+    while time.monotonic() < deadline:
+        codes = [node.poll() for node in nodes]
+        if None not in codes or any(code not in (None, 0) for code in codes):
             break
         time.sleep(0.2)
     for node in nodes:
         if node.poll() is None:
-            os.killpg(node.pid, signal.SIGKILL)
+            _kill_tree(node.pid)
             node.wait()
     report = "\n".join(f"node {rank} (exit {node.returncode}):\n{log.read_text()[-3000:]}"
                        for rank, (node, log) in enumerate(zip(nodes, logs)))
@@ -81,6 +81,16 @@ def test_two_launchers_on_loopback_form_one_two_node_job(one_process, tmp_path):
     two = json.loads(out.read_text())
     assert two["world"] == 2 and two["ranks_agree"]
     _close(two["params"], one_process["params"])
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL a launcher and every process under it (torch elastic starts each worker in a session of its own)."""
+    parent = psutil.Process(pid)
+    for process in [*parent.children(recursive=True), parent]:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
 
 
 def test_a_failing_rank_fails_the_launch_fast_and_is_named(tmp_path):

@@ -5,13 +5,11 @@ are made to raise in every hf_backend run (tests/scripts/trainer_docs.py)."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 from pathlib import Path
 
 import pytest
-import warm_processes
-from conftest import OFFLINE, SCRIPTS
+from conftest import OFFLINE, SCRIPTS, run_script
 from test_cli import cli
 from test_config import DOCS_FSDP_YAML
 
@@ -29,14 +27,13 @@ def run(tmp: Path, name: str, args: list[str], nproc: int = 1, expect_kill: bool
     """Run the docs example in `nproc` processes (forked warm; through `hf-backend launch --cpu` with `launcher`);
     its report (None when the run is expected to be SIGKILLed by its --kill-after-checkpoint callback)."""
     out = tmp / f"{name}.json"
-    script = [str(SCRIPTS / SCRIPT), "--out", str(out), "--output-dir", str(tmp / name), *args]
+    args = ["--out", str(out), "--output-dir", str(tmp / name), *args]
     if launcher:
-        proc = cli("launch", "--cpu", "--num_processes", str(nproc), *script, timeout=300, **OFFLINE)
+        proc = cli("launch", "--cpu", "--num_processes", str(nproc), str(SCRIPTS / SCRIPT), *args, timeout=300,
+                   **OFFLINE)
         killed = proc.returncode != 0 and "was killed by SIGKILL" in proc.stderr
     else:
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-        proc = warm_processes.run(script[0], script[1:], nproc=nproc, env={**env, "OMP_NUM_THREADS": "1"},
-                                  timeout=300)
+        proc = run_script(SCRIPT, args, nproc=nproc, timeout=300, check=False)
         killed = proc.returncode == -signal.SIGKILL
     if expect_kill:
         assert killed, proc.stderr[-3000:]
@@ -143,11 +140,11 @@ def test_deepspeed_config(ddp, tmp_path):
     assert any((tmp_path / "ds" / report["checkpoints"][-1]).glob("global_step*"))
 
 
-def _kill_and_resume(tmp: Path, args: list[str], nproc: int) -> dict:
-    run(tmp, "run", [*args, "--kill-after-checkpoint", "8"], nproc=nproc, expect_kill=True)
+def _kill_and_resume(tmp: Path, args: list[str], nproc: int, launcher: bool = False) -> dict:
+    run(tmp, "run", [*args, "--kill-after-checkpoint", "8"], nproc=nproc, expect_kill=True, launcher=launcher)
     assert (tmp / "run" / "checkpoint-8" / "trainer_state.json").is_file()
     assert not (tmp / "run" / "checkpoint-12").exists()
-    return run(tmp, "run", [*args, "--resume"], nproc=nproc)
+    return run(tmp, "run", [*args, "--resume"], nproc=nproc, launcher=launcher)
 
 
 def test_sigkill_then_resume_is_bitwise_in_one_process(tmp_path):
@@ -160,7 +157,8 @@ def test_sigkill_then_resume_is_bitwise_in_one_process(tmp_path):
 
 def test_sigkill_then_resume_under_ddp(ddp, tmp_path):
     # with activation checkpointing (recomputation changes nothing without dropout)
-    resumed = _kill_and_resume(tmp_path, [*DDP_ARGS, "--batch-size", "8", "--activation-checkpointing"], nproc=2)
+    resumed = _kill_and_resume(tmp_path, [*DDP_ARGS, "--batch-size", "8", "--activation-checkpointing"], nproc=2,
+                               launcher=True)  # as a user would: the launcher names the killed rank, then resume
     assert relative(losses(resumed, after=8), losses(ddp, after=8)) <= 1e-6
     assert max_abs(resumed["params"], ddp["params"]) <= 1e-6
 

@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import subprocess
+import time
 
 import pytest
 import warm_processes
-from conftest import SCRIPTS
 
 
-def test_a_failing_rank_stops_the_job_and_its_error_is_reported():
-    proc = warm_processes.run(SCRIPTS / "fail_rank.py", [], nproc=2, timeout=60)
-    assert proc.returncode == 1 and "ValueError: boom on rank 1" in proc.stderr
+def test_a_failing_rank_stops_the_others_and_its_error_is_reported(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text("import os, time\n"
+                      "if os.environ['RANK'] == '1':\n    raise ValueError('boom on rank 1')\n"
+                      "time.sleep(60)  # rank 0 waits on nothing that would notice its peer is gone\n")
+    start = time.monotonic()
+    proc = warm_processes.run(script, [], nproc=2, timeout=60)
+    assert proc.returncodes == [-9, 1] and proc.returncode == 1  # rank 0 was killed for rank 1's failure
+    assert "ValueError: boom on rank 1" in proc.stderr and time.monotonic() - start < 30
 
 
 def test_a_job_that_hangs_is_killed_at_its_timeout(tmp_path):

@@ -16,24 +16,33 @@ environment. Every job runs offline (HF_HUB_OFFLINE, HF_DATASETS_OFFLINE).
 from __future__ import annotations
 
 import atexit
+import ctypes
 import importlib
 import json
 import os
 import random
 import runpy
+import select
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
 
-# Read by the preloaded modules at import; a job's environment must leave them as the server had them.
-_FROZEN_PREFIXES = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "DS_", "DEEPSPEED_", "PYTORCH_", "TORCH_", "MKL_", "KMP_")
-_PER_JOB = ("HF_BACKEND_", "TORCH_DISTRIBUTED_DEBUG", "TORCHELASTIC_")  # read when a job uses them, not at import
+# Read when the interpreter starts or the preloaded modules are imported; a job's environment must leave them as the
+# server had them.
+_FROZEN_PREFIXES = ("PYTHON", "HF_", "HUGGINGFACE_", "TRANSFORMERS_", "DS_", "DEEPSPEED_", "PYTORCH_", "TORCH_", "OMP_",
+                    "MKL_", "KMP_", "OPENBLAS_")
+# Read when a job uses them, not at import (OMP_NUM_THREADS: each job sets torch's thread count from it).
+_PER_JOB = ("HF_BACKEND_", "TORCH_DISTRIBUTED_DEBUG", "TORCHELASTIC_", "OMP_NUM_THREADS")
+# Threads the server may have when it forks: its own, and jemalloc's (pyarrow, under datasets), which jemalloc's
+# fork handlers make safe. Any other thread could hold a lock that every forked process would inherit held.
+_THREADS_SAFE_TO_FORK = {"jemalloc_bg_thd"}
 _OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}  # tests talk to nothing but 127.0.0.1
 
 
@@ -70,9 +79,12 @@ class _Server:
     def submit(self, request: dict) -> dict:
         self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
+        # The server answers once the job ended or was killed at its timeout; give it a minute more.
+        ready, _, _ = select.select([self.proc.stdout], [], [], request["timeout"] + 60)
+        line = self.proc.stdout.readline() if ready else ""
         if not line:
-            raise RuntimeError(f"the warm process server died:\n{self.log.read_text()[-3000:]}")
+            self.close()
+            raise RuntimeError(f"the warm process server died or stopped answering:\n{self.log.read_text()[-3000:]}")
         return json.loads(line)
 
     def close(self) -> None:
@@ -82,6 +94,8 @@ class _Server:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+                self.proc.wait()
+        self.proc.stdout.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
@@ -91,15 +105,17 @@ _SERVER: _Server | None = None
 def run(script: str | Path, args: list[str], nproc: int = 1, env: dict[str, str] | None = None,
         timeout: float = 240) -> subprocess.CompletedProcess:
     """Run `script args` in `nproc` processes (torchrun's environment when nproc > 1), like subprocess.run with
-    capture_output: returncode 0 when every process succeeded, else the first failure's (negative for a signal);
-    stdout and stderr hold every process's output, rank by rank. Raises subprocess.TimeoutExpired after `timeout`."""
+    capture_output: returncode 0 when every process succeeded, else that of the first failure seen (negative for a
+    signal), and `returncodes` each rank's; stdout and stderr hold every process's output, rank by rank. Raises
+    subprocess.TimeoutExpired after `timeout`."""
     global _SERVER
     job_env = {**(os.environ if env is None else env), **_OFFLINE}
     if _SERVER is None or _SERVER.proc.poll() is not None or _SERVER.frozen != _frozen(job_env):
-        if _SERVER is not None:
+        if _SERVER is None:
+            atexit.register(_close_server)
+        else:
             _SERVER.close()
         _SERVER = _Server(job_env)
-        atexit.register(_SERVER.close)
     _SERVER.jobs += 1
     logs = _SERVER.dir / f"job{_SERVER.jobs}"
     logs.mkdir()
@@ -112,7 +128,14 @@ def run(script: str | Path, args: list[str], nproc: int = 1, env: dict[str, str]
     cmd = [f"{script}", *args]
     if reply["timed_out"]:
         raise subprocess.TimeoutExpired(cmd, timeout, streams["out"], streams["err"])
-    return subprocess.CompletedProcess(cmd, reply["first_failure"], streams["out"], streams["err"])
+    proc = subprocess.CompletedProcess(cmd, reply["first_failure"], streams["out"], streams["err"])
+    proc.returncodes = reply["returncodes"]  # each rank's
+    return proc
+
+
+def _close_server() -> None:
+    if _SERVER is not None:
+        _SERVER.close()
 
 
 # -- the server: `python warm_processes.py`, one JSON request per line on stdin, one reply per line on stdout ---------
@@ -136,20 +159,24 @@ def _serve() -> None:
             importlib.import_module(optional)
         except ImportError:
             pass
+    threads = {Path(f"/proc/self/task/{task}/comm").read_text().strip() for task in os.listdir("/proc/self/task")
+               if int(task) != os.getpid()}
+    if threads - _THREADS_SAFE_TO_FORK:
+        raise RuntimeError(f"the preloaded modules started threads {sorted(threads)}: forking would copy their locks")
     print("ready", file=replies, flush=True)
     for line in sys.stdin:
         print(json.dumps(_job(json.loads(line))), file=replies, flush=True)
 
 
 def _job(request: dict) -> dict:
-    nproc, port = request["nproc"], free_port()
+    nproc, port, server = request["nproc"], free_port(), os.getpid()
     sys.stdout.flush()
     sys.stderr.flush()
     pids: list[int] = []
     for rank in range(nproc):
         pid = os.fork()
         if pid == 0:
-            _child(request, rank, port, pids[0] if pids else 0)
+            _child(request, rank, port, pids[0] if pids else 0, server)
         try:
             os.setpgid(pid, pids[0] if pids else pid)  # one process group per job (the child does the same)
         except OSError:
@@ -173,7 +200,7 @@ def _job(request: dict) -> dict:
                     codes[pid] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
         time.sleep(0.02)
     _kill_group(pids[0])  # whatever a job's processes started and left behind
-    first_failure = next((code for code in codes.values() if code != 0), 0)  # in the order they ended
+    first_failure = next((code for code in codes.values() if code != 0), 0)  # the first one seen to end
     return {"returncodes": [codes[pid] for pid in pids], "first_failure": first_failure, "timed_out": timed_out}
 
 
@@ -184,12 +211,20 @@ def _kill_group(pgid: int) -> None:
         pass
 
 
-def _child(request: dict, rank: int, port: int, pgid: int) -> None:
+def _die_with_the_server(server: int) -> None:
+    """Be SIGKILLed when the server ends (an interrupted test session) instead of training on as an orphan."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != server:  # the server was gone before prctl took effect
+        os._exit(1)
+
+
+def _child(request: dict, rank: int, port: int, pgid: int, server: int) -> None:
     """Become rank `rank` of the job and run its script; never returns."""
     code = 1
     try:
         os.close(_REPLIES_FD)  # else a client could wait forever on a server that died while this process lives
         os.setpgid(0, pgid)
+        _die_with_the_server(server)
         logs = Path(request["logs"])
         for fd, name in ((1, "out"), (2, "err")):
             target = os.open(logs / f"rank{rank}.{name}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -220,7 +255,8 @@ def _child(request: dict, rank: int, port: int, pgid: int) -> None:
                 code = stop.code or 0
             else:
                 print(stop.code, file=sys.stderr)
-        atexit._run_exitfuncs()  # what a normal interpreter exit runs (the engine's process-group teardown)
+        threading._shutdown()  # what a normal interpreter exit runs: join the threads, then the atexit functions
+        atexit._run_exitfuncs()  # (the engine's process-group teardown among them)
     except BaseException:
         traceback.print_exc()
     finally:
