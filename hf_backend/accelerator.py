@@ -11,17 +11,19 @@ import dataclasses
 import functools
 import gc
 import os
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
+from torch.utils.hooks import RemovableHandle
 
-from . import checkpoint, collectives
+from . import checkpoint, collectives, compat
 from .config import environment as env
 from .config.plugins import plugins_in_effect
-from .data import PreparedDataLoader, prepare_dataloader
+from .data import PreparedDataLoader, prepare_dataloader, skip_first_batches
 from .errors import HfBackendError
 from .gradient_state import GradientState
 from .log import note
@@ -34,16 +36,21 @@ from .options import (
     ProjectConfiguration,
 )
 from .precision import Precision
-from .state import AcceleratorState, DistributedType, ProcessState, get_process_state, shutdown_process_group
+from .state import (
+    AcceleratorState,
+    DistributedType,
+    ProcessState,
+    ProcessView,
+    get_process_state,
+    shutdown_process_group,
+)
 from .strategies import select_strategy
+from .trigger import Trigger, uneven_inputs
 
-_HANDLER_SLOTS = dict(zip(KWARGS_HANDLERS, ("ddp", "scaler", "init", "autocast")))
-# Accelerate arguments that change nothing here; anything else unknown is an error, never silently dropped.
-_ACCEPTED_NOOPS = {"rng_types": "the epoch order comes from the sampler's own generator, shared from rank 0",
-                   "dispatch_batches": "every process reads its own shard", "use_seedable_sampler": "always on"}
+_HANDLER_SLOTS = dict(zip(KWARGS_HANDLERS, ("ddp", "scaler", "init", "autocast", "profile")))
 
 
-class Accelerator:
+class Accelerator(ProcessView, compat.AccelerateMembers):
     def __init__(
         self,
         device_placement: bool = True,
@@ -60,14 +67,14 @@ class Accelerator:
         even_batches: bool | None = None,
         fsdp_plugin: Any = None,
         deepspeed_plugin: Any = None,
-        **unsupported: Any,
+        log_with: Any = None,
+        **other: Any,
     ) -> None:
-        for key, why in _ACCEPTED_NOOPS.items():
-            if unsupported.pop(key, None) is not None:
-                note(f"Accelerator({key}=...) is accepted and has nothing to do: {why}")
-        if unsupported:
-            raise HfBackendError(f"Accelerator() does not support {', '.join(sorted(unsupported))} in hf_backend; "
-                                 "remove the argument (see docs/engine.md for what is supported)")
+        """Accelerate's arguments. Those that name features hf_backend does not run (Megatron-LM, tensor or context
+        parallelism, dynamo) are refused in one line; those with nothing to do here are accepted with a note
+        (hf_backend.compat lists both)."""
+        deepspeed_plugin = compat.check_accelerator_arguments(other, deepspeed_plugin)
+        loader_options = {k: other.pop(k) for k in ("dispatch_batches", "use_seedable_sampler") if k in other}
 
         self.handlers = Handlers()
         for handler in kwargs_handlers or []:
@@ -96,13 +103,17 @@ class Accelerator:
             raise HfBackendError(f"gradient_accumulation_steps={gradient_accumulation_plugin.num_steps} must be >= 1")
         self.gradient_state = GradientState(gradient_accumulation_plugin)
 
-        overrides = {k: v for k, v in (("split_batches", split_batches), ("even_batches", even_batches))
-                     if v is not None}
-        self.dataloader_config = dataclasses.replace(dataloader_config or DataLoaderConfiguration(), **overrides)
+        overrides = {k: v for k, v in (("split_batches", split_batches), ("even_batches", even_batches),
+                                       *loader_options.items()) if v is not None}
+        self.dataloader_config = dataclasses.replace(
+            compat.checked(dataloader_config, DataLoaderConfiguration, "dataloader_config"), **overrides)
 
-        self.project_configuration = project_config or ProjectConfiguration()
+        self.project_configuration = compat.checked(project_config, ProjectConfiguration, "project_config")
         if project_dir is not None:
             self.project_configuration.set_directories(str(project_dir))
+        from .tracking import Tracking  # trackers' packages load only when asked for
+
+        self.tracking = Tracking(log_with, self.project_configuration.logging_dir, self.process.is_main_process)
 
         self.device_placement = device_placement
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
@@ -112,53 +123,22 @@ class Accelerator:
                                         self.gradient_state, self.dataloader_config.split_batches)
         self._objects = checkpoint.Checkpointable()
         self.step = 0  # micro steps seen by accumulate() since the last sync
+        self.trigger = Trigger(self.process)
+        self._save_state_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
+        self._load_state_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
 
     # -- process state ---------------------------------------------------------------------------------------------
     @functools.cached_property
     def state(self) -> AcceleratorState:
         """Accelerate's `accelerator.state`: process facts plus the distributed type, precision and plugin in use
         (all fixed once the strategy is chosen)."""
-        kind, plugin = self.distributed_type, self.strategy.plugin
-        return AcceleratorState(self.process, kind, self.mixed_precision,
-                                fsdp_plugin=plugin if kind == DistributedType.FSDP else None,
-                                deepspeed_plugin=plugin if kind == DistributedType.DEEPSPEED else None)
+        return AcceleratorState.of(self.process, self.distributed_type, self.mixed_precision,
+                                   **self.strategy.state_plugins())
 
     @property
     def _models(self) -> list[torch.nn.Module]:
         """The prepared models (an attribute transformers' Trainer reads)."""
         return self._objects.models
-
-    @property
-    def device(self) -> torch.device:
-        return self.process.device
-
-    @property
-    def num_processes(self) -> int:
-        return self.process.num_processes
-
-    @property
-    def process_index(self) -> int:
-        return self.process.process_index
-
-    @property
-    def local_process_index(self) -> int:
-        return self.process.local_process_index
-
-    @property
-    def is_main_process(self) -> bool:
-        return self.process.is_main_process
-
-    @property
-    def is_local_main_process(self) -> bool:
-        return self.process.is_local_main_process
-
-    @property
-    def is_last_process(self) -> bool:
-        return self.process.is_last_process
-
-    @property
-    def use_distributed(self) -> bool:
-        return self.process.distributed
 
     @property
     def distributed_type(self) -> DistributedType:
@@ -189,8 +169,40 @@ class Accelerator:
         return self.dataloader_config.even_batches
 
     @property
+    def dispatch_batches(self) -> bool | None:
+        return self.dataloader_config.dispatch_batches
+
+    @property
+    def use_seedable_sampler(self) -> bool:
+        return self.dataloader_config.use_seedable_sampler
+
+    @property
+    def non_blocking(self) -> bool:
+        return self.dataloader_config.non_blocking
+
+    @property
+    def use_stateful_dataloader(self) -> bool:
+        return self.dataloader_config.use_stateful_dataloader
+
+    @property
     def project_dir(self) -> str | None:
         return self.project_configuration.project_dir
+
+    @property
+    def logging_dir(self) -> str | None:
+        return self.project_configuration.logging_dir
+
+    @property
+    def fsdp_plugin(self) -> Any:
+        return self.state.fsdp_plugin
+
+    @property
+    def deepspeed_plugin(self) -> Any:
+        return self.state.deepspeed_plugin
+
+    @property
+    def is_fsdp2(self) -> bool:
+        return self.state.is_fsdp2
 
     @property
     def save_iteration(self) -> int:
@@ -199,52 +211,6 @@ class Accelerator:
     @property
     def optimizer_step_was_skipped(self) -> bool:
         return any(opt.step_was_skipped for opt in self._objects.optimizers)
-
-    def wait_for_everyone(self) -> None:
-        self.process.wait_for_everyone()
-
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        if self.is_local_main_process:
-            print(*args, **kwargs)
-
-    @contextlib.contextmanager
-    def main_process_first(self) -> Iterator[None]:
-        with self._first(self.is_main_process):
-            yield
-
-    @contextlib.contextmanager
-    def local_main_process_first(self) -> Iterator[None]:
-        with self._first(self.is_local_main_process):
-            yield
-
-    @contextlib.contextmanager
-    def _first(self, is_first: bool) -> Iterator[None]:
-        if not is_first:
-            self.wait_for_everyone()
-        yield
-        if is_first:
-            self.wait_for_everyone()
-
-    @contextlib.contextmanager
-    def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:
-        yield collectives.split_between(inputs, self.num_processes, self.process_index, apply_padding)
-
-    def on_main_process(self, function: Callable) -> Callable:
-        return self._only_if(function, lambda: self.is_main_process)
-
-    def on_local_main_process(self, function: Callable) -> Callable:
-        return self._only_if(function, lambda: self.is_local_main_process)
-
-    def on_last_process(self, function: Callable) -> Callable:
-        return self._only_if(function, lambda: self.is_last_process)
-
-    @staticmethod
-    def _only_if(function: Callable, condition: Callable[[], bool]) -> Callable:
-        @functools.wraps(function)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            return function(*args, **kwargs) if condition() else None
-
-        return wrapper
 
     # -- prepare ---------------------------------------------------------------------------------------------------
     def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
@@ -317,9 +283,7 @@ class Accelerator:
     def skip_first_batches(self, dataloader: DataLoader, num_batches: int = 0) -> PreparedDataLoader:
         """Start the next pass of a prepared loader at batch `num_batches` (absolute: it replaces, never adds to, the
         position `load_state` restored, so Accelerate scripts that skip by hand after resuming stay correct)."""
-        if not isinstance(dataloader, PreparedDataLoader):
-            raise HfBackendError("skip_first_batches() needs a dataloader returned by accelerator.prepare()")
-        return dataloader.skip_first_batches(num_batches)
+        return skip_first_batches(dataloader, num_batches)
 
     # -- training step ---------------------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
@@ -391,7 +355,7 @@ class Accelerator:
         (the padding a short last batch got is dropped)."""
         tensors_only = all(isinstance(t, torch.Tensor) for t in collectives.leaves(input_data))
         loader = self.gradient_state.active_dataloader
-        uneven = loader is not None and not getattr(loader.batch_sampler, "even_batches", True)
+        uneven = loader is not None and not getattr(loader.index_sampler, "even_batches", True)
         if use_gather_object or not tensors_only:
             data = collectives.gather_object(input_data)
         else:
@@ -423,14 +387,8 @@ class Accelerator:
 
     def save(self, obj: Any, f: str | os.PathLike, safe_serialization: bool = False) -> None:
         """Save `obj` from the main process only (safetensors for a dict of tensors when asked)."""
-        if not self.is_main_process:
-            return
-        if safe_serialization:
-            from safetensors.torch import save_file
-
-            save_file({k: v.contiguous() for k, v in obj.items()}, str(f), metadata={"format": "pt"})
-        else:
-            torch.save(obj, f)
+        if self.is_main_process:
+            checkpoint.save_object(obj, f, safe_serialization)
 
     def save_model(self, model: torch.nn.Module, save_directory: str | os.PathLike,
                    max_shard_size: int | str = "10GB", safe_serialization: bool = True) -> None:
@@ -449,6 +407,20 @@ class Accelerator:
         if hasattr(config, "save_pretrained"):
             config.save_pretrained(save_directory)
 
+    def register_save_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
+        """`hook(models, weights, output_dir)` runs before `save_state` writes; a model whose state dict it removes
+        from `weights` is not written (the hook saves it its own way). Returns a handle with `.remove()`."""
+        handle = RemovableHandle(self._save_state_pre_hooks)
+        self._save_state_pre_hooks[handle.id] = hook
+        return handle
+
+    def register_load_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
+        """`hook(models, input_dir)` runs before `load_state` reads; a model it removes from `models` is not loaded
+        (the hook loads it its own way)."""
+        handle = RemovableHandle(self._load_state_pre_hooks)
+        self._load_state_pre_hooks[handle.id] = hook
+        return handle
+
     def register_for_checkpointing(self, *objects: Any) -> None:
         bad = [type(o).__name__ for o in objects if not (hasattr(o, "state_dict") and hasattr(o, "load_state_dict"))]
         if bad:
@@ -461,7 +433,16 @@ class Accelerator:
         config = self.project_configuration
         automatic = output_dir is None
         output_dir = output_dir if output_dir is not None else checkpoint.automatic_dir(config)
-        target = checkpoint.save_checkpoint(output_dir, **self._checkpoint_io(), safe_serialization=safe_serialization)
+        objects = self._objects
+        if self._save_state_pre_hooks:  # hooks may take weights out of the list: those models are theirs to save
+            weights = [self.get_state_dict(model, unwrap=False) for model in objects.models]
+            kept = list(weights)
+            for hook in self._save_state_pre_hooks.values():
+                hook(objects.models, kept, str(output_dir))
+            objects = dataclasses.replace(objects, models=[m for m, w in zip(objects.models, weights)
+                                                           if any(w is k for k in kept)])
+        target = checkpoint.save_checkpoint(output_dir, **self._checkpoint_io(objects),
+                                            safe_serialization=safe_serialization)
         if automatic:
             config.iteration += 1
             if config.total_limit is not None and self.is_main_process:
@@ -469,10 +450,11 @@ class Accelerator:
             self.wait_for_everyone()
         return str(target)
 
-    def _checkpoint_io(self) -> dict[str, Any]:
+    def _checkpoint_io(self, objects: checkpoint.Checkpointable | None = None) -> dict[str, Any]:
         """What `checkpoint.write_state` writes: the registered objects and the process's state (also used by
         hf_backend.ray_train)."""
-        return {"objects": self._objects, "state": self.process, "strategy": self.strategy, "scaler": self.scaler,
+        return {"objects": objects or self._objects, "state": self.process, "strategy": self.strategy,
+                "scaler": self.scaler,
                 "extra": {"accumulation_step": self.step, "iteration": self.project_configuration.iteration}}
 
     def load_state(self, input_dir: str | os.PathLike | None = None) -> None:
@@ -480,7 +462,13 @@ class Accelerator:
         the last one seen, in the same order: no manual skipping."""
         config = self.project_configuration
         input_dir = input_dir if input_dir is not None else checkpoint.latest_automatic_dir(config)
-        meta = checkpoint.load_checkpoint(input_dir, self._objects, state=self.process, strategy=self.strategy,
+        objects = self._objects
+        if self._load_state_pre_hooks:  # hooks may take models out of the list: those models are theirs to load
+            models = list(objects.models)
+            for hook in self._load_state_pre_hooks.values():
+                hook(models, str(input_dir))
+            objects = dataclasses.replace(objects, models=[m for m in objects.models if any(m is k for k in models)])
+        meta = checkpoint.load_checkpoint(input_dir, objects, state=self.process, strategy=self.strategy,
                                           scaler=self.scaler)
         saved_world = meta["num_processes"]
         if saved_world != self.num_processes:
@@ -489,6 +477,46 @@ class Accelerator:
         self.step = meta.get("accumulation_step", 0)
         if config.automatic_checkpoint_naming:  # continue the numbering after the checkpoint loaded
             config.iteration = max(config.iteration, meta.get("iteration", -1) + 1)
+
+    # -- experiment tracking (hf_backend.tracking) --------------------------------------------------------------------
+    def init_trackers(self, project_name: str, config: dict | None = None, init_kwargs: dict | None = None) -> None:
+        self.tracking.init_trackers(project_name, config, init_kwargs)
+
+    def log(self, values: dict, step: int | None = None, log_kwargs: dict | None = None) -> None:
+        self.tracking.log(values, step, log_kwargs)
+
+    def get_tracker(self, name: str, unwrap: bool = False) -> Any:
+        return self.tracking.get_tracker(name, unwrap)
+
+    @property
+    def trackers(self) -> list:
+        return self.tracking.trackers
+
+    # -- coordination between processes -------------------------------------------------------------------------------
+    def set_trigger(self) -> None:
+        """Raise this process's flag; the next `check_trigger()` is True on every process."""
+        self.trigger.set()
+
+    def check_trigger(self) -> bool:
+        """True on every process when any process called `set_trigger()` since the last check (collective)."""
+        return self.trigger.check()
+
+    @contextlib.contextmanager
+    def join_uneven_inputs(self, joinables: list, even_batches: bool | None = None) -> Iterator[None]:
+        """Train on loaders whose processes run out at different steps (torch's Join for DDP models); `even_batches`
+        overrides the prepared loaders' setting inside the block."""
+        with uneven_inputs(self.strategy, joinables, self._objects.dataloaders, even_batches):
+            yield
+
+    def trigger_sync_in_backward(self, model: torch.nn.Module) -> None:
+        """Make the next backward all-reduce gradients although it runs under `no_sync` (DDP; others need nothing)."""
+        self.strategy.trigger_sync_in_backward(model)
+
+    def profile(self, profile_handler: Any = None) -> contextlib.AbstractContextManager:
+        """A torch.profiler context (ProfileKwargs); each process writes its own Chrome trace when asked."""
+        from .profiling import profile
+
+        return profile(profile_handler or self.handlers.profile, self.process_index)
 
     # -- lifecycle -------------------------------------------------------------------------------------------------
     def free_memory(self, *objects: Any) -> list[None]:
@@ -503,7 +531,9 @@ class Accelerator:
     clear = free_memory
 
     def end_training(self) -> None:
-        """Tear down the process group if this process created it (a group given by Ray or the user stays)."""
+        """Finish the trackers, then tear down the process group if this process created it (a group given by Ray
+        or the user stays)."""
+        self.tracking.finish()
         self.wait_for_everyone()
         shutdown_process_group()
 

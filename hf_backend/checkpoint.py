@@ -12,6 +12,7 @@ Layout of a state checkpoint (model i > 0 and friends get an `_i` suffix):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -27,6 +28,7 @@ import torch
 from huggingface_hub import save_torch_state_dict
 from safetensors.torch import load_file as load_safetensors
 
+from .collectives import gather_object
 from .errors import HfBackendError
 from .state import ProcessState
 
@@ -114,6 +116,16 @@ def tied_weight_keys(model: torch.nn.Module) -> list[str]:
     return list(keys.keys()) if isinstance(keys, dict) else list(keys)
 
 
+def save_object(obj: Any, f: str | os.PathLike, safe_serialization: bool = False) -> None:
+    """`torch.save`, or safetensors for a dict of tensors when `safe_serialization`."""
+    if safe_serialization:
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in obj.items()}, str(f), metadata={"format": "pt"})
+    else:
+        torch.save(obj, f)
+
+
 # -- RNG -------------------------------------------------------------------------------------------------------------
 def capture_rng() -> dict[str, Any]:
     np_state = np.random.get_state()
@@ -176,7 +188,15 @@ def rotate(project_dir: str, total_limit: int) -> None:
 
 
 def _staged_write(target: Path, state: ProcessState, write: Callable[[Path], None]) -> None:
-    """Run `write(staging_dir)` on every process, then move the staging dir to `target` in one rename."""
+    """Run `write(staging_dir)` on every process, then move the staging dir to `target` in one rename.
+
+    When the processes name different directories (each its own, as Accelerate allows), each process stages and
+    renames its own, holding its part of the checkpoint."""
+    own = state.distributed and len(set(gather_object(str(target.resolve())))) > 1
+    if own:
+        _staged_write(target, dataclasses.replace(state, num_processes=1, process_index=0), write)
+        state.wait_for_everyone()
+        return
     staging = target.with_name(target.name + ".incomplete")
     if state.is_main_process:
         shutil.rmtree(staging, ignore_errors=True)

@@ -80,15 +80,20 @@ def gather_object(obj: Any) -> list:
     return out
 
 
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
 def reduce(data: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
-    if reduction not in ("sum", "mean", "none"):
-        raise HfBackendError(f"reduce(reduction={reduction!r}): use 'sum', 'mean' or 'none'")
+    """Reduce every tensor in `data` over the processes: "sum", "mean", "max", or "none" (this process's values,
+    copied). The result is multiplied by `scale`."""
+    if reduction not in (*_REDUCE_OPS, "none"):
+        raise HfBackendError(f"reduce(reduction={reduction!r}): use 'sum', 'mean', 'max' or 'none'")
     n = world_size()
 
     def _reduce(t: torch.Tensor) -> torch.Tensor:
         out = t.clone()
         if n > 1 and reduction != "none":
-            dist.all_reduce(out, op=dist.ReduceOp.SUM)
+            dist.all_reduce(out, op=_REDUCE_OPS[reduction])
         if reduction == "mean":
             out = out / n
         return out * scale if scale != 1.0 else out

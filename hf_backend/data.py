@@ -179,8 +179,11 @@ class PreparedDataLoader(DataLoader):
         if loader.num_workers > 0:
             kwargs["prefetch_factor"] = loader.prefetch_factor
         self._iterable = batch_sampler is None
+        self.index_sampler = batch_sampler  # the sharded sampler of index batches (None for an iterable dataset)
         if self._iterable:
             super().__init__(loader.dataset, batch_size=loader.batch_size, drop_last=loader.drop_last, **kwargs)
+        elif loader.batch_sampler is None:  # the user's `sampler` yields index lists the dataset reads at once
+            super().__init__(loader.dataset, sampler=batch_sampler, batch_size=None, **kwargs)
         else:
             super().__init__(loader.dataset, batch_sampler=batch_sampler, **kwargs)
         self.base_dataloader = loader
@@ -196,10 +199,34 @@ class PreparedDataLoader(DataLoader):
         self._epoch_rng: torch.Tensor | None = None
         self._resume: tuple[int, int, torch.Tensor | None] | None = None
 
+    # -- sizes (Accelerate's names) ----------------------------------------------------------------------------------
+    @property
+    def batch_size(self) -> int | None:  # type: ignore[override]
+        """This process's batch size."""
+        sampler = self.index_sampler
+        if sampler is None or sampler.batch_size is None:
+            return self._batch_size
+        return sampler.batch_size // sampler.num_processes if sampler.split_batches else sampler.batch_size
+
+    @batch_size.setter
+    def batch_size(self, value: int | None) -> None:  # DataLoader.__init__ sets it
+        self._batch_size = value
+
+    @property
+    def total_batch_size(self) -> int | None:
+        """The global batch: one step's samples over all processes."""
+        sampler = self.index_sampler
+        return sampler.global_batch_size if sampler is not None else self._batch_size
+
+    @property
+    def total_dataset_length(self) -> int:
+        dataset = self.dataset
+        return dataset.total_length if hasattr(dataset, "total_length") else len(dataset)
+
     # -- position --------------------------------------------------------------------------------------------------
     @property
     def generator_of_order(self) -> torch.Generator | None:
-        return None if self._iterable else sampler_generator(self.batch_sampler.batch_sampler)
+        return None if self._iterable else sampler_generator(self.index_sampler.batch_sampler)
 
     @property
     def epoch(self) -> int:
@@ -223,7 +250,7 @@ class PreparedDataLoader(DataLoader):
             epoch, steps, rng = self._current_epoch, self._steps, self._epoch_rng
         else:
             epoch, steps, rng = self._next_epoch, 0, gen.get_state() if gen is not None else None
-        sampler = None if self._iterable else self.batch_sampler
+        sampler = self.index_sampler
         return {
             "epoch": epoch,
             "steps": steps,
@@ -235,7 +262,7 @@ class PreparedDataLoader(DataLoader):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         steps = int(state["steps"])
-        sampler = None if self._iterable else self.batch_sampler
+        sampler = self.index_sampler
         if sampler is not None and steps and state["num_processes"] != sampler.num_processes:
             saved, now = state["global_batch_size"], sampler.global_batch_size
             if not saved or not now or (steps * saved) % now:
@@ -273,8 +300,8 @@ class PreparedDataLoader(DataLoader):
         self._epoch_rng = gen.get_state() if gen is not None else None
         self._current_epoch, self._next_epoch, self._steps = epoch, epoch + 1, skip
         if not self._iterable:
-            self.batch_sampler.skip = skip
-            for obj in (self.batch_sampler.batch_sampler, self.batch_sampler.sampler):
+            self.index_sampler.skip = skip
+            for obj in (self.index_sampler.batch_sampler, self.index_sampler.sampler):
                 if hasattr(obj, "set_epoch"):
                     obj.set_epoch(epoch)
         return skip
@@ -300,7 +327,7 @@ class PreparedDataLoader(DataLoader):
                 upcoming = next(it, _END)
                 if upcoming is _END:
                     self.end_of_dataloader = True
-                    self.remainder = -1 if self._iterable else self.batch_sampler.remainder
+                    self.remainder = -1 if self._iterable else self.index_sampler.remainder
                 batch = current if self.device is None else send_to_device(current, self.device, self.non_blocking)
                 self._steps += 1
                 yield batch
@@ -311,6 +338,13 @@ class PreparedDataLoader(DataLoader):
 
 
 _END = object()
+
+
+def skip_first_batches(dataloader: DataLoader, num_batches: int = 0) -> PreparedDataLoader:
+    """Accelerate's `skip_first_batches`: the next pass of a prepared loader starts at batch `num_batches`."""
+    if not isinstance(dataloader, PreparedDataLoader):
+        raise HfBackendError("skip_first_batches() needs a dataloader returned by accelerator.prepare()")
+    return dataloader.skip_first_batches(num_batches)
 
 
 def prepare_dataloader(loader: DataLoader, *, num_processes: int, process_index: int, device: torch.device | None,
@@ -326,8 +360,11 @@ def prepare_dataloader(loader: DataLoader, *, num_processes: int, process_index:
             )
         return PreparedDataLoader(loader, None, device, gradient_state, non_blocking)
     batch_sampler = loader.batch_sampler
+    if batch_sampler is None and isinstance(loader.sampler, torch.utils.data.BatchSampler):
+        batch_sampler = loader.sampler  # batch_size=None with a BatchSampler as `sampler`: sharded the same way
     if batch_sampler is None:
-        raise HfBackendError("prepare() needs a DataLoader that batches (batch_size=None gives it nothing to shard)")
+        raise HfBackendError("prepare() needs a DataLoader that batches: give it batch_size=..., a batch_sampler, or "
+                             "a BatchSampler as its sampler (batch_size=None alone gives it nothing to shard)")
     if isinstance(getattr(batch_sampler, "sampler", None), torch.utils.data.DistributedSampler):
         num_processes, process_index = 1, 0  # the user's sampler shards already: do not split twice
     order_seed = _share_order_generator(batch_sampler, data_seed)

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import datetime
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+from .enums import DDPCommunicationHookType
 
 
 @dataclass
@@ -38,12 +41,20 @@ class DataLoaderConfiguration:
         same number of equally sized batches (`gather_for_metrics` drops the padding again).
     data_seed: the seed epoch orders of shuffling loaders derive from (epoch e: data_seed + e); by default the
         process's torch seed (rank 0's).
+
+    dispatch_batches / use_seedable_sampler: accepted for Accelerate scripts; every process reads its own shard (no
+        dispatching from rank 0) and the order is always seedable, so neither changes anything here.
+    use_stateful_dataloader: accepted; every prepared loader already has `state_dict()` / `load_state_dict()` and
+        resumes mid-epoch (with `num_workers > 0` too).
     """
 
     split_batches: bool = False
+    dispatch_batches: bool | None = None
     even_batches: bool = True
-    non_blocking: bool = False
+    use_seedable_sampler: bool = True
     data_seed: int | None = None
+    non_blocking: bool = False
+    use_stateful_dataloader: bool = False
 
 
 @dataclass
@@ -55,7 +66,12 @@ class GradientAccumulationPlugin:
 
 
 @dataclass
-class _KwargsHandler:
+class KwargsHandler:
+    """Base of the option objects `kwargs_handlers=[...]` takes."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
     def to_kwargs(self) -> dict[str, Any]:
         """The fields whose value differs from the default: only those are passed on."""
         default = self.__class__()
@@ -64,7 +80,10 @@ class _KwargsHandler:
 
 
 @dataclass
-class DistributedDataParallelKwargs(_KwargsHandler):
+class DistributedDataParallelKwargs(KwargsHandler):
+    """DDP's constructor arguments, plus a gradient communication hook (`comm_hook`: fp16 / bf16 compression or
+    PowerSGD; `comm_wrapper`: fp16 / bf16 compression around PowerSGD; `comm_state_option`: PowerSGD's options)."""
+
     dim: int = 0
     broadcast_buffers: bool = True
     bucket_cap_mb: int = 25
@@ -72,10 +91,17 @@ class DistributedDataParallelKwargs(_KwargsHandler):
     check_reduction: bool = False
     gradient_as_bucket_view: bool = False
     static_graph: bool = False
+    comm_hook: DDPCommunicationHookType | str = DDPCommunicationHookType.NO
+    comm_wrapper: DDPCommunicationHookType | str = DDPCommunicationHookType.NO
+    comm_state_option: dict = field(default_factory=dict)
+
+    def ddp_kwargs(self) -> dict[str, Any]:
+        """What `DistributedDataParallel(...)` takes (the hook fields are registered after wrapping)."""
+        return {k: v for k, v in self.to_kwargs().items() if not k.startswith("comm_")}
 
 
 @dataclass
-class GradScalerKwargs(_KwargsHandler):
+class GradScalerKwargs(KwargsHandler):
     init_scale: float = 65536.0
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
@@ -84,19 +110,37 @@ class GradScalerKwargs(_KwargsHandler):
 
 
 @dataclass
-class InitProcessGroupKwargs(_KwargsHandler):
+class InitProcessGroupKwargs(KwargsHandler):
     backend: str | None = None
     init_method: str | None = None
     timeout: datetime.timedelta | None = None
 
 
 @dataclass
-class AutocastKwargs(_KwargsHandler):
+class AutocastKwargs(KwargsHandler):
     enabled: bool = True
     cache_enabled: bool | None = None
 
 
-KWARGS_HANDLERS = (DistributedDataParallelKwargs, GradScalerKwargs, InitProcessGroupKwargs, AutocastKwargs)
+@dataclass
+class ProfileKwargs(KwargsHandler):
+    """`accelerator.profile()`'s torch.profiler options. `activities`: names ("cpu", "cuda"); `schedule_option`: the
+    keys of `torch.profiler.schedule` (wait, warmup, active, repeat, skip_first); `output_trace_dir`: each process
+    writes its Chrome trace there."""
+
+    activities: list[str] | None = None
+    schedule_option: dict[str, int] | None = None
+    on_trace_ready: Callable | None = None
+    record_shapes: bool = False
+    profile_memory: bool = False
+    with_stack: bool = False
+    with_flops: bool = False
+    with_modules: bool = False
+    output_trace_dir: str | None = None
+
+
+KWARGS_HANDLERS = (DistributedDataParallelKwargs, GradScalerKwargs, InitProcessGroupKwargs, AutocastKwargs,
+                   ProfileKwargs)
 
 
 @dataclass
@@ -107,3 +151,4 @@ class Handlers:
     scaler: GradScalerKwargs = field(default_factory=GradScalerKwargs)
     init: InitProcessGroupKwargs = field(default_factory=InitProcessGroupKwargs)
     autocast: AutocastKwargs = field(default_factory=AutocastKwargs)
+    profile: ProfileKwargs = field(default_factory=ProfileKwargs)

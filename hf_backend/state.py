@@ -10,29 +10,22 @@ Detection order (set up once per process, shared by every `Accelerator`):
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
-import enum
+import functools
 import gc
 import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from .enums import DistributedType
 from .errors import HfBackendError
 
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-
-
-class DistributedType(str, enum.Enum):
-    """How the work is spread over processes; the values match Accelerate's so configs and checks port over."""
-
-    NO = "NO"
-    MULTI_CPU = "MULTI_CPU"
-    MULTI_GPU = "MULTI_GPU"
-    FSDP = "FSDP"
-    DEEPSPEED = "DEEPSPEED"
 
 
 @dataclass(frozen=True)
@@ -73,21 +66,192 @@ class ProcessState:
             dist.barrier()
 
 
-class AcceleratorState:
-    """What Accelerate scripts and transformers' Trainer read from `accelerator.state`: the process state (ranks,
-    device, ...) plus this Accelerator's distributed type, precision and the plugin of its strategy (or None)."""
+class ProcessView:
+    """Accelerate's process members (ranks, `print`, `wait_for_everyone`, `main_process_first`, `on_main_process`,
+    ...), read from `self.process`. `PartialState`, `AcceleratorState` and the `Accelerator` share them."""
 
-    def __init__(self, process: ProcessState, distributed_type: DistributedType, mixed_precision: str,
-                 fsdp_plugin: Any = None, deepspeed_plugin: Any = None) -> None:
-        self.process = process
-        self.distributed_type = distributed_type
-        self.mixed_precision = mixed_precision
-        self.fsdp_plugin = fsdp_plugin
-        self.deepspeed_plugin = deepspeed_plugin
+    process: ProcessState
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.process, name)
+    @property
+    def device(self) -> torch.device:
+        return self.process.device
 
+    @property
+    def num_processes(self) -> int:
+        return self.process.num_processes
+
+    @property
+    def process_index(self) -> int:
+        return self.process.process_index
+
+    @property
+    def local_process_index(self) -> int:
+        return self.process.local_process_index
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.process.is_main_process
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.process.is_local_main_process
+
+    @property
+    def is_last_process(self) -> bool:
+        return self.process.is_last_process
+
+    @property
+    def use_distributed(self) -> bool:
+        return self.process.distributed
+
+    def wait_for_everyone(self) -> None:
+        self.process.wait_for_everyone()
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """`print` on the local main process only."""
+        if self.is_local_main_process:
+            print(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def main_process_first(self) -> Iterator[None]:
+        with self._first(self.is_main_process):
+            yield
+
+    @contextlib.contextmanager
+    def local_main_process_first(self) -> Iterator[None]:
+        with self._first(self.is_local_main_process):
+            yield
+
+    @contextlib.contextmanager
+    def _first(self, is_first: bool) -> Iterator[None]:
+        if not is_first:
+            self.wait_for_everyone()
+        yield
+        if is_first:
+            self.wait_for_everyone()
+
+    @contextlib.contextmanager
+    def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:
+        from .collectives import split_between
+
+        yield split_between(inputs, self.num_processes, self.process_index, apply_padding)
+
+    def on_main_process(self, function: Callable) -> Callable:
+        return self._only_if(function, lambda: self.is_main_process)
+
+    def on_local_main_process(self, function: Callable) -> Callable:
+        return self._only_if(function, lambda: self.is_local_main_process)
+
+    def on_last_process(self, function: Callable) -> Callable:
+        return self._only_if(function, lambda: self.is_last_process)
+
+    def on_process(self, function: Callable | None = None, process_index: int | None = None) -> Callable:
+        """Run `function` on process `process_index` only (also usable as `@on_process(process_index=i)`)."""
+        if function is None:
+            return functools.partial(self.on_process, process_index=process_index)
+        return self._only_if(function, lambda: self.process_index == process_index)
+
+    def on_local_process(self, function: Callable | None = None, local_process_index: int | None = None) -> Callable:
+        if function is None:
+            return functools.partial(self.on_local_process, local_process_index=local_process_index)
+        return self._only_if(function, lambda: self.local_process_index == local_process_index)
+
+    @staticmethod
+    def _only_if(function: Callable, condition: Callable[[], bool]) -> Callable:
+        @functools.wraps(function)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return function(*args, **kwargs) if condition() else None
+
+        return wrapper
+
+
+class PartialState(ProcessView):
+    """Accelerate's `PartialState()`: this process's place among the processes, set up on first use and shared."""
+
+    def __init__(self, cpu: bool = False, **kwargs: Any) -> None:
+        unknown = sorted(set(kwargs) - {"backend", "timeout"})
+        if unknown:
+            raise HfBackendError(f"PartialState() does not take {', '.join(unknown)}; pass cpu=, backend= or timeout=")
+        self.process = get_process_state(cpu=cpu, **kwargs)
+
+    initialized = True  # built on construction, as Accelerate's shared state is once it exists
+    debug = False
+    fork_launched = False
+
+    @property
+    def distributed_type(self) -> DistributedType:
+        return self.process.distributed_type
+
+    @property
+    def backend(self) -> str | None:
+        return self.process.backend
+
+    @property
+    def local_num_processes(self) -> int:
+        return self.process.local_num_processes
+
+    @property
+    def default_device(self) -> torch.device:
+        return self.process.device
+
+    def set_device(self) -> None:
+        """The device is set when the process group is set up (`torch.cuda.set_device` for CUDA)."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
+    def destroy_process_group(self, group: Any = None) -> None:
+        """Tear down the process group (ours, or `group` when given)."""
+        if group is not None:
+            dist.destroy_process_group(group)
+        else:
+            shutdown_process_group(force=True)
+
+
+class AcceleratorState(PartialState):
+    """Accelerate's `AcceleratorState`: the process state plus the distributed type, precision and plugin of the
+    newest `Accelerator` (`accelerator.state` is the one of that accelerator). Before any Accelerator exists it
+    describes plain data parallelism in full precision."""
+
+    def __init__(self, cpu: bool = False, **kwargs: Any) -> None:
+        super().__init__(cpu=cpu, **kwargs)
+        current = _CURRENT_ACCELERATOR_STATE
+        self._kind = current._kind if current else self.process.distributed_type
+        self.mixed_precision = current.mixed_precision if current else "no"
+        self.fsdp_plugin = current.fsdp_plugin if current else None
+        self.deepspeed_plugin = current.deepspeed_plugin if current else None
+
+    @classmethod
+    def of(cls, process: ProcessState, distributed_type: DistributedType, mixed_precision: str,
+           fsdp_plugin: Any = None, deepspeed_plugin: Any = None) -> AcceleratorState:
+        """The state of one Accelerator; it becomes what `AcceleratorState()` returns."""
+        global _CURRENT_ACCELERATOR_STATE
+        state = cls.__new__(cls)
+        state.process, state._kind, state.mixed_precision = process, distributed_type, mixed_precision
+        state.fsdp_plugin, state.deepspeed_plugin = fsdp_plugin, deepspeed_plugin
+        _CURRENT_ACCELERATOR_STATE = state
+        return state
+
+    @property
+    def distributed_type(self) -> DistributedType:  # type: ignore[override]
+        return self._kind
+
+    @property
+    def is_fsdp2(self) -> bool:
+        """hf_backend's FSDP is always FSDP2 (`fully_shard`)."""
+        return self.fsdp_plugin is not None
+
+    def get_deepspeed_plugin(self, name: str | None = None) -> Any:
+        if name is not None:
+            raise HfBackendError(f"get_deepspeed_plugin({name!r}): hf_backend holds one DeepSpeed plugin; call it "
+                                 "without a name")
+        return self.deepspeed_plugin
+
+    def select_deepspeed_plugin(self, name: str | None = None) -> None:
+        raise HfBackendError("select_deepspeed_plugin: hf_backend holds one DeepSpeed plugin per Accelerator; "
+                             "build one Accelerator per configuration")
+
+
+_CURRENT_ACCELERATOR_STATE: AcceleratorState | None = None
 
 _STATE: ProcessState | None = None
 
@@ -168,7 +332,15 @@ def _from_group(device: torch.device, local_rank: int, owns_group: bool = False)
     )
 
 
-def shutdown_process_group() -> None:
+def reset_process_state() -> None:
+    """Forget this process's state without touching any process group: for a process forked from one that had
+    already set its state up (`notebook_launcher`'s workers), which must set up its own."""
+    global _STATE, _CURRENT_ACCELERATOR_STATE
+    _STATE = None
+    _CURRENT_ACCELERATOR_STATE = None
+
+
+def shutdown_process_group(force: bool = False) -> None:
     """Destroy the process group we created, before the interpreter starts finalizing.
 
     Left to interpreter exit, a gloo worker thread can still be releasing Python objects of the last collectives
@@ -177,7 +349,7 @@ def shutdown_process_group() -> None:
     the destroy releases those objects while the threads can still run.
     """
     global _STATE
-    if _STATE is None or not _STATE.owns_group:
+    if _STATE is None or not (_STATE.owns_group or force):
         return
     if dist.is_initialized():
         gc.collect()

@@ -1,12 +1,22 @@
-"""The helpers Accelerate scripts import from `accelerate.utils`, under the same names."""
+"""What Accelerate scripts import from `accelerate.utils`, under the same names.
+
+A name hf_backend has is imported from its home module. A name that Accelerate has and hf_backend refuses (big-model
+inference, Megatron-LM, fp8, TPU, Accelerate's internals: `hf_backend.compat`) fails at import with one line saying
+why and what to use instead; docs/compat.md lists every name.
+"""
 
 from __future__ import annotations
 
-import random
+import contextlib
+import os
+import socket
+from collections.abc import Iterator
+from typing import Any
 
-import numpy as np
 import torch
 
+from . import availability, compat
+from .availability import compare_versions, is_torch_version
 from .collectives import (
     broadcast,
     broadcast_object_list,
@@ -14,9 +24,24 @@ from .collectives import (
     gather_object,
     pad_across_processes,
     recursively_apply,
-    reduce,
     send_to_device,
 )
+from .collectives import reduce as _reduce
+from .config.plugins import DeepSpeedPlugin, FullyShardedDataParallelPlugin
+from .enums import (
+    ComputeEnvironment,
+    CustomDtype,
+    DDPCommunicationHookType,
+    DistributedType,
+    DynamoBackend,
+    FP8BackendType,
+    LoggerType,
+    PrecisionType,
+    RNGType,
+    SageMakerDistributedType,
+)
+from .errors import HfBackendError
+from .memory import find_executable_batch_size, release_memory
 from .optim import DummyOptim, DummyScheduler
 from .options import (
     AutocastKwargs,
@@ -25,30 +50,160 @@ from .options import (
     GradientAccumulationPlugin,
     GradScalerKwargs,
     InitProcessGroupKwargs,
+    KwargsHandler,
+    ProfileKwargs,
     ProjectConfiguration,
 )
-from .state import DistributedType
+from .seeding import set_seed, synchronize_rng_state, synchronize_rng_states
+from .state import PartialState
+from .strategies.base import extract_model_from_parallel, is_compiled_module
 
 
-def set_seed(seed: int, device_specific: bool = False, deterministic: bool = False) -> None:
-    """Seed python, numpy and torch (all devices); `device_specific` adds the process index to the seed."""
-    if device_specific:
-        from .state import get_process_state
+def reduce(tensor: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
+    """`accelerate.utils.reduce`: "mean" by default (the Accelerator's method defaults to "sum")."""
+    return _reduce(tensor, reduction, scale)
 
-        seed += get_process_state().process_index
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    if torch.cuda.is_available():
-        torch.cuda.manual_seed_all(seed)
-    if deterministic:
-        torch.use_deterministic_algorithms(True)
+
+def wait_for_everyone() -> None:
+    PartialState().wait_for_everyone()
+
+
+def save(obj: Any, f: str | os.PathLike, save_on_each_node: bool = False, safe_serialization: bool = False) -> None:
+    """Save `obj` from the main process (the local main process of each node with `save_on_each_node`)."""
+    state = PartialState()
+    if state.is_local_main_process if save_on_each_node else state.is_main_process:
+        from .checkpoint import save_object
+
+        save_object(obj, f, safe_serialization)
+
+
+def load(f: str | os.PathLike, map_location: Any = None, **kwargs: Any) -> Any:
+    kwargs.setdefault("weights_only", True)
+    return torch.load(f, map_location=map_location, **kwargs)
+
+
+def tqdm(*args: Any, main_process_only: bool = True, **kwargs: Any) -> Any:
+    """tqdm's progress bar, shown by the local main process only (unless `main_process_only=False`)."""
+    from tqdm.auto import tqdm as _tqdm
+
+    if main_process_only and not kwargs.get("disable", False):
+        kwargs["disable"] = PartialState().local_process_index != 0
+    return _tqdm(*args, **kwargs)
+
+
+def find_batch_size(data: Any) -> int:
+    """The first dimension of the first tensor in a (nested) batch."""
+    for value in _leaves(data):
+        if isinstance(value, torch.Tensor):
+            return value.shape[0]
+    raise HfBackendError(f"find_batch_size: no tensor in the batch ({type(data).__name__})")
+
+
+def _leaves(data: Any) -> Iterator[Any]:
+    from .collectives import leaves
+
+    return leaves(data)
+
+
+def is_torch_tensor(tensor: Any) -> bool:
+    return isinstance(tensor, torch.Tensor)
+
+
+def is_namedtuple(data: Any) -> bool:
+    return isinstance(data, tuple) and hasattr(data, "_asdict") and hasattr(data, "_fields")
+
+
+def listify(data: Any) -> Any:
+    """Tensors in `data` as (nested) Python lists."""
+    return recursively_apply(lambda t: t.tolist(), data)
+
+
+def concatenate(data: list, dim: int = 0) -> Any:
+    """Concatenate a list of (nested) batches of the same structure along `dim`."""
+    first = data[0]
+    if isinstance(first, (list, tuple)):
+        return type(first)(concatenate([d[i] for d in data], dim=dim) for i in range(len(first)))
+    if isinstance(first, dict):
+        return type(first)({k: concatenate([d[k] for d in data], dim=dim) for k in first})
+    if not isinstance(first, torch.Tensor):
+        raise HfBackendError(f"concatenate: can only concatenate tensors, got {type(first).__name__}")
+    return torch.cat(data, dim=dim)
+
+
+def str_to_bool(value: str, to_bool: bool = False) -> int | bool:
+    """Accelerate's truth values: y/yes/t/true/on/1 -> 1, n/no/f/false/off/0 -> 0."""
+    value = value.lower()
+    if value in ("y", "yes", "t", "true", "on", "1"):
+        return True if to_bool else 1
+    if value in ("n", "no", "f", "false", "off", "0"):
+        return False if to_bool else 0
+    raise HfBackendError(f"str_to_bool: {value!r} is not a truth value; use yes/no, true/false, on/off or 1/0")
+
+
+def parse_flag_from_env(key: str, default: bool = False) -> bool:
+    return bool(str_to_bool(os.environ.get(key, str(default)), to_bool=True))
+
+
+def get_int_from_env(env_keys: list[str], default: int) -> int:
+    """The first of `env_keys` set to a non-negative integer, else `default`."""
+    for key in env_keys:
+        value = int(os.environ.get(key, -1))
+        if value >= 0:
+            return value
+    return default
+
+
+def is_port_in_use(port: int | None = None) -> bool:
+    """Whether something listens on localhost:`port` (29500 when not given, torch's default master port)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        return sock.connect_ex(("localhost", port or 29500)) == 0
+
+
+@contextlib.contextmanager
+def patch_environment(**kwargs: Any) -> Iterator[None]:
+    """Set environment variables (names upper-cased) inside the block; restore the previous values after."""
+    saved = {key.upper(): os.environ.get(key.upper()) for key in kwargs}
+    os.environ.update({key.upper(): str(value) for key, value in kwargs.items()})
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@contextlib.contextmanager
+def clear_environment() -> Iterator[None]:
+    """Run the block with an empty environment; restore it after."""
+    saved = dict(os.environ)
+    os.environ.clear()
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def __getattr__(name: str) -> Any:
+    if name in compat.REFUSED_NAMES:
+        raise compat.refuse("hf_backend.utils", name)
+    if name.startswith("is_") and hasattr(availability, name):
+        return getattr(availability, name)
+    raise AttributeError(f"module 'hf_backend.utils' has no attribute {name!r}")
 
 
 __all__ = [
-    "AutocastKwargs", "DataLoaderConfiguration", "DistributedDataParallelKwargs", "DistributedType", "DummyOptim",
-    "DummyScheduler",
-    "GradScalerKwargs", "GradientAccumulationPlugin", "InitProcessGroupKwargs", "ProjectConfiguration", "broadcast",
-    "broadcast_object_list", "gather", "gather_object", "pad_across_processes", "recursively_apply", "reduce",
-    "send_to_device", "set_seed",
+    "AutocastKwargs", "ComputeEnvironment", "CustomDtype", "DDPCommunicationHookType", "DataLoaderConfiguration",
+    "DeepSpeedPlugin", "DistributedDataParallelKwargs", "DistributedType", "DummyOptim", "DummyScheduler",
+    "DynamoBackend", "FP8BackendType", "FullyShardedDataParallelPlugin", "GradScalerKwargs",
+    "GradientAccumulationPlugin", "InitProcessGroupKwargs", "KwargsHandler", "LoggerType", "PrecisionType",
+    "ProfileKwargs", "ProjectConfiguration", "RNGType", "SageMakerDistributedType", "broadcast",
+    "broadcast_object_list", "clear_environment", "compare_versions", "concatenate", "extract_model_from_parallel",
+    "find_batch_size", "find_executable_batch_size", "gather", "gather_object", "get_int_from_env",
+    "is_compiled_module", "is_namedtuple", "is_port_in_use", "is_torch_tensor", "is_torch_version", "listify", "load",
+    "pad_across_processes", "parse_flag_from_env", "patch_environment", "recursively_apply", "reduce",
+    "release_memory", "save", "send_to_device", "set_seed", "str_to_bool", "synchronize_rng_state",
+    "synchronize_rng_states", "tqdm", "wait_for_everyone",
 ]

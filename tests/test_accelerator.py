@@ -73,8 +73,8 @@ def test_launcher_environment_is_read_and_an_explicit_argument_wins(monkeypatch,
 def test_bad_settings_are_one_line_errors(monkeypatch):
     with pytest.raises(HfBackendError, match="mixed_precision='fp8' is not one of no, fp16, bf16"):
         Accelerator(mixed_precision="fp8")
-    with pytest.raises(HfBackendError, match="does not support log_with"):
-        Accelerator(log_with="wandb")
+    with pytest.raises(HfBackendError, match="does not support gradient_acumulation_steps"):
+        Accelerator(gradient_acumulation_steps=2)
     monkeypatch.setenv("HF_BACKEND_GRADIENT_ACCUMULATION_STEPS", "two")
     with pytest.raises(HfBackendError, match="HF_BACKEND_GRADIENT_ACCUMULATION_STEPS='two'"):
         Accelerator()

@@ -6,12 +6,13 @@ The Accelerator picks a strategy once and routes every model-touching call throu
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.algorithms.join import Join
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -19,13 +20,41 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.nn.parallel import DistributedDataParallel
 
 from ..checkpoint import check_loaded, load_file, read_state_dict, tied_weight_keys, write_weights
 from ..errors import HfBackendError
+from ..log import note
 from ..optim import DummyScheduler
 from ..options import Handlers
 from ..precision import Precision
 from ..state import DistributedType, ProcessState
+
+
+def is_compiled_module(module: torch.nn.Module) -> bool:
+    """A `torch.compile(...)` wrapper."""
+    return isinstance(module, torch._dynamo.eval_frame.OptimizedModule)
+
+
+def extract_model_from_parallel(model: torch.nn.Module, keep_fp32_wrapper: bool = True,
+                                keep_torch_compile: bool = True,
+                                is_wrapper: Callable[[torch.nn.Module], bool] | None = None) -> torch.nn.Module:
+    """Strip parallel wrappers (DDP, `nn.DataParallel`, a DeepSpeed engine, or what `is_wrapper` says) and, unless
+    `keep_torch_compile`, the torch.compile wrapper."""
+    wrappers = (DistributedDataParallel, torch.nn.DataParallel)
+    while True:
+        wrapped = isinstance(model, wrappers) or type(model).__name__ == "DeepSpeedEngine"
+        if wrapped or (is_wrapper is not None and is_wrapper(model)):
+            inner = getattr(model, "module", None)
+        else:
+            inner = None if keep_torch_compile or not is_compiled_module(model) else model._orig_mod
+        if not isinstance(inner, torch.nn.Module):
+            if not keep_fp32_wrapper:
+                from ..precision import Precision
+
+                Precision.unwrap_forward(model)
+            return model
+        model = inner
 
 
 class Strategy:
@@ -62,15 +91,9 @@ class Strategy:
         return scheduler
 
     def unwrap_model(self, model: torch.nn.Module, keep_torch_compile: bool = False) -> torch.nn.Module:
-        """The user's module: no parallel wrapper (and no torch.compile wrapper unless `keep_torch_compile`)."""
-        while True:
-            if self.is_wrapper(model):
-                inner = getattr(model, "module", None)
-            else:
-                inner = None if keep_torch_compile else getattr(model, "_orig_mod", None)
-            if not isinstance(inner, torch.nn.Module):
-                return model
-            model = inner
+        """The user's module: no parallel wrapper, ours or the user's own `nn.DataParallel` (and no torch.compile
+        wrapper unless `keep_torch_compile`)."""
+        return extract_model_from_parallel(model, keep_torch_compile=keep_torch_compile, is_wrapper=self.is_wrapper)
 
     def is_wrapper(self, model: torch.nn.Module) -> bool:
         return False
@@ -86,6 +109,20 @@ class Strategy:
 
     def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
+
+    def trigger_sync_in_backward(self, model: torch.nn.Module) -> None:
+        """Make the next backward synchronize although it runs under `no_sync` (only DDP needs to do anything)."""
+
+    def join(self, joinables: list) -> contextlib.AbstractContextManager:
+        """Context for processes whose loaders run out at different steps. One process has nothing to join."""
+        if not self.state.distributed:
+            note("join_uneven_inputs in a single process: nothing to join")
+            return contextlib.nullcontext()
+        return Join(joinables)
+
+    def state_plugins(self) -> dict[str, Any]:
+        """The plugin `accelerator.state` shows, under Accelerate's name (fsdp_plugin, deepspeed_plugin)."""
+        return {}
 
     def clip_grad_norm_(self, parameters: Iterable[torch.nn.Parameter], max_norm: float,
                         norm_type: float = 2.0) -> torch.Tensor:

@@ -242,6 +242,13 @@ class DeepSpeedStrategy(Strategy):
         norm = self.engine.get_global_grad_norm()
         return torch.as_tensor(0.0 if norm is None else float(norm))
 
+    def state_plugins(self) -> dict[str, Any]:
+        return {"deepspeed_plugin": self.plugin}
+
+    def join(self, joinables: list) -> contextlib.AbstractContextManager:
+        raise HfBackendError("join_uneven_inputs is supported with DDP only: under DeepSpeed a process that runs out "
+                             "of data would hang the others; use even_batches=True (the default) instead")
+
     def clip_grad_value_(self, parameters: Iterable[torch.nn.Parameter], clip_value: float) -> None:
         raise HfBackendError("clip_grad_value_ is not available with DeepSpeed; set gradient_clipping (a norm) in "
                              "its config")

@@ -161,6 +161,13 @@ class FSDPStrategy(Strategy):
         norm = torch.nn.utils.clip_grad_norm_(list(parameters), max_norm, norm_type=norm_type)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
+    def state_plugins(self) -> dict[str, Any]:
+        return {"fsdp_plugin": self.plugin}
+
+    def join(self, joinables: list) -> contextlib.AbstractContextManager:
+        raise HfBackendError("join_uneven_inputs is supported with DDP only: under FSDP a process that runs out of "
+                             "data would hang the others; use even_batches=True (the default) instead")
+
     def clip_grad_value_(self, parameters: Iterable[torch.nn.Parameter], clip_value: float) -> None:
         for p in parameters:
             if p.grad is not None:

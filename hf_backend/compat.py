@@ -1,0 +1,246 @@
+"""The parts of Accelerate's `Accelerator` API that have nothing to run here, in one place.
+
+Three kinds (docs/compat.md lists every public name with its kind):
+- arguments and members that are constants here (no tensor/context/pipeline parallelism, no fp8, no LOMO): they answer
+  as Accelerate answers when the feature is off;
+- arguments accepted as no-ops, with one note in the log saying why;
+- features refused with one line naming them and what to use instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any
+
+import torch
+
+from .enums import DistributedType, FP8BackendType
+from .errors import HfBackendError
+from .log import note
+
+# Accelerator(...) arguments with nothing to do here, and why.
+_NOOP_ARGUMENTS = {
+    "rng_types": "each process's RNG is restored by load_state and the epoch order comes from the sampler's seeded "
+                 "generator, shared from rank 0",
+}
+# Accelerator(...) arguments that ask for a feature hf_backend does not run, and what to do instead.
+_REFUSED_ARGUMENTS = {
+    "megatron_lm_plugin": "Megatron-LM is not supported; use FSDP or DeepSpeed ZeRO-3 for models that do not fit",
+    "torch_tp_plugin": "tensor parallelism is not supported; use FSDP or DeepSpeed ZeRO-3",
+    "parallelism_config": "tensor/context/pipeline parallelism is not supported; use FSDP or DeepSpeed ZeRO-3",
+    "dynamo_backend": "compile the model yourself (model = torch.compile(model)) before prepare()",
+    "dynamo_plugin": "compile the model yourself (model = torch.compile(model)) before prepare()",
+}
+
+
+def check_accelerator_arguments(other: dict[str, Any], deepspeed_plugin: Any) -> Any:
+    """Consume the Accelerate-only keyword arguments in `other` (notes for no-ops, one-line errors for refused
+    features); returns the DeepSpeed plugin in effect (Accelerate's `deepspeed_plugins` dict with one entry is
+    that plugin). Leaves the DataLoaderConfiguration fields Accelerate also takes here in `other`."""
+    for key, why in _NOOP_ARGUMENTS.items():
+        if other.pop(key, None) is not None:
+            note(f"Accelerator({key}=...) is accepted and has nothing to do: {why}")
+    for key, instead in _REFUSED_ARGUMENTS.items():
+        value = other.pop(key, None)
+        if value is not None and str(getattr(value, "value", value)).lower() != "no":
+            raise HfBackendError(f"Accelerator({key}=...): {instead}")
+    plugins = other.pop("deepspeed_plugins", None)
+    if plugins is not None:
+        plugins = list(plugins.values()) if isinstance(plugins, dict) else [plugins]
+        if len(plugins) != 1 or deepspeed_plugin is not None:
+            raise HfBackendError("Accelerator(deepspeed_plugins=...): hf_backend runs one DeepSpeed plugin per "
+                                 "Accelerator; pass deepspeed_plugin=<the one to use>")
+        deepspeed_plugin = plugins[0]
+    unknown = sorted(set(other) - {"dispatch_batches", "use_seedable_sampler"})
+    if unknown:
+        raise HfBackendError(f"Accelerator() does not support {', '.join(unknown)} in hf_backend; remove the "
+                             "argument (docs/compat.md lists every Accelerate argument and member)")
+    return deepspeed_plugin
+
+
+def checked(value: Any, cls: type, argument: str) -> Any:
+    """An options object given as itself, a dict of its fields, or None (the defaults)."""
+    if value is None:
+        return cls()
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, dict):
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise HfBackendError(f"{argument}: {cls.__name__} has no field {', '.join(unknown)}; "
+                                 f"fields: {', '.join(sorted(names))}")
+        return cls(**value)
+    hint = " (for a directory, pass project_dir=...)" if argument == "project_config" else ""
+    raise HfBackendError(f"{argument}= takes a {cls.__name__}, got {type(value).__name__}{hint}")
+
+
+def _not_configured(what: str) -> HfBackendError:
+    return HfBackendError(f"{what}: no parallelism_config is set (hf_backend does not run tensor, context or pipeline "
+                          "parallelism); use accelerator.process_index for the data-parallel rank")
+
+
+class AccelerateMembers:
+    """Accelerator members for features that are off here (answering as Accelerate does when they are off), and
+    Accelerate's names for state the facade keeps under its own."""
+
+    has_lomo_optimizer = False
+    fp8_enabled = False
+    has_fp8_handler = False
+    delayed_fp8_autocast = False
+    fp8_recipe_handler = None
+    ao_recipe_handler = None
+    te_recipe_handler = None
+    msamp_recipe_handler = None
+    parallelism_config = None
+    torch_device_mesh = None
+    is_composable_parallelism_enabled = False
+    fp8_backend = FP8BackendType.NO
+
+    rng_types = None
+
+    @property
+    def ddp_handler(self) -> Any:
+        return self.handlers.ddp  # type: ignore[attr-defined]
+
+    @property
+    def scaler_handler(self) -> Any:
+        return self.handlers.scaler  # type: ignore[attr-defined]
+
+    @property
+    def init_handler(self) -> Any:
+        return self.handlers.init  # type: ignore[attr-defined]
+
+    @property
+    def autocast_handler(self) -> Any:
+        return self.handlers.autocast  # type: ignore[attr-defined]
+
+    @property
+    def profile_handler(self) -> Any:
+        return self.handlers.profile  # type: ignore[attr-defined]
+
+    @property
+    def flag_tensor(self) -> torch.Tensor:
+        return self.trigger.flag  # type: ignore[attr-defined]
+
+    @property
+    def log_with(self) -> list:
+        return self.tracking.log_with  # type: ignore[attr-defined]
+
+    @property
+    def multi_device(self) -> bool:
+        return self.distributed_type in (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)  # type: ignore
+
+    @property
+    def should_save_model(self) -> bool:
+        return self.is_local_main_process  # type: ignore[attr-defined]
+
+    @property
+    def native_amp(self) -> bool:
+        return self.mixed_precision in ("fp16", "bf16")  # type: ignore[attr-defined]
+
+    @property
+    def tensor_parallel_rank(self) -> int:
+        raise _not_configured("tensor_parallel_rank")
+
+    @property
+    def pipeline_parallel_rank(self) -> int:
+        raise _not_configured("pipeline_parallel_rank")
+
+    @property
+    def context_parallel_rank(self) -> int:
+        raise _not_configured("context_parallel_rank")
+
+    @property
+    def data_parallel_rank(self) -> int:
+        raise _not_configured("data_parallel_rank")
+
+    @property
+    def data_parallel_shard_rank(self) -> int:
+        raise _not_configured("data_parallel_shard_rank")
+
+    def maybe_context_parallel(self, buffers: Any = None, buffer_seq_dims: Any = None,
+                               no_restore_buffers: Any = None) -> contextlib.AbstractContextManager:
+        """No context parallelism here, so (as in Accelerate without it) a context that does nothing."""
+        return contextlib.nullcontext()
+
+    def verify_device_map(self, model: torch.nn.Module) -> bool:
+        """True when the model was loaded with a device map over several devices (big-model inference), which
+        training cannot prepare."""
+        return any(len(getattr(m, "hf_device_map", None) or {}) > 1 for m in model.modules())
+
+    def lomo_backward(self, loss: torch.Tensor, learning_rate: float) -> None:
+        raise HfBackendError("lomo_backward: LOMO optimizers are not supported by hf_backend; use a torch optimizer "
+                             "and accelerator.backward(loss)")
+
+    def deepspeed_ulysses_dl_adapter(self, *args: Any, **kwargs: Any) -> Any:
+        raise HfBackendError("deepspeed_ulysses_dl_adapter: DeepSpeed Ulysses sequence parallelism is not supported "
+                             "by hf_backend; train without sequence parallelism")
+
+
+# -- names of accelerate.utils / accelerate that hf_backend refuses, grouped by why ----------------------------------
+_REFUSED_GROUPS: dict[str, tuple[str, ...]] = {
+    "big-model inference and offloading (device maps, meta-device init, CPU/disk offload) is not part of hf_backend; "
+    "for inference load with transformers' from_pretrained(device_map=...)": (
+        "init_empty_weights", "init_on_device", "cpu_offload", "cpu_offload_with_hook", "disk_offload",
+        "dispatch_model", "infer_auto_device_map", "load_checkpoint_and_dispatch", "load_checkpoint_in_model",
+        "get_balanced_memory", "get_max_memory", "check_device_map", "compute_module_sizes", "calculate_maximum_sizes",
+        "get_max_layer_size", "offload_state_dict", "offload_weight", "load_offloaded_weight", "load_offloaded_weights",
+        "save_offload_index", "OffloadedWeightsLoader", "PrefixedDataset", "set_module_tensor_to_device",
+        "align_module_device", "named_module_tensors", "has_offloaded_params", "find_tied_parameters",
+        "retie_parameters", "check_tied_parameters_in_config", "check_tied_parameters_on_same_device",
+        "dtype_byte_size", "convert_file_size_to_int", "id_tensor_storage", "load_state_dict",
+        "extract_submodules_state_dict", "get_module_children_bottom_up", "prepare_pippy", "big_modeling",
+        "hooks", "inference"),
+    "Megatron-LM is not supported; use FSDP or DeepSpeed ZeRO-3": (
+        "MegatronLMPlugin", "MegatronLMDummyDataLoader", "MegatronLMDummyScheduler", "AbstractTrainStep",
+        "BertTrainStep", "GPTTrainStep", "T5TrainStep", "avg_losses_across_data_parallel_group",
+        "add_model_config_to_megatron_parser"),
+    "fp8 training and quantization (TransformerEngine, MS-AMP, torchao, bitsandbytes) are not supported; use "
+    "mixed_precision='bf16' or 'fp16'": (
+        "AORecipeKwargs", "FP8RecipeKwargs", "MSAMPRecipeKwargs", "TERecipeKwargs", "apply_fp8_autowrap",
+        "contextual_fp8_autocast", "convert_model", "convert_model_to_fp8_ao", "filter_first_and_last_linear_layers",
+        "has_ao_layers", "has_transformer_engine_layers", "check_cuda_fp8_capability", "BnbQuantizationConfig",
+        "load_and_quantize_model", "has_4bit_bnb_layers", "torchao_required"),
+    "TPUs (torch_xla) are not supported; hf_backend runs on CPUs and CUDA GPUs": ("install_xla", "prepare_tpu"),
+    "tensor, context, pipeline and sequence parallelism and regional compilation are not supported; use FSDP or "
+    "DeepSpeed ZeRO-3, and torch.compile(model) yourself": (
+        "ParallelismConfig", "parallelism_config", "TorchTensorParallelConfig", "TorchTensorParallelPlugin",
+        "TorchContextParallelConfig", "DeepSpeedSequenceParallelConfig", "get_model_tp_size", "TorchDynamoPlugin",
+        "compile_regions", "compile_regions_deepspeed", "compile_regions_fsdp2", "has_compiled_regions"),
+    "an Accelerate internal of its DeepSpeed/FSDP integration; in hf_backend the strategy does this inside "
+    "accelerator.prepare / save_state / load_state / save_model / get_state_dict": (
+        "DeepSpeedEngineWrapper", "DeepSpeedOptimizerWrapper", "DeepSpeedSchedulerWrapper", "HfDeepSpeedConfig",
+        "GatheredParameters", "deepspeed_required", "get_active_deepspeed_plugin", "map_pytorch_optim_to_deepspeed",
+        "fsdp2_apply_ac", "fsdp2_canonicalize_names", "fsdp2_load_full_state_dict", "fsdp2_prepare_model",
+        "fsdp2_switch_optimizer_parameters", "save_fsdp_model", "load_fsdp_model", "save_fsdp_optimizer",
+        "load_fsdp_optimizer", "merge_fsdp_weights", "enable_fsdp_ram_efficient_loading",
+        "disable_fsdp_ram_efficient_loading", "get_fsdp2_grad_scaler", "get_grad_scaler",
+        "get_mixed_precision_context_manager", "ensure_weights_retied", "model_has_dtensor", "is_peft_model",
+        "checkpointing", "optimizer", "scheduler", "data_loader"),
+    "an internal of Accelerate's launcher; use `hf-backend launch` and `hf-backend config`": (
+        "PrepareForLaunch", "prepare_deepspeed_cmd_env", "prepare_multi_gpu_env", "prepare_sagemager_args_inputs",
+        "prepare_simple_launcher_cmd_env", "TORCH_LAUNCH_PARAMS", "convert_dict_to_env_variables",
+        "purge_accelerate_environment", "get_cpu_distributed_information", "set_numa_affinity",
+        "check_cuda_p2p_ib_support", "check_os_kernel", "get_gpu_info", "write_basic_config",
+        "get_current_device_type", "are_libraries_initialized", "commands", "test_utils"),
+    "Accelerate's checkpoint file names; hf_backend's checkpoints have their own layout (docs/engine.md): read them "
+    "with accelerator.load_state": (
+        "MODEL_NAME", "OPTIMIZER_NAME", "SCHEDULER_NAME", "SAMPLER_NAME", "SCALER_NAME", "RNG_STATE_NAME",
+        "SAFE_MODEL_NAME", "SAFE_WEIGHTS_NAME", "SAFE_WEIGHTS_INDEX_NAME", "SAFE_WEIGHTS_PATTERN_NAME", "WEIGHTS_NAME",
+        "WEIGHTS_INDEX_NAME", "WEIGHTS_PATTERN_NAME", "PROFILE_PATTERN_NAME", "TORCH_DISTRIBUTED_OPERATION_TYPES",
+        "MITA_PROFILING_AVAILABLE_PYTORCH_VERSION", "XPU_PROFILING_AVAILABLE_PYTORCH_VERSION"),
+    "an internal helper of Accelerate's with no counterpart in hf_backend; use torch or the standard library": (
+        "CannotPadNestedTensorWarning", "TensorInformation", "is_tensor_information", "initialize_tensors",
+        "get_data_structure", "copy_tensor_to_devices", "pad_input_tensors", "slice_tensors",
+        "convert_outputs_to_fp32", "convert_to_fp32", "find_device", "ignorant_find_batch_size", "honor_type",
+        "recursive_getattr", "get_pretty_name", "merge_dicts", "convert_bytes", "clean_state_dict_for_safetensors",
+        "parse_choice_from_env"),
+}
+REFUSED_NAMES: dict[str, str] = {name: why for why, names in _REFUSED_GROUPS.items() for name in names}
+
+
+def refuse(module: str, name: str) -> HfBackendError:
+    """The one-line error for an Accelerate name hf_backend does not provide."""
+    return HfBackendError(f"{module}.{name}: {REFUSED_NAMES[name]}")
