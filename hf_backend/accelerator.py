@@ -169,22 +169,6 @@ class Accelerator(ProcessView, compat.AccelerateMembers):
         return self.dataloader_config.even_batches
 
     @property
-    def dispatch_batches(self) -> bool | None:
-        return self.dataloader_config.dispatch_batches
-
-    @property
-    def use_seedable_sampler(self) -> bool:
-        return self.dataloader_config.use_seedable_sampler
-
-    @property
-    def non_blocking(self) -> bool:
-        return self.dataloader_config.non_blocking
-
-    @property
-    def use_stateful_dataloader(self) -> bool:
-        return self.dataloader_config.use_stateful_dataloader
-
-    @property
     def project_dir(self) -> str | None:
         return self.project_configuration.project_dir
 
@@ -192,17 +176,6 @@ class Accelerator(ProcessView, compat.AccelerateMembers):
     def logging_dir(self) -> str | None:
         return self.project_configuration.logging_dir
 
-    @property
-    def fsdp_plugin(self) -> Any:
-        return self.state.fsdp_plugin
-
-    @property
-    def deepspeed_plugin(self) -> Any:
-        return self.state.deepspeed_plugin
-
-    @property
-    def is_fsdp2(self) -> bool:
-        return self.state.is_fsdp2
 
     @property
     def save_iteration(self) -> int:
@@ -353,19 +326,7 @@ class Accelerator(ProcessView, compat.AccelerateMembers):
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
         """Gather predictions or labels of an evaluation batch: exactly one row per dataset item over the whole loop
         (the padding a short last batch got is dropped)."""
-        tensors_only = all(isinstance(t, torch.Tensor) for t in collectives.leaves(input_data))
-        loader = self.gradient_state.active_dataloader
-        uneven = loader is not None and not getattr(loader.index_sampler, "even_batches", True)
-        if use_gather_object or not tensors_only:
-            data = collectives.gather_object(input_data)
-        else:
-            data = collectives.gather_uneven(input_data) if uneven else collectives.gather(input_data)
-        remainder = self.gradient_state.remainder
-        if not self.gradient_state.end_of_dataloader or remainder <= 0 or uneven:
-            return data
-        if isinstance(data, list):
-            return data[:remainder]
-        return collectives.recursively_apply(lambda t: t[:remainder], data)
+        return collectives.gather_for_metrics(input_data, self.gradient_state, use_gather_object)
 
     def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
         return collectives.reduce(tensor, reduction, scale)
@@ -433,14 +394,8 @@ class Accelerator(ProcessView, compat.AccelerateMembers):
         config = self.project_configuration
         automatic = output_dir is None
         output_dir = output_dir if output_dir is not None else checkpoint.automatic_dir(config)
-        objects = self._objects
-        if self._save_state_pre_hooks:  # hooks may take weights out of the list: those models are theirs to save
-            weights = [self.get_state_dict(model, unwrap=False) for model in objects.models]
-            kept = list(weights)
-            for hook in self._save_state_pre_hooks.values():
-                hook(objects.models, kept, str(output_dir))
-            objects = dataclasses.replace(objects, models=[m for m, w in zip(objects.models, weights)
-                                                           if any(w is k for k in kept)])
+        objects = checkpoint.after_save_hooks(self._save_state_pre_hooks.values(), self._objects, output_dir,
+                                              functools.partial(self.get_state_dict, unwrap=False))
         target = checkpoint.save_checkpoint(output_dir, **self._checkpoint_io(objects),
                                             safe_serialization=safe_serialization)
         if automatic:
@@ -462,12 +417,7 @@ class Accelerator(ProcessView, compat.AccelerateMembers):
         the last one seen, in the same order: no manual skipping."""
         config = self.project_configuration
         input_dir = input_dir if input_dir is not None else checkpoint.latest_automatic_dir(config)
-        objects = self._objects
-        if self._load_state_pre_hooks:  # hooks may take models out of the list: those models are theirs to load
-            models = list(objects.models)
-            for hook in self._load_state_pre_hooks.values():
-                hook(models, str(input_dir))
-            objects = dataclasses.replace(objects, models=[m for m in objects.models if any(m is k for k in models)])
+        objects = checkpoint.after_load_hooks(self._load_state_pre_hooks.values(), self._objects, input_dir)
         meta = checkpoint.load_checkpoint(input_dir, objects, state=self.process, strategy=self.strategy,
                                           scaler=self.scaler)
         saved_world = meta["num_processes"]

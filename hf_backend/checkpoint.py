@@ -18,7 +18,7 @@ import os
 import random
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -212,6 +212,34 @@ def _staged_write(target: Path, state: ProcessState, write: Callable[[Path], Non
         staging.rename(target)
         shutil.rmtree(previous, ignore_errors=True)
     state.wait_for_everyone()
+
+
+def after_save_hooks(hooks: Iterable[Callable], objects: Checkpointable, output_dir: str | os.PathLike,
+                     state_dict: Callable[[torch.nn.Module], dict]) -> Checkpointable:
+    """Run `register_save_state_pre_hook` hooks as `hook(models, weights, output_dir)`; a model whose state dict a
+    hook removed from `weights` is left out of the checkpoint (the hook saves it its own way)."""
+    hooks = list(hooks)
+    if not hooks:
+        return objects
+    weights = [state_dict(model) for model in objects.models]
+    kept = list(weights)
+    for hook in hooks:
+        hook(objects.models, kept, str(output_dir))
+    return dataclasses.replace(objects, models=[m for m, w in zip(objects.models, weights)
+                                                if any(w is k for k in kept)])
+
+
+def after_load_hooks(hooks: Iterable[Callable], objects: Checkpointable,
+                     input_dir: str | os.PathLike) -> Checkpointable:
+    """Run `register_load_state_pre_hook` hooks as `hook(models, input_dir)`; a model a hook removed from `models` is
+    not loaded (the hook loads it its own way)."""
+    hooks = list(hooks)
+    if not hooks:
+        return objects
+    models = list(objects.models)
+    for hook in hooks:
+        hook(models, str(input_dir))
+    return dataclasses.replace(objects, models=[m for m in objects.models if any(m is k for k in models)])
 
 
 # -- state checkpoints ------------------------------------------------------------------------------------------------

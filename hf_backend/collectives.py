@@ -185,3 +185,20 @@ def leaves(data: Any) -> Iterator[Any]:
             yield from leaves(value)
     else:
         yield data
+
+
+def gather_for_metrics(input_data: Any, gradient_state: Any, use_gather_object: bool = False) -> Any:
+    """`gather`, then drop the rows a short last batch was padded with (the active loader knows how many are real)."""
+    tensors_only = all(isinstance(t, torch.Tensor) for t in leaves(input_data))
+    loader = gradient_state.active_dataloader
+    uneven = loader is not None and not getattr(loader.index_sampler, "even_batches", True)
+    if use_gather_object or not tensors_only:
+        data = gather_object(input_data)
+    else:
+        data = gather_uneven(input_data) if uneven else gather(input_data)
+    remainder = gradient_state.remainder
+    if not gradient_state.end_of_dataloader or remainder <= 0 or uneven:
+        return data
+    if isinstance(data, list):
+        return data[:remainder]
+    return recursively_apply(lambda t: t[:remainder], data)

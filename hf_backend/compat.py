@@ -129,6 +129,34 @@ class AccelerateMembers:
         return self.tracking.log_with  # type: ignore[attr-defined]
 
     @property
+    def dispatch_batches(self) -> bool | None:
+        return self.dataloader_config.dispatch_batches  # type: ignore[attr-defined]
+
+    @property
+    def use_seedable_sampler(self) -> bool:
+        return self.dataloader_config.use_seedable_sampler  # type: ignore[attr-defined]
+
+    @property
+    def non_blocking(self) -> bool:
+        return self.dataloader_config.non_blocking  # type: ignore[attr-defined]
+
+    @property
+    def use_stateful_dataloader(self) -> bool:
+        return self.dataloader_config.use_stateful_dataloader  # type: ignore[attr-defined]
+
+    @property
+    def fsdp_plugin(self) -> Any:
+        return self.state.fsdp_plugin  # type: ignore[attr-defined]
+
+    @property
+    def deepspeed_plugin(self) -> Any:
+        return self.state.deepspeed_plugin  # type: ignore[attr-defined]
+
+    @property
+    def is_fsdp2(self) -> bool:
+        return self.state.is_fsdp2  # type: ignore[attr-defined]
+
+    @property
     def multi_device(self) -> bool:
         return self.distributed_type in (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)  # type: ignore
 

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from ..log import note
 from .loader import ConfigError, coerce
@@ -69,6 +72,47 @@ class FullyShardedDataParallelPlugin:
         if isinstance(obj, cls):
             return obj
         return cls(**{f.name: getattr(obj, f.name) for f in dataclasses.fields(cls) if hasattr(obj, f.name)})
+
+    # Accelerate's public plugin methods, for scripts that call them before handing the plugin over.
+    def set_state_dict_type(self, state_dict_type: Any = None) -> None:
+        """The checkpoint kind: the value given, else FSDP_STATE_DICT_TYPE from the environment, else full."""
+        self.state_dict_type = state_dict_type or self.state_dict_type or os.environ.get(
+            "FSDP_STATE_DICT_TYPE", "FULL_STATE_DICT")
+        self.resolved()
+
+    def set_auto_wrap_policy(self, model: torch.nn.Module) -> None:
+        """For transformer-based wrapping without layer classes named, take the model's `_no_split_modules`."""
+        policy = _plain(self.auto_wrap_policy) or "TRANSFORMER_BASED_WRAP"
+        if policy == "TRANSFORMER_BASED_WRAP" and not self.transformer_cls_names_to_wrap:
+            names = list(getattr(model, "_no_split_modules", None) or [])
+            if not names:
+                raise ConfigError(f"set_auto_wrap_policy: {type(model).__name__} names no layer classes "
+                                  "(_no_split_modules); set transformer_cls_names_to_wrap=[...]")
+            self.transformer_cls_names_to_wrap = names
+        self.auto_wrap_policy = policy
+
+    def set_mixed_precision(self, mixed_precision: str | torch.dtype, buffer_autocast: bool = False,
+                            override: bool = False) -> None:
+        """FSDP2's policy for `mixed_precision` ("fp16", "bf16" or "fp32"): parameters in that dtype, gradients
+        reduced in fp32. Kept when one is set, unless `override`."""
+        dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "no": torch.float32}
+        dtype = dtypes.get(mixed_precision, mixed_precision) if isinstance(mixed_precision, str) else mixed_precision
+        if not isinstance(dtype, torch.dtype):
+            raise ConfigError(f"set_mixed_precision: {mixed_precision!r} is not one of {', '.join(dtypes)}")
+        if self.mixed_precision_policy is None or override:
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            self.mixed_precision_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+
+    def validate_mixed_precision_policy(self) -> None:
+        self.resolved()
+
+    def set_cpu_offload(self) -> None:
+        if self.cpu_offload is None:
+            self.cpu_offload = False
+
+    def validate_cpu_offload(self) -> None:
+        self.resolved()
 
     def canonical(self, section: FsdpSection) -> FullyShardedDataParallelPlugin:
         """This plugin with its options as the FSDP2 strategy runs them (what `accelerator.state.fsdp_plugin` shows)."""
@@ -165,6 +209,53 @@ class DeepSpeedPlugin:
         config = getattr(obj, "hf_ds_config", None)
         values["hf_ds_config"] = getattr(config, "config", config)  # Accelerate wraps it in HfDeepSpeedConfig
         return cls(**values)
+
+    # Accelerate's public plugin methods that read the config; the config is resolved when the strategy is built.
+    def get_value(self, ds_key_long: str, default: Any = None) -> Any:
+        """The config value at a dotted key ("zero_optimization.stage"), or `default`."""
+        value: Any = self.config()
+        for key in ds_key_long.split("."):
+            if not isinstance(value, dict) or key not in value:
+                return default
+            value = value[key]
+        return value
+
+    def is_auto(self, ds_key_long: str) -> bool:
+        return self.get_value(ds_key_long) == "auto"
+
+    def is_zero3_init_enabled(self) -> bool:
+        return bool(self.zero3_init_flag) and self.get_value("zero_optimization.stage") == 3
+
+    def set_mixed_precision(self, mixed_precision: str) -> None:
+        """Turn on fp16 or bf16 in the config where it says nothing (or "auto")."""
+        if mixed_precision not in ("fp16", "bf16", "no"):
+            raise ConfigError(f"DeepSpeedPlugin.set_mixed_precision: {mixed_precision!r} is not fp16, bf16 or no")
+        if mixed_precision != "no":
+            config = self.config()
+            if config.get(mixed_precision, {}).get("enabled", "auto") == "auto":
+                config.setdefault(mixed_precision, {})["enabled"] = True
+                self.hf_ds_config = config
+
+    def set_deepspeed_weakref(self) -> None:
+        """Accelerate registers the config with transformers here; hf_backend's strategy does that when it builds
+        the engine, so there is nothing to do yet."""
+
+    def select(self, _from_accelerator_state: bool = False) -> None:
+        """One plugin per Accelerator here: it is always the selected one."""
+
+    def deepspeed_config_process(self, *args: Any, **kwargs: Any) -> None:
+        raise ConfigError("DeepSpeedPlugin.deepspeed_config_process: hf_backend fills the config's \"auto\" values "
+                          "when the engine is built, from the prepared model, optimizer and loader; do not call it")
+
+    fill_match = deepspeed_config_process
+
+    def zero3_init_context_manager(self, enable: bool = False) -> Any:
+        raise ConfigError("DeepSpeedPlugin.zero3_init_context_manager: set zero3_init_flag=True and build the model "
+                          "after Accelerator(); hf_backend's strategy enters deepspeed.zero.Init itself")
+
+    def set_moe_leaf_modules(self, model: torch.nn.Module) -> None:
+        raise ConfigError("DeepSpeedPlugin.set_moe_leaf_modules: mixture-of-experts leaf modules are not supported "
+                          "by hf_backend's DeepSpeed strategy")
 
     def config(self) -> dict[str, Any]:
         """The DeepSpeed config before "auto" values are resolved against the prepared objects."""
