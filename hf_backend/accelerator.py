@@ -126,6 +126,7 @@ class Accelerator(ProcessView, compat.AccelerateMembers):
         self.trigger = Trigger(self.process)
         self._save_state_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
         self._load_state_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
+        _ = self.state  # built now: `AcceleratorState()` describes the newest Accelerator, as in Accelerate
 
     # -- process state ---------------------------------------------------------------------------------------------
     @functools.cached_property
@@ -419,6 +420,7 @@ class Accelerator(ProcessView, compat.AccelerateMembers):
         input_dir = input_dir if input_dir is not None else checkpoint.latest_automatic_dir(config)
         objects = checkpoint.after_load_hooks(self._load_state_pre_hooks.values(), self._objects, input_dir)
         meta = checkpoint.load_checkpoint(input_dir, objects, state=self.process, strategy=self.strategy,
+                                          models_taken_by_hooks=len(objects.models) < len(self._objects.models),
                                           scaler=self.scaler)
         saved_world = meta["num_processes"]
         if saved_world != self.num_processes:
@@ -458,9 +460,9 @@ class Accelerator(ProcessView, compat.AccelerateMembers):
         with uneven_inputs(self.strategy, joinables, self._objects.dataloaders, even_batches):
             yield
 
-    def trigger_sync_in_backward(self, model: torch.nn.Module) -> None:
-        """Make the next backward all-reduce gradients although it runs under `no_sync` (DDP; others need nothing)."""
-        self.strategy.trigger_sync_in_backward(model)
+    def trigger_sync_in_backward(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
+        """A block whose backward all-reduces gradients although it runs under `no_sync` (DDP; others need nothing)."""
+        return self.strategy.trigger_sync_in_backward(model)
 
     def profile(self, profile_handler: Any = None) -> contextlib.AbstractContextManager:
         """A torch.profiler context (ProfileKwargs); each process writes its own Chrome trace when asked."""

@@ -110,8 +110,9 @@ class Strategy:
     def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
-    def trigger_sync_in_backward(self, model: torch.nn.Module) -> None:
-        """Make the next backward synchronize although it runs under `no_sync` (only DDP needs to do anything)."""
+    def trigger_sync_in_backward(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
+        """A block whose backward synchronizes although it runs under `no_sync` (only DDP needs to do anything)."""
+        return contextlib.nullcontext()
 
     def join(self, joinables: list) -> contextlib.AbstractContextManager:
         """Context for processes whose loaders run out at different steps. One process has nothing to join."""

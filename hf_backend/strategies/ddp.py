@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -48,13 +48,20 @@ class DDPStrategy(Strategy):
     def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
         return model.no_sync() if isinstance(model, DistributedDataParallel) else contextlib.nullcontext()
 
-    def trigger_sync_in_backward(self, model: torch.nn.Module) -> None:
-        """DDP skips the all-reduce under `no_sync` through these two flags; setting them (and preparing the reducer,
-        as DDP's forward would have) makes the next backward synchronize."""
-        if isinstance(model, DistributedDataParallel):
-            model.require_backward_grad_sync = True
-            model.require_forward_param_sync = True
+    @contextlib.contextmanager
+    def trigger_sync_in_backward(self, model: torch.nn.Module) -> Iterator[None]:
+        """DDP skips the all-reduce under `no_sync` through two flags; set them (and prepare the reducer, as DDP's
+        forward would have) for the block, then restore them."""
+        if not isinstance(model, DistributedDataParallel):
+            yield
+            return
+        saved = model.require_backward_grad_sync, model.require_forward_param_sync
+        try:
+            model.require_backward_grad_sync = model.require_forward_param_sync = True
             model.reducer.prepare_for_backward([])
+            yield
+        finally:
+            model.require_backward_grad_sync, model.require_forward_param_sync = saved
 
 
 # -- gradient communication hooks (DistributedDataParallelKwargs.comm_hook / comm_wrapper / comm_state_option) ---------
