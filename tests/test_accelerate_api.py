@@ -266,8 +266,11 @@ def test_prepared_loader_sizes_and_set_epoch():
     assert loader.epoch == 4
 
 
-def test_loader_state_dict_with_workers_resumes_at_the_next_batch():
-    acc = Accelerator()
+def test_stateful_loader_with_workers_resumes_at_the_next_batch():
+    from hf_backend import DataLoaderConfiguration
+
+    acc = Accelerator(dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True))
+    assert acc.use_stateful_dataloader
 
     def make():
         return acc.prepare(DataLoader(TensorDataset(torch.arange(40.0)), batch_size=4, shuffle=True, num_workers=2))
@@ -335,20 +338,31 @@ def test_unwrap_model_strips_data_parallel_and_torch_compile():
 # -- the 2-process job -------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def two(tmp_path_factory) -> dict:
-    """Run tests/scripts/api_two_procs.py once in 2 processes; each rank's report, the shared log and stdout."""
+    """Run tests/scripts/api_two_procs.py once in 2 processes: each rank's report (what it wrote before the end, if
+    the job failed), the shared log, each rank's stdout, and the job's failure if any."""
     root = tmp_path_factory.mktemp("api_two")
     out = root / "r.json"
-    proc = run_script("api_two_procs.py", ["--out", str(out), "--ckpt-root", str(root / "ckpt")], nproc=2, timeout=120)
-    ranks = [json.loads((root / f"r.json.rank{r}.json").read_text()) for r in range(2)]
-    stdout = proc.stdout.split("[rank 1]\n")
+    failure, stdout = None, ["", ""]
+    try:
+        proc = run_script("api_two_procs.py", ["--out", str(out), "--ckpt-root", str(root / "ckpt")], nproc=2,
+                          timeout=90)
+        stdout = proc.stdout.split("[rank 1]\n")
+    except pytest.fail.Exception as error:
+        failure = str(error)
+    reports = [root / f"r.json.rank{r}.json" for r in range(2)]
+    ranks = [json.loads(p.read_text()) if p.exists() else {} for p in reports]
     log = (root / "r.log").read_text().splitlines() if (root / "r.log").exists() else []
-    return {"ranks": ranks, "stdout": stdout, "log": log}
+    return {"ranks": ranks, "stdout": stdout, "log": log, "failure": failure}
 
 
 def _checked(two: dict, name: str) -> list[dict]:
-    results = [rank[name] for rank in two["ranks"]]
-    for rank, result in enumerate(results):
+    results = []
+    for rank, report in enumerate(two["ranks"]):
+        if name not in report:
+            pytest.fail(f"rank {rank} never finished the check {name}: {two['failure']}")
+        result = report[name]
         assert "error" not in result, f"rank {rank}: {result['error']}\n{result['traceback']}"
+        results.append(result)
     return results
 
 

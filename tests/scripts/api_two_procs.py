@@ -1,6 +1,7 @@
 """Accelerate's everyday API in 2 processes (tests/test_accelerate_api.py): each check runs on both ranks, in the same
-order; each rank writes what it saw to `<out>.rank<r>.json` (a check that raised records its error instead). The
-log records of every rank go to `<out>.log` (one shared file, appended in emission order).
+order; each rank writes what it saw to `<out>.rank<r>.json` after every check (a check that raised records its error
+instead; the per-process save_state check, which hangs an engine without it, runs last). The log records of every
+rank go to `<out>.log` (one shared file, appended in emission order).
 
 Run under torchrun (or tests/warm_processes.py) with 2 processes: `api_two_procs.py --out F --ckpt-root DIR`.
 """
@@ -197,22 +198,6 @@ def logging_calls():
 
 
 @check
-def save_state_per_rank_dirs():
-    torch.manual_seed(0)
-    acc = accelerator()
-    model = torch.nn.Linear(3, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt = acc.prepare(model, opt)
-    acc.backward(model(torch.ones(2, 3)).sum())
-    opt.step()
-    mine = Path(args.ckpt_root) / f"rank{RANK}"
-    acc.save_state(mine)
-    acc.wait_for_everyone()
-    return {"dir": str(mine), "files": sorted(p.name for p in mine.iterdir()),
-            "weight": acc.unwrap_model(model).weight.tolist()}
-
-
-@check
 def trigger_sync_in_backward():
     """Accelerate's form: a context manager; under no_sync, the backward inside it all-reduces the gradients."""
     torch.manual_seed(0)
@@ -230,9 +215,25 @@ def trigger_sync_in_backward():
     return {"grad": grad.tolist(), "local": local.tolist()}
 
 
+@check
+def save_state_per_rank_dirs():
+    torch.manual_seed(0)
+    acc = accelerator()
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = acc.prepare(model, opt)
+    acc.backward(model(torch.ones(2, 3)).sum())
+    opt.step()
+    mine = Path(args.ckpt_root) / f"rank{RANK}"
+    acc.save_state(mine)
+    acc.wait_for_everyone()
+    return {"dir": str(mine), "files": sorted(p.name for p in mine.iterdir()),
+            "weight": acc.unwrap_model(model).weight.tolist()}
+
+
 for function in CHECKS:
     try:
         report[function.__name__] = function()
     except Exception as error:  # noqa: BLE001 - recorded for the test to show
         report[function.__name__] = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()}
-Path(f"{OUT}.rank{RANK}.json").write_text(json.dumps(report, indent=1))
+    Path(f"{OUT}.rank{RANK}.json").write_text(json.dumps(report, indent=1))  # after each check: a hang keeps the rest
