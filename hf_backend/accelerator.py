@@ -157,6 +157,13 @@ class Accelerator(ProcessView, compat.AccelerateMembers):
     def gradient_accumulation_steps(self) -> int:
         return self.gradient_state.num_steps
 
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, steps: int) -> None:
+        """Scripts that pick the accumulation after `find_executable_batch_size` set it here, as in Accelerate."""
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise HfBackendError(f"gradient_accumulation_steps={steps!r} must be an integer >= 1")
+        self.gradient_state.plugin.num_steps = steps
+
     @property
     def sync_gradients(self) -> bool:
         return self.gradient_state.sync_gradients

@@ -453,3 +453,12 @@ def test_two_processes_save_state_into_a_directory_each(two):
     model, _ = _model_and_optimizer(acc)
     acc.load_state(r0["dir"])
     assert model.weight.tolist() == r0["weight"]
+
+
+def test_gradient_accumulation_steps_can_be_set_as_in_accelerate():
+    """automatic_gradient_accumulation.py sets it after choosing the batch size."""
+    acc = Accelerator()
+    acc.gradient_accumulation_steps = 4
+    assert acc.gradient_accumulation_steps == 4 and acc.gradient_state.num_steps == 4
+    with pytest.raises(HfBackendError, match="must be an integer >= 1"):
+        acc.gradient_accumulation_steps = 0
