@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import gc
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
@@ -27,6 +26,7 @@ from .data import PreparedDataLoader, prepare_dataloader, skip_first_batches
 from .errors import HfBackendError
 from .gradient_state import GradientState
 from .log import note
+from .memory import release_memory
 from .optim import AcceleratedOptimizer, AcceleratedScheduler, DummyOptim, DummyScheduler, as_placeholder
 from .options import (
     KWARGS_HANDLERS,
@@ -183,7 +183,6 @@ class Accelerator(ProcessView, compat.AccelerateMembers):
     @property
     def logging_dir(self) -> str | None:
         return self.project_configuration.logging_dir
-
 
     @property
     def save_iteration(self) -> int:
@@ -482,10 +481,7 @@ class Accelerator(ProcessView, compat.AccelerateMembers):
         """Drop every reference this Accelerator holds to prepared objects (and return `None` for each argument)."""
         self._objects = checkpoint.Checkpointable()
         self.step = 0
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        return [None] * len(objects)
+        return release_memory(*objects)
 
     clear = free_memory
 

@@ -178,7 +178,6 @@ class PreparedDataLoader(DataLoader):
         kwargs = {attr: getattr(loader, attr) for attr in _LOADER_ATTRS if hasattr(loader, attr)}
         if loader.num_workers > 0:
             kwargs["prefetch_factor"] = loader.prefetch_factor
-        self._iterable = batch_sampler is None
         self.index_sampler = batch_sampler  # the sharded sampler of index batches (None for an iterable dataset)
         if self._iterable:
             super().__init__(loader.dataset, batch_size=loader.batch_size, drop_last=loader.drop_last, **kwargs)
@@ -198,6 +197,10 @@ class PreparedDataLoader(DataLoader):
         self._steps = 0  # steps handed out in the pass in progress
         self._epoch_rng: torch.Tensor | None = None
         self._resume: tuple[int, int, torch.Tensor | None] | None = None
+
+    @property
+    def _iterable(self) -> bool:
+        return self.index_sampler is None
 
     # -- sizes (Accelerate's names) ----------------------------------------------------------------------------------
     @property
