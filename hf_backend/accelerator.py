@@ -162,7 +162,7 @@ class Accelerator(ProcessView, compat.AccelerateMembers):
         """Scripts that pick the accumulation after `find_executable_batch_size` set it here, as in Accelerate."""
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise HfBackendError(f"gradient_accumulation_steps={steps!r} must be an integer >= 1")
-        self.gradient_state.plugin.num_steps = steps
+        self.gradient_state.num_steps = steps
 
     @property
     def sync_gradients(self) -> bool:
@@ -274,9 +274,7 @@ class Accelerator(ProcessView, compat.AccelerateMembers):
 
     def _do_sync(self) -> None:
         state = self.gradient_state
-        if state.plugin.sync_each_batch:
-            state.sync_gradients = True
-        elif state.plugin.sync_with_dataloader and state.end_of_dataloader:
+        if state.sync_with_dataloader and state.end_of_dataloader:
             self.step = 0
             state.sync_gradients = True
         else:
@@ -285,10 +283,11 @@ class Accelerator(ProcessView, compat.AccelerateMembers):
 
     @contextlib.contextmanager
     def accumulate(self, *models: torch.nn.Module) -> Iterator[None]:
-        """One micro step: gradients are synchronized (and optimizers step) only every `gradient_accumulation_steps`
-        micro steps and at the end of the dataloader."""
+        """One micro step: optimizers step only every `gradient_accumulation_steps` micro steps and at the end of the
+        dataloader; in between, gradients are not all-reduced, unless `sync_each_batch` asks for it (it saves memory
+        under FSDP, at the cost of a reduction every micro step)."""
         self._do_sync()
-        if self.sync_gradients or not models:
+        if self.sync_gradients or not models or (self.use_distributed and self.gradient_state.sync_each_batch):
             yield
             return
         with contextlib.ExitStack() as stack:

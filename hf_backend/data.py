@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from .collectives import broadcast_object_list, send_to_device
+from .collectives import broadcast_object_list, leaves, send_to_device
 from .errors import HfBackendError
 from .gradient_state import GradientState
 
@@ -174,7 +174,8 @@ class PreparedDataLoader(DataLoader):
     """
 
     def __init__(self, loader: DataLoader, batch_sampler: ShardedBatchSampler | None, device: torch.device | None,
-                 gradient_state: GradientState, non_blocking: bool = False, order_seed: int | None = None) -> None:
+                 gradient_state: GradientState, non_blocking: bool = False, order_seed: int | None = None,
+                 count_short_batch: bool = False) -> None:
         kwargs = {attr: getattr(loader, attr) for attr in _LOADER_ATTRS if hasattr(loader, attr)}
         if loader.num_workers > 0:
             kwargs["prefetch_factor"] = loader.prefetch_factor
@@ -190,6 +191,7 @@ class PreparedDataLoader(DataLoader):
         self.non_blocking = non_blocking
         self.gradient_state = gradient_state
         self.order_seed = order_seed  # epoch e is shuffled with seed order_seed + e (None: the generator's own stream)
+        self.count_short_batch = count_short_batch  # an iterable loader in one process: its own batches are global
         self.end_of_dataloader = False
         self.remainder = -1
         self._next_epoch = 0
@@ -330,7 +332,7 @@ class PreparedDataLoader(DataLoader):
                 upcoming = next(it, _END)
                 if upcoming is _END:
                     self.end_of_dataloader = True
-                    self.remainder = -1 if self._iterable else self.index_sampler.remainder
+                    self.remainder = self._remainder_of_last(current)
                 batch = current if self.device is None else send_to_device(current, self.device, self.non_blocking)
                 self._steps += 1
                 yield batch
@@ -338,6 +340,19 @@ class PreparedDataLoader(DataLoader):
             self._current_epoch = None
         finally:
             self.gradient_state.exit_dataloader(self)
+
+
+    def _remainder_of_last(self, batch: Any) -> int:
+        """Real rows of the last global batch when it is short (what `gather_for_metrics` keeps), else 0 or -1.
+
+        A sharded loader's sampler knows it. An iterable one in one process counts the rows of its last batch
+        (no `__len__` needed: streaming datasets too); in several processes (Ray's shards) nothing is cut."""
+        if not self._iterable:
+            return self.index_sampler.remainder
+        if not self.count_short_batch or not self._batch_size:
+            return -1
+        rows = next((t.shape[0] for t in leaves(batch) if isinstance(t, torch.Tensor) and t.dim() > 0), None)
+        return rows if rows is not None and rows < self._batch_size else -1
 
 
 _END = object()
@@ -361,7 +376,8 @@ def prepare_dataloader(loader: DataLoader, *, num_processes: int, process_index:
                 "prepare() cannot shard a DataLoader over an IterableDataset across processes: give each process its "
                 "own stream (e.g. split by RANK in the dataset) and pass the batches to the model directly"
             )
-        return PreparedDataLoader(loader, None, device, gradient_state, non_blocking)
+        return PreparedDataLoader(loader, None, device, gradient_state, non_blocking,
+                                  count_short_batch=num_processes == 1)
     batch_sampler = loader.batch_sampler
     if batch_sampler is None and isinstance(loader.sampler, torch.utils.data.BatchSampler):
         batch_sampler = loader.sampler  # batch_size=None with a BatchSampler as `sampler`: sharded the same way

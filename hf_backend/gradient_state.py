@@ -12,22 +12,39 @@ from .options import GradientAccumulationPlugin
 
 
 class GradientState:
+    """`plugin_kwargs` holds the accumulation options that differ from the defaults, as Accelerate keeps them: scripts
+    and libraries read and change that dict (`plugin_kwargs["sync_each_batch"] = True`), and the properties below read
+    it, so a change there takes effect."""
+
     def __init__(self, plugin: GradientAccumulationPlugin) -> None:
-        self.plugin = plugin
+        self.plugin_kwargs: dict[str, Any] = {
+            f.name: getattr(plugin, f.name) for f in dataclasses.fields(plugin)
+            if getattr(plugin, f.name) != f.default}
         self.sync_gradients = True
         self._active: list[Any] = []  # prepared dataloaders being iterated, innermost last
 
+    def _option(self, name: str) -> Any:
+        return self.plugin_kwargs.get(name, _DEFAULTS[name])
+
     @property
     def num_steps(self) -> int:
-        return self.plugin.num_steps
+        return self._option("num_steps")
+
+    @num_steps.setter
+    def num_steps(self, steps: int) -> None:
+        self.plugin_kwargs["num_steps"] = steps
 
     @property
     def adjust_scheduler(self) -> bool:
-        return self.plugin.adjust_scheduler
+        return self._option("adjust_scheduler")
 
     @property
-    def plugin_kwargs(self) -> dict[str, Any]:
-        return dataclasses.asdict(self.plugin)
+    def sync_with_dataloader(self) -> bool:
+        return self._option("sync_with_dataloader")
+
+    @property
+    def sync_each_batch(self) -> bool:
+        return self._option("sync_each_batch")
 
     def _set_sync_gradients(self, sync_gradients: bool) -> None:
         """Accelerate's name: transformers' Trainer decides the accumulation window itself and says so here."""
@@ -58,3 +75,6 @@ class GradientState:
     def exit_dataloader(self, loader: Any) -> None:
         if loader in self._active:
             self._active.remove(loader)
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GradientAccumulationPlugin)}

@@ -281,6 +281,11 @@ def _pick_device(cpu: bool, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def process_state_is_set_up() -> bool:
+    """Whether this process's state exists already (an Accelerator or PartialState was created)."""
+    return _STATE is not None
+
+
 def get_process_state(cpu: bool = False, timeout: datetime.timedelta | None = None,
                       backend: str | None = None) -> ProcessState:
     """Return this process's state, setting up the process group the first time it is asked for."""

@@ -5,6 +5,7 @@ are made to raise in every hf_backend run (tests/scripts/trainer_docs.py)."""
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 from pathlib import Path
 
@@ -247,3 +248,80 @@ def test_with_no_backend_argument_the_launchers_choice_applies(tmp_path, monkeyp
     args = _arguments(tmp_path, per_device_train_batch_size=4)
     assert args.fsdp_plugin is None and args.deepspeed_plugin.config()["zero_optimization"]["stage"] == 3
     assert args.hf_deepspeed_config.config["train_micro_batch_size_per_gpu"] == 4  # "auto", filled by transformers
+
+
+# -- checkpoints both ways: ours resume under transformers.Trainer, and transformers' under ours ---------------------
+STEPS = 32  # 256 rows, a global batch of 16, 2 epochs
+
+
+def _checkpoint_4(tmp: Path, writer: list[str], args: list[str], nproc: int) -> Path:
+    """`writer` trains until 2 steps after saving checkpoint-4 and is SIGKILLed: checkpoint-4 is the newest."""
+    run(tmp, "run", [*writer, *args, "--kill-after-checkpoint", "4"], nproc=nproc, expect_kill=True)
+    checkpoint = tmp / "run" / "checkpoint-4"
+    assert (checkpoint / "trainer_state.json").is_file() and not (tmp / "run" / "checkpoint-8").exists()
+    return checkpoint
+
+
+def _resume(tmp: Path, checkpoint: Path, name: str, reader: list[str], args: list[str], nproc: int) -> dict:
+    """`reader` resumes from a copy of `checkpoint` (the newest complete one in its output directory)."""
+    shutil.copytree(checkpoint, tmp / name / checkpoint.name)
+    return run(tmp, name, [*reader, *args, "--resume"], nproc=nproc)
+
+
+def test_ours_writes_transformers_file_names(tmp_path):
+    run(tmp_path, "run", [*DDP_ARGS, "--batch-size", "16", "--kill-after-checkpoint", "4"], expect_kill=True)
+    files = {p.name for p in (tmp_path / "run" / "checkpoint-4").iterdir()}
+    assert {"optimizer.pt", "scheduler.pt", "model.safetensors", "rng_state.pth", "trainer_state.json",
+            "hf_backend_checkpoint.json", "dataloader.bin"} <= files, files
+    assert not files & {"optimizer.bin", "scheduler.bin"}
+
+
+@pytest.fixture(scope="module")
+def stock_one_process(tmp_path_factory) -> dict:
+    return run(tmp_path_factory.mktemp("stock"), "stock", ["--stock", *DDP_ARGS, "--batch-size", "16"])
+
+
+def test_transformers_resumes_ours_in_one_process(one_process, stock_one_process, tmp_path):
+    args = [*DDP_ARGS, "--batch-size", "16"]
+    resumed = _resume(tmp_path, _checkpoint_4(tmp_path, [], args, 1), "stock", ["--stock"], args, 1)
+    assert resumed["adam_steps"] == one_process["adam_steps"] == STEPS  # the optimizer state came back
+    assert relative(losses(resumed, after=4), losses(stock_one_process, after=4)) <= 1e-5
+    assert max_abs(resumed["params"], stock_one_process["params"]) <= 1e-5
+
+
+def test_ours_resumes_transformers_in_one_process(one_process, tmp_path):
+    args = [*DDP_ARGS, "--batch-size", "16"]
+    resumed = _resume(tmp_path, _checkpoint_4(tmp_path, ["--stock"], args, 1), "ours", [], args, 1)
+    assert resumed["adam_steps"] == STEPS
+    assert relative(losses(resumed, after=4), losses(one_process, after=4)) <= 1e-5
+    assert max_abs(resumed["params"], one_process["params"]) <= 1e-5
+
+
+def test_both_ways_under_ddp(tmp_path):
+    """transformers 5.23 under DDP backpropagates BERT's mean loss times the world size (test_trainer.py), so its
+    runs are no reference for ours after the checkpoint; it must resume our checkpoint with the optimizer restored
+    (Adam has taken every step, the 4 before the checkpoint too). Ours resumes its checkpoint in 2 processes and
+    trains what one process with the global batch trains from it."""
+    args = [*DDP_ARGS, "--batch-size", "8"]
+    ours_written = _checkpoint_4(tmp_path / "ours", [], args, 2)
+    stock = _resume(tmp_path, ours_written, "stock_resumed", ["--stock"], args, 2)
+    assert (stock["distributed_type"], stock["model_wrapped"]) == ("MULTI_CPU", "DistributedDataParallel")
+    assert stock["adam_steps"] == stock["global_step"] == STEPS
+    assert [h["step"] for h in stock["log_history"] if "loss" in h] == list(range(2, STEPS + 1, 2))  # on from 4
+
+    stock_written = _checkpoint_4(tmp_path / "stock", ["--stock"], args, 2)
+    two = _resume(tmp_path, stock_written, "ours_2", [], args, 2)
+    one = _resume(tmp_path, stock_written, "ours_1", [], [*DDP_ARGS, "--batch-size", "16"], 1)
+    assert two["adam_steps"] == one["adam_steps"] == STEPS
+    assert relative(losses(two, after=4), losses(one, after=4)) <= 1e-5
+    assert max_abs(two["params"], one["params"]) <= 1e-5
+
+
+def test_a_ddp_checkpoint_resumes_under_fsdp(ddp, tmp_path):
+    """transformers' optimizer.pt (numbered parameters) from DDP, sharded onto FSDP2's parameters on resume."""
+    args = [*DDP_ARGS, "--batch-size", "8"]
+    written = _checkpoint_4(tmp_path / "ddp", [], args, 2)
+    resumed = _resume(tmp_path, written, "fsdp", [], [*args, "--fsdp-config", "plugin"], 2)
+    assert resumed["model_wrapped"] != "DistributedDataParallel" and resumed["adam_steps"] == STEPS
+    assert relative(losses(resumed, after=4), losses(ddp, after=4)) <= 1e-5
+    assert max_abs(resumed["params"], ddp["params"]) <= 1e-5

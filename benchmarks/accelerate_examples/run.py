@@ -103,9 +103,9 @@ def port_script(source: str) -> tuple[str, int]:
     return "".join(out), count
 
 
-def child_env(train: int, eval_: int, threads: int) -> dict[str, str]:
+def child_env(train: int, eval_: int, threads: int, seedable: bool = False) -> dict[str, str]:
     """Offline, with sitecustomize first on PYTHONPATH (the caller's PYTHONPATH kept after it)."""
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), HFB_EXAMPLES_SEEDABLE="1" if seedable else "0")
     env.pop("TESTING_MOCKED_DATALOADERS", None)  # the scripts' test hook would swap in Accelerate's own test data
     env.update(TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1",
                HFB_EXAMPLES_TRAIN=str(train), HFB_EXAMPLES_EVAL=str(eval_), PYTHONUNBUFFERED="1")
@@ -153,7 +153,7 @@ def run_one(run: Run, script: Path, args: argparse.Namespace, work: Path, logs: 
         out.write("$ " + " ".join(command) + "\n")
         out.flush()
         try:
-            env = child_env(args.train, args.eval, args.threads)
+            env = child_env(args.train, args.eval, args.threads, args.seedable)
             proc = subprocess.run(command, cwd=work, env=env, stdout=out, stderr=err, timeout=args.timeout,
                                   start_new_session=True)
             returncode: int | None = proc.returncode
@@ -223,9 +223,14 @@ def main() -> int:
                         "else CPUs / processes); on a busy machine 1 is much faster than oversubscribing")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per run")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (checkpoints, logs)")
+    parser.add_argument("--seedable", action="store_true",
+                        help="accelerate only: DataLoaderConfiguration(use_seedable_sampler=True) by default, the "
+                             "epoch order hf_backend always uses (seed + epoch), so both engines see the same batches")
     args = parser.parse_args()
     if args.stack == "accelerate" and args.processes != 1:
         parser.error("--processes 2 is for hf_backend (Accelerate's launcher starts one process on CPU)")
+    if args.seedable and args.stack != "accelerate":
+        parser.error("--seedable is for --stack accelerate (hf_backend's order is always seedable)")
     if args.threads is None:
         args.threads = int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // args.processes))
     runs = [r for r in RUNS if not args.only or r.script in args.only or r.label in args.only]
@@ -235,7 +240,7 @@ def main() -> int:
     missing = [r.script for r in runs if not (args.examples / f"{r.script}.py").is_file()]
     if missing:
         parser.error(f"--examples {args.examples}: missing {', '.join(sorted(set(missing)))}.py (see README.md)")
-    out = args.out or DEFAULT_RESULTS / f"{args.stack}_{args.processes}p.json"
+    out = args.out or DEFAULT_RESULTS / f"{args.stack}{'_seedable' if args.seedable else ''}_{args.processes}p.json"
     logs = out.with_name(out.stem + "_logs")
     logs.mkdir(parents=True, exist_ok=True)
 

@@ -175,17 +175,20 @@ class Strategy:
         if self.state.is_main_process:
             torch.save(state_dict, Path(directory) / f"{name}.bin")
 
-    def load_optimizer_state(self, optimizer: Any, directory: Path, name: str) -> None:
+    def load_optimizer_state(self, optimizer: Any, directory: Path, name: str, filename: str | None = None) -> None:
+        """Read `<name>_dcp/` or the full file `filename` (default `<name>.bin`), keyed by parameter names or, as
+        torch's own `optimizer.state_dict()` (transformers' `optimizer.pt`), by position."""
         inner = getattr(optimizer, "optimizer", optimizer)
         model = self.model_of(inner)
         sharded = Path(directory) / f"{name}_dcp"
-        if sharded.is_dir():
+        if sharded.is_dir() and filename is None:
             state_dict = {"optimizer": get_optimizer_state_dict(model, inner)}
             dcp.load(state_dict, checkpoint_id=str(sharded))
             set_optimizer_state_dict(model, inner, state_dict["optimizer"])
         else:
-            set_optimizer_state_dict(model, inner, load_file(Path(directory) / f"{name}.bin"),
-                                     options=self.load_options)
+            path = Path(directory) / (filename or f"{name}.bin")
+            state_dict = _keyed_by_name(load_file(path), inner, self.unwrap_model(model), path)
+            set_optimizer_state_dict(model, inner, state_dict, options=self.load_options)
 
     def model_of(self, optimizer: torch.optim.Optimizer) -> torch.nn.Module:
         """The prepared model whose parameters `optimizer` updates."""
@@ -194,3 +197,21 @@ class Strategy:
             if any(id(p) in ids for p in model.parameters()):
                 return model
         raise HfBackendError("an optimizer's parameters belong to no prepared model; prepare the model with it")
+
+
+def _keyed_by_name(state_dict: dict[str, Any], optimizer: torch.optim.Optimizer, model: torch.nn.Module,
+                   path: Path) -> dict[str, Any]:
+    """A full optimizer state keyed by parameter names. torch's `optimizer.state_dict()` numbers the parameters in
+    the order of its param groups; the same groups of this optimizer say which parameter each number is."""
+    saved = state_dict.get("param_groups", [])
+    if not any(isinstance(p, int) for group in saved for p in group["params"]):
+        return state_dict  # already by name
+    shapes, mine = [len(g["params"]) for g in saved], [len(g["params"]) for g in optimizer.param_groups]
+    if shapes != mine:
+        raise HfBackendError(f"{path}: its optimizer has param groups of {shapes} parameters, this one {mine}; "
+                             "resume with the optimizer set up as when it was saved")
+    names = {id(p): n for n, p in model.named_parameters()}
+    name_of = {i: names[id(p)] for group, mine in zip(saved, optimizer.param_groups)
+               for i, p in zip(group["params"], mine["params"])}
+    return {"state": {name_of[i]: value for i, value in state_dict.get("state", {}).items()},
+            "param_groups": [{**group, "params": [name_of[i] for i in group["params"]]} for group in saved]}

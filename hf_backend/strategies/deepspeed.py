@@ -165,7 +165,7 @@ class DeepSpeedStrategy(Strategy):
             if steps != 1:
                 raise HfBackendError(f"gradient_accumulation_steps is {steps} in the Accelerator and {given} in the "
                                      "DeepSpeed config; keep one")
-            self.gradient_state.plugin.num_steps = steps = int(given)  # the config's value governs accumulate()
+            self.gradient_state.num_steps = steps = int(given)  # the config's value governs accumulate()
         config["gradient_accumulation_steps"] = steps
         if config.get("train_micro_batch_size_per_gpu", "auto") == "auto":
             batch = getattr(loader, "batch_size", None)

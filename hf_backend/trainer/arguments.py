@@ -30,7 +30,7 @@ from ..config.loader import ConfigError
 from ..config.plugins import DeepSpeedPlugin, FullyShardedDataParallelPlugin
 from ..errors import HfBackendError
 from ..log import note
-from ..state import get_process_state
+from ..state import get_process_state, process_state_is_set_up
 
 
 @dataclass
@@ -68,6 +68,16 @@ class TrainingArguments(transformers.TrainingArguments):
 
     @cached_property
     def _setup_devices(self) -> torch.device:
+        config = self.accelerator_config
+        configured = (config.get("use_configured_state", False) if isinstance(config, dict)
+                      else getattr(config, "use_configured_state", False))
+        if configured and not process_state_is_set_up():
+            # transformers' phrase is kept, so code matching on it still works
+            raise ConfigError(
+                "accelerator_config use_configured_state=True: Passing `'use_configured_state':True` to the "
+                "AcceleratorConfig requires a pre-configured `AcceleratorState` or `PartialState` to be defined "
+                "before calling `TrainingArguments`; create an hf_backend Accelerator or PartialState first, or drop "
+                "use_configured_state")
         cpu = env.resolve("cpu", True if self.use_cpu else None, env.USE_CPU, env.parse_bool, False)
         timeout = datetime.timedelta(seconds=self.ddp_timeout) if self.ddp_timeout else None
         # Read by transformers through the attribute names of Accelerate's PartialState, which ProcessState shares.

@@ -5,9 +5,12 @@ The training loop, logging, callbacks, evaluation and the checkpoint layout (`ou
 - `create_accelerator_and_postprocess`: builds hf_backend.Accelerator from the TrainingArguments;
 - `_run_epoch`: transformers' epoch loop, run with the engine's `skip_first_batches` in place of Accelerate's;
 - `_get_num_items_in_batch`: decides once whether the model's loss honours `num_items_in_batch` (see there);
-- checkpoint I/O the Accelerate path did: FSDP weights (sharded under SHARDED_STATE_DICT, otherwise full), and the
-  optimizer, scheduler and dataloader position through the engine, so a checkpoint resumes under another strategy
-  or world size and continues the exact batch order. DeepSpeed keeps its own engine checkpoint (`global_step*/`).
+- checkpoint I/O the Accelerate path did: in one process and under DDP the optimizer and scheduler are
+  transformers' own files (`optimizer.pt`, `scheduler.pt`: a checkpoint resumes under transformers.Trainer and the
+  other way round); under FSDP the weights (sharded under SHARDED_STATE_DICT, otherwise full), optimizer and
+  scheduler go through the engine (resumable under another world size). DeepSpeed keeps its own engine checkpoint
+  (`global_step*/`). Every strategy adds the train loader's position and `hf_backend_checkpoint.json`, so a resumed
+  run continues the exact batch order.
 - `train(resume_from_checkpoint=True)`: resumes from the newest *complete* checkpoint.
 docs/trainer.md lists the transformers internals this relies on.
 """
@@ -24,11 +27,12 @@ from typing import Any
 
 import torch
 import transformers
-from transformers.trainer import TRAINER_STATE_NAME, TRAINING_ARGS_NAME
+from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .. import checkpoint
 from ..accelerator import Accelerator
+from ..config.loader import ConfigError
 from ..errors import HfBackendError
 from ..log import note, warn
 from ..options import DataLoaderConfiguration, DistributedDataParallelKwargs, GradientAccumulationPlugin
@@ -78,18 +82,22 @@ class Trainer(transformers.Trainer):
         config = args.accelerator_config
         accumulation = dict(config.gradient_accumulation_kwargs or {})
         if "num_steps" in accumulation:
-            if args.gradient_accumulation_steps > 1:
-                raise HfBackendError("accelerator_config gradient_accumulation_kwargs num_steps and "
-                                     "gradient_accumulation_steps are both set; keep gradient_accumulation_steps")
+            if args.gradient_accumulation_steps > 1:  # transformers' phrase is kept: code may match on it
+                raise ConfigError("The `AcceleratorConfig`'s `num_steps` is set but `gradient_accumulation_steps` is "
+                                  "greater than 1 in the passed `TrainingArguments`: keep one of them "
+                                  "(gradient_accumulation_steps)")
             args.gradient_accumulation_steps = accumulation["num_steps"]
         accumulation["num_steps"] = 1  # the Trainer accumulates itself and tells the engine when to sync
         if config.dispatch_batches:
             note("accelerator_config dispatch_batches=True: every process reads its own shard in hf_backend")
+        if not config.use_seedable_sampler:
+            note("accelerator_config use_seedable_sampler=False: hf_backend's epoch order is always seedable")
         self.accelerator = Accelerator(
             mixed_precision=args.mixed_precision,
-            dataloader_config=DataLoaderConfiguration(split_batches=config.split_batches,
-                                                      even_batches=config.even_batches,
-                                                      non_blocking=config.non_blocking, data_seed=args.data_seed),
+            dataloader_config=DataLoaderConfiguration(
+                split_batches=config.split_batches, dispatch_batches=config.dispatch_batches,
+                even_batches=config.even_batches, use_seedable_sampler=config.use_seedable_sampler,
+                non_blocking=config.non_blocking, data_seed=args.data_seed),
             gradient_accumulation_plugin=GradientAccumulationPlugin(**accumulation),
             kwargs_handlers=[self._ddp_kwargs()],
             fsdp_plugin=args.fsdp_plugin,
@@ -212,18 +220,24 @@ class Trainer(transformers.Trainer):
         torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        if self.is_deepspeed_enabled:  # the DeepSpeed engine's checkpoint, as transformers writes it
+        if not self._engine_writes_optimizer():  # transformers' optimizer.pt / scheduler.pt, or DeepSpeed's checkpoint
             super()._save_optimizer_and_scheduler(output_dir)
         os.makedirs(output_dir, exist_ok=True)
         acc = self.accelerator
-        checkpoint.write_state(Path(output_dir), self._training_state(), state=acc.process, strategy=acc.strategy,
-                               scaler=None, extra={"written_by": "hf_backend.Trainer"}, rng=False)
+        checkpoint.write_state(Path(output_dir), self._training_state(self._engine_writes_optimizer()),
+                               state=acc.process, strategy=acc.strategy, scaler=None,
+                               extra={"written_by": "hf_backend.Trainer"}, rng=False)
 
-    def _training_state(self) -> checkpoint.Checkpointable:
-        """Optimizer, scheduler (DeepSpeed's engine checkpoint holds those) and the train loader position; the
-        Trainer itself writes the weights, RNG and scaler files."""
+    def _engine_writes_optimizer(self) -> bool:
+        """FSDP's optimizer state is sharded: the engine writes it (and the scheduler beside it). Elsewhere
+        transformers' own files are written, which transformers.Trainer resumes from too."""
+        return self.is_fsdp_enabled and not self.is_deepspeed_enabled
+
+    def _training_state(self, optimizer_and_scheduler: bool) -> checkpoint.Checkpointable:
+        """The train loader position, and the optimizer and scheduler when the engine keeps them; the Trainer itself
+        writes the weights, RNG and scaler files."""
         loaders = [self._train_loader] if self._train_loader is not None else []
-        if self.is_deepspeed_enabled:
+        if not optimizer_and_scheduler:
             return checkpoint.Checkpointable(dataloaders=loaders)
         return checkpoint.Checkpointable(optimizers=[self.optimizer], schedulers=[self.lr_scheduler],
                                          dataloaders=loaders)
@@ -231,11 +245,20 @@ class Trainer(transformers.Trainer):
     def _load_optimizer_and_scheduler(self, checkpoint_dir: str | None) -> None:
         if checkpoint_dir is None:
             return
-        if self.is_deepspeed_enabled or not (Path(checkpoint_dir) / checkpoint.METADATA).is_file():
-            super()._load_optimizer_and_scheduler(checkpoint_dir)  # DeepSpeed's, or a stock Trainer checkpoint
-        if (Path(checkpoint_dir) / checkpoint.METADATA).is_file():
+        path = Path(checkpoint_dir)
+        ours = (path / checkpoint.METADATA).is_file()
+        transformers_files = (path / OPTIMIZER_NAME).is_file() and (path / SCHEDULER_NAME).is_file()
+        if self.is_deepspeed_enabled or (transformers_files and not self._engine_writes_optimizer()):
+            super()._load_optimizer_and_scheduler(checkpoint_dir)  # DeepSpeed's, or transformers' own files
+        elif transformers_files:  # written without FSDP (by either Trainer), resumed under FSDP: sharded here
+            self.accelerator.strategy.load_optimizer_state(self.optimizer, path, "optimizer", OPTIMIZER_NAME)
+            self.lr_scheduler.load_state_dict(checkpoint.load_file(path / SCHEDULER_NAME))
+        # The engine's optimizer and scheduler files: FSDP's, and those of earlier hf_backend checkpoints, which held
+        # `optimizer.bin` / `scheduler.bin` in one process and under DDP too.
+        engine_files = ours and not self.is_deepspeed_enabled and not transformers_files
+        if ours:
             acc = self.accelerator
-            checkpoint.load_checkpoint(checkpoint_dir, self._training_state(), state=acc.process,
+            checkpoint.load_checkpoint(checkpoint_dir, self._training_state(engine_files), state=acc.process,
                                        strategy=acc.strategy, scaler=None, rng=False)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
@@ -268,5 +291,5 @@ def last_complete_checkpoint(output_dir: str) -> str:
         if (path / TRAINER_STATE_NAME).is_file():
             return str(path)
         note(f"{path} is incomplete (its save was interrupted: no {TRAINER_STATE_NAME}); resuming from an older one")
-    raise HfBackendError(f"resume_from_checkpoint=True: no complete checkpoint-* directory in {output_dir}; train "
-                         "without resuming or pass a checkpoint path")
+    raise ConfigError(f"resume_from_checkpoint=True: No valid checkpoint found in output directory ({output_dir}): "
+                      "no complete checkpoint-* directory there; train without resuming or pass a checkpoint path")

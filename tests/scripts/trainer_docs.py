@@ -145,7 +145,9 @@ def main() -> int:
         gradient_accumulation_steps=args.grad_accum,
         activation_checkpointing=args.activation_checkpointing,
         bf16=args.precision == "bf16",
-        use_cpu=args.precision == "bf16" and args.stock,  # transformers refuses bf16 on a CPU-only machine without
+        # transformers refuses bf16 on a CPU-only machine without use_cpu, and under torchrun it trains unsynchronized
+        # copies (each process all the data, writing the same checkpoint files) without it
+        use_cpu=args.stock and (args.precision == "bf16" or int(os.environ.get("WORLD_SIZE", "1")) > 1),
         fp16=args.precision == "fp16",
         metric_for_best_model="eval_loss" if args.early_stopping else None,
         logging_steps=2,
@@ -172,6 +174,7 @@ def main() -> int:
     trainer.train(resume_from_checkpoint=True if args.resume else None)
     metrics = trainer.evaluate()
     params = trainer.accelerator.get_state_dict(trainer.model_wrapped)
+    optimizer_state = {} if trainer.is_deepspeed_enabled else trainer.optimizer.state_dict()["state"]
     if trainer.is_world_process_zero():
         flat = torch.cat([v.detach().float().flatten() for _, v in sorted(params.items())])
         report = {
@@ -183,6 +186,9 @@ def main() -> int:
             "world_size": training_args.world_size,
             "distributed_type": str(trainer.accelerator.distributed_type.value),
             "model_wrapped": type(trainer.model_wrapped).__name__,
+            # Adam's step count: the optimizer steps taken since the first, resumed runs included
+            "global_step": trainer.state.global_step,
+            "adam_steps": max((int(s["step"]) for s in optimizer_state.values() if "step" in s), default=0),
         }
         Path(args.out).write_text(json.dumps(report))
     return 0

