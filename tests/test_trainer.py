@@ -7,11 +7,13 @@ from __future__ import annotations
 import json
 import shutil
 import signal
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
 from conftest import OFFLINE, SCRIPTS, run_script
-from test_cli import cli
+from test_cli import CLI, _env, cli
 from test_config import DOCS_FSDP_YAML
 
 pytest.importorskip("datasets")
@@ -325,3 +327,36 @@ def test_a_ddp_checkpoint_resumes_under_fsdp(ddp, tmp_path):
     assert resumed["model_wrapped"] != "DistributedDataParallel" and resumed["adam_steps"] == STEPS
     assert relative(losses(resumed, after=4), losses(ddp, after=4)) <= 1e-5
     assert max_abs(resumed["params"], ddp["params"]) <= 1e-5
+
+
+# -- enable_jit_checkpoint: SIGTERM to the launcher saves one checkpoint on every rank, then the run resumes ----------
+STRATEGIES = {"ddp": [], "fsdp": ["--fsdp-config", "plugin"], "deepspeed": ["--deepspeed", "DS_CONFIG"]}
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_sigterm_to_the_launcher_saves_a_checkpoint_and_the_run_resumes(strategy, ddp, tmp_path):
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto",
+                                  "gradient_accumulation_steps": "auto", "gradient_clipping": "auto"}))
+    backend = [str(config) if a == "DS_CONFIG" else a for a in STRATEGIES[strategy]]
+    # saves every 4 steps on their own; the SIGTERM comes between two of them
+    args = [*DDP_ARGS, "--batch-size", "8", "--jit-checkpoint", *backend]
+    out_dir = tmp_path / "run"
+    command = [*CLI, "launch", "--cpu", "--num_processes", "2", str(SCRIPTS / SCRIPT), "--out",
+               str(tmp_path / "first.json"), "--output-dir", str(out_dir), *args, "--slow-after", "9"]
+    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=_env(**OFFLINE))
+    deadline = time.monotonic() + 240
+    while not (out_dir / "reached").is_file() and launcher.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    launcher.send_signal(signal.SIGTERM)
+    _, stderr = launcher.communicate(timeout=120)
+    saved = sorted(int(p.name.split("-")[1]) for p in out_dir.glob("checkpoint-*"))
+    assert saved and saved[-1] % 4, (saved, stderr[-3000:])  # a checkpoint between the scheduled ones
+    assert (out_dir / f"checkpoint-{saved[-1]}" / "trainer_state.json").is_file()
+    assert "SIGTERM: saving checkpoint-" in stderr
+
+    resumed = run(tmp_path, "run", [*args, "--resume"], nproc=2)
+    after = saved[-1] + saved[-1] % 2  # losses are logged every 2 steps: the first whole window after the resume
+    assert relative(losses(resumed, after=after), losses(ddp, after=after)) <= 1e-4
+    assert max_abs(resumed["params"], ddp["params"]) <= 1e-4

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import signal
 import types
 from collections.abc import Mapping
 from pathlib import Path
@@ -37,6 +38,7 @@ from ..errors import HfBackendError
 from ..log import note, warn
 from ..options import DataLoaderConfiguration, DistributedDataParallelKwargs, GradientAccumulationPlugin
 from .arguments import TrainingArguments
+from .jit_checkpoint import JITCheckpoint
 
 TESTED_TRANSFORMERS = "5.23"  # the minor version whose Trainer internals this module is written and tested against
 if not all(hasattr(transformers.Trainer, name) for name in ("_run_epoch", "_get_num_items_in_batch",
@@ -75,6 +77,20 @@ class Trainer(transformers.Trainer):
         self._train_loader: Any = None
         self._loss_checked = False
         super().__init__(model, args, *rest, **kwargs)
+        if args.enable_jit_checkpoint:
+            self._coordinate_jit_checkpoint()
+
+    def _coordinate_jit_checkpoint(self) -> None:
+        """transformers' per-process SIGTERM callback is replaced by one all processes act on together."""
+        from transformers.trainer_jit_checkpoint import JITCheckpointCallback
+
+        for callback in list(self.callback_handler.callbacks):
+            if isinstance(callback, JITCheckpointCallback):
+                self.remove_callback(callback)
+                manager = callback.jit_manager
+                if manager is not None and manager._original_sigterm_handler is not None:
+                    signal.signal(signal.SIGTERM, manager._original_sigterm_handler)
+        self.add_callback(JITCheckpoint(self))
 
     # -- the engine ------------------------------------------------------------------------------------------------
     def create_accelerator_and_postprocess(self) -> None:

@@ -12,6 +12,7 @@ import os
 import random
 import signal
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -67,6 +68,19 @@ class KillAfterSave(TrainerCallback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class SlowAfter(TrainerCallback):
+    """From step `step` on, write `<output_dir>/reached` and sleep 0.3 s a step: room for a test to send SIGTERM."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= self.step:
+            if state.is_world_process_zero:
+                Path(args.output_dir, "reached").write_text(str(state.global_step))
+            time.sleep(0.3)
+
+
 def forbid_accelerate_state() -> None:
     """hf_backend's Trainer must never build Accelerate's Accelerator or its process state: make that fail loudly."""
     import accelerate
@@ -95,6 +109,8 @@ def main() -> int:
     p.add_argument("--save-steps", type=int, default=0, help="save by steps (else by epoch)")
     p.add_argument("--kill-after-checkpoint", type=int, default=0)
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--jit-checkpoint", action="store_true", help="enable_jit_checkpoint=True")
+    p.add_argument("--slow-after", type=int, default=0, help="see SlowAfter")
     p.add_argument("--report-to", default="none")
     p.add_argument("--lr", type=float, default=2e-5)
     p.add_argument("--early-stopping", type=int, default=0, help="EarlyStoppingCallback with this patience")
@@ -153,10 +169,13 @@ def main() -> int:
         logging_steps=2,
         report_to=args.report_to,
         disable_tqdm=True,
+        enable_jit_checkpoint=args.jit_checkpoint,
         **schedule,
         **backend,
     )
     callbacks = [KillAfterSave(args.kill_after_checkpoint, 2)] if args.kill_after_checkpoint else []
+    if args.slow_after:
+        callbacks.append(SlowAfter(args.slow_after))
     if args.early_stopping:
         callbacks.append(EarlyStoppingCallback(early_stopping_patience=args.early_stopping))
     trainer = Trainer(
