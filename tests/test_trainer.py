@@ -360,3 +360,14 @@ def test_sigterm_to_the_launcher_saves_a_checkpoint_and_the_run_resumes(strategy
     after = saved[-1] + saved[-1] % 2  # losses are logged every 2 steps: the first whole window after the resume
     assert relative(losses(resumed, after=after), losses(ddp, after=after)) <= 1e-4
     assert max_abs(resumed["params"], ddp["params"]) <= 1e-4
+
+
+def test_sigterm_to_one_rank_stops_every_rank_at_the_same_checkpoint(ddp, tmp_path):
+    """A preemption notice to one process: transformers' callback would save on that process alone (the others train
+    on, and the save's collectives hang); here every process saves the same step and stops."""
+    args = [*DDP_ARGS, "--batch-size", "8", "--jit-checkpoint"]
+    first = run(tmp_path, "run", [*args, "--slow-after", "9", "--sigterm-rank", "1"], nproc=2)
+    assert first["checkpoints"][-1] == "checkpoint-9" and first["global_step"] == 9
+    resumed = run(tmp_path, "run", [*args, "--resume"], nproc=2)
+    assert relative(losses(resumed, after=10), losses(ddp, after=10)) <= 1e-5
+    assert max_abs(resumed["params"], ddp["params"]) <= 1e-5

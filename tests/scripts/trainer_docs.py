@@ -69,12 +69,15 @@ class KillAfterSave(TrainerCallback):
 
 
 class SlowAfter(TrainerCallback):
-    """From step `step` on, write `<output_dir>/reached` and sleep 0.3 s a step: room for a test to send SIGTERM."""
+    """From step `step` on, write `<output_dir>/reached` and sleep 0.3 s a step: room for a test to send SIGTERM.
+    With `sigterm_rank`, that rank sends SIGTERM to itself at step `step` (a preemption notice to one process)."""
 
-    def __init__(self, step: int) -> None:
-        self.step = step
+    def __init__(self, step: int, sigterm_rank: int | None) -> None:
+        self.step, self.sigterm_rank = step, sigterm_rank
 
     def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step and args.process_index == self.sigterm_rank:
+            os.kill(os.getpid(), signal.SIGTERM)
         if state.global_step >= self.step:
             if state.is_world_process_zero:
                 Path(args.output_dir, "reached").write_text(str(state.global_step))
@@ -111,6 +114,7 @@ def main() -> int:
     p.add_argument("--resume", action="store_true")
     p.add_argument("--jit-checkpoint", action="store_true", help="enable_jit_checkpoint=True")
     p.add_argument("--slow-after", type=int, default=0, help="see SlowAfter")
+    p.add_argument("--sigterm-rank", type=int, default=None, help="see SlowAfter")
     p.add_argument("--report-to", default="none")
     p.add_argument("--lr", type=float, default=2e-5)
     p.add_argument("--early-stopping", type=int, default=0, help="EarlyStoppingCallback with this patience")
@@ -175,7 +179,7 @@ def main() -> int:
     )
     callbacks = [KillAfterSave(args.kill_after_checkpoint, 2)] if args.kill_after_checkpoint else []
     if args.slow_after:
-        callbacks.append(SlowAfter(args.slow_after))
+        callbacks.append(SlowAfter(args.slow_after, args.sigterm_rank))
     if args.early_stopping:
         callbacks.append(EarlyStoppingCallback(early_stopping_patience=args.early_stopping))
     trainer = Trainer(
