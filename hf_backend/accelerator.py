@@ -34,6 +34,7 @@ from .options import (
     GradientAccumulationPlugin,
     Handlers,
     ProjectConfiguration,
+    TorchDynamoPlugin,
 )
 from .precision import Precision
 from .state import (
@@ -45,7 +46,21 @@ from .state import (
     shutdown_process_group,
 )
 from .strategies import select_strategy
+from .strategies.base import is_compiled_module
 from .trigger import Trigger, uneven_inputs
+
+
+def _dynamo_plugin(backend: Any, plugin: Any) -> TorchDynamoPlugin:
+    if backend is not None and plugin is not None:
+        raise HfBackendError("pass dynamo_backend or dynamo_plugin, not both")
+    if plugin is None:
+        return TorchDynamoPlugin(backend=backend if backend is not None else "no")
+    plugin = compat.checked(plugin, TorchDynamoPlugin, "dynamo_plugin")
+    if plugin.use_regional_compilation:
+        raise HfBackendError("dynamo_plugin use_regional_compilation=True: regional compilation is not supported; "
+                             "compile the whole model (use_regional_compilation=False)")
+    return plugin
+
 
 _HANDLER_SLOTS = dict(zip(KWARGS_HANDLERS, ("ddp", "scaler", "init", "autocast", "profile")))
 
@@ -71,8 +86,9 @@ class Accelerator(ProcessView, compat.AccelerateMembers):
         **other: Any,
     ) -> None:
         """Accelerate's arguments. Those that name features hf_backend does not run (Megatron-LM, tensor or context
-        parallelism, dynamo) are refused in one line; those with nothing to do here are accepted with a note
+        parallelism) are refused in one line; those with nothing to do here are accepted with a note
         (hf_backend.compat lists both)."""
+        self.dynamo_plugin = _dynamo_plugin(other.pop("dynamo_backend", None), other.pop("dynamo_plugin", None))
         deepspeed_plugin = compat.check_accelerator_arguments(other, deepspeed_plugin)
         loader_options = {k: other.pop(k) for k in ("dispatch_batches", "use_seedable_sampler") if k in other}
 
@@ -225,6 +241,8 @@ class Accelerator(ProcessView, compat.AccelerateMembers):
             return model
         placement = self.device_placement if device_placement is None else device_placement
         prepared = self.strategy.setup_model(model, device_placement=placement, evaluation_mode=evaluation_mode)
+        if self.dynamo_plugin.enabled and not is_compiled_module(prepared):
+            prepared = self.strategy.compile_model(prepared, self.dynamo_plugin)  # once, around the wrapper
         self._objects.models.append(prepared)
         return prepared
 

@@ -29,8 +29,6 @@ _REFUSED_ARGUMENTS = {
     "megatron_lm_plugin": "Megatron-LM is not supported; use FSDP or DeepSpeed ZeRO-3 for models that do not fit",
     "torch_tp_plugin": "tensor parallelism is not supported; use FSDP or DeepSpeed ZeRO-3",
     "parallelism_config": "tensor/context/pipeline parallelism is not supported; use FSDP or DeepSpeed ZeRO-3",
-    "dynamo_backend": "compile the model yourself (model = torch.compile(model)) before prepare()",
-    "dynamo_plugin": "compile the model yourself (model = torch.compile(model)) before prepare()",
 }
 
 
@@ -235,7 +233,7 @@ _REFUSED_GROUPS: dict[str, tuple[str, ...]] = {
     "tensor, context, pipeline and sequence parallelism and regional compilation are not supported; use FSDP or "
     "DeepSpeed ZeRO-3, and torch.compile(model) yourself": (
         "ParallelismConfig", "parallelism_config", "TorchTensorParallelConfig", "TorchTensorParallelPlugin",
-        "TorchContextParallelConfig", "DeepSpeedSequenceParallelConfig", "get_model_tp_size", "TorchDynamoPlugin",
+        "TorchContextParallelConfig", "DeepSpeedSequenceParallelConfig", "get_model_tp_size",
         "compile_regions", "compile_regions_deepspeed", "compile_regions_fsdp2", "has_compiled_regions"),
     "an Accelerate internal of its DeepSpeed/FSDP integration; in hf_backend the strategy does this inside "
     "accelerator.prepare / save_state / load_state / save_model / get_state_dict": (

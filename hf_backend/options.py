@@ -139,6 +139,30 @@ class ProfileKwargs(KwargsHandler):
     output_trace_dir: str | None = None
 
 
+@dataclass
+class TorchDynamoPlugin(KwargsHandler):
+    """`torch.compile` of every prepared model, after the strategy wrapped it (Accelerate's fields and defaults).
+    `backend`: a `DynamoBackend` or its name ("inductor", "eager", "aot_eager", ...; "no": off)."""
+
+    backend: Any = "no"
+    mode: str | None = None
+    fullgraph: bool = False
+    dynamic: bool | None = None
+    options: dict[str, Any] | None = None
+    disable: bool = False
+    use_regional_compilation: bool = False
+
+    @property
+    def enabled(self) -> bool:
+        return str(getattr(self.backend, "value", self.backend)).lower() != "no" and not self.disable
+
+    def compile_kwargs(self) -> dict[str, Any]:
+        """torch.compile's keyword arguments."""
+        kwargs = {"backend": str(getattr(self.backend, "value", self.backend)).lower(), "mode": self.mode,
+                  "fullgraph": self.fullgraph, "dynamic": self.dynamic, "options": self.options}
+        return {k: v for k, v in kwargs.items() if v is not None}
+
+
 KWARGS_HANDLERS = (DistributedDataParallelKwargs, GradScalerKwargs, InitProcessGroupKwargs, AutocastKwargs,
                    ProfileKwargs)
 

@@ -53,6 +53,7 @@ from .options import (
     KwargsHandler,
     ProfileKwargs,
     ProjectConfiguration,
+    TorchDynamoPlugin,
 )
 from .seeding import set_seed, synchronize_rng_state, synchronize_rng_states
 from .state import PartialState
@@ -199,7 +200,7 @@ __all__ = [
     "DeepSpeedPlugin", "DistributedDataParallelKwargs", "DistributedType", "DummyOptim", "DummyScheduler",
     "DynamoBackend", "FP8BackendType", "FullyShardedDataParallelPlugin", "GradScalerKwargs",
     "GradientAccumulationPlugin", "InitProcessGroupKwargs", "KwargsHandler", "LoggerType", "PrecisionType",
-    "ProfileKwargs", "ProjectConfiguration", "RNGType", "SageMakerDistributedType", "broadcast",
+    "ProfileKwargs", "ProjectConfiguration", "TorchDynamoPlugin", "RNGType", "SageMakerDistributedType", "broadcast",
     "broadcast_object_list", "clear_environment", "compare_versions", "concatenate", "extract_model_from_parallel",
     "find_batch_size", "find_executable_batch_size", "gather", "gather_object", "get_int_from_env",
     "is_compiled_module", "is_namedtuple", "is_port_in_use", "is_torch_tensor", "is_torch_version", "listify", "load",

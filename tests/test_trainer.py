@@ -371,3 +371,36 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_checkpoint(ddp, tmp_pa
     resumed = run(tmp_path, "run", [*args, "--resume"], nproc=2)
     assert relative(losses(resumed, after=10), losses(ddp, after=10)) <= 1e-5
     assert max_abs(resumed["params"], ddp["params"]) <= 1e-5
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_torch_compile_wraps_the_strategys_model(strategy, ddp, tmp_path):
+    """torch_compile=True compiles the prepared model (around DDP / FSDP2) once; it trains what DDP trains. The
+    aot_eager backend traces and runs the same graphs as inductor without generating C++ (seconds, not minutes)."""
+    backend = STRATEGIES[strategy]
+    report = run(tmp_path, strategy, [*DDP_ARGS, "--batch-size", "8", "--torch-compile", "aot_eager", *backend],
+                 nproc=2)
+    assert report["compiled"]
+    assert relative(losses(report), losses(ddp)) <= 1e-4
+    assert max_abs(report["params"], ddp["params"]) <= 1e-4
+
+
+def test_ignore_data_skip_restarts_the_epoch_as_transformers_does(tmp_path):
+    args = ["--save-steps", "4", "--lr", "1e-3", "--ignore-data-skip"]
+    stock = _kill_and_resume(tmp_path / "stock", ["--stock", *args], nproc=1)
+    ours = _kill_and_resume(tmp_path / "ours", args, nproc=1)
+    assert relative(losses(ours, after=8), losses(stock, after=8)) <= 1e-5
+    assert max_abs(ours["params"], stock["params"]) <= 1e-5
+
+
+@pytest.mark.parametrize("kind", ["all", "non_padding"])
+def test_num_input_tokens_seen_counts_every_process(kind, tmp_path):
+    """Summed over the processes, as transformers does ("all" counts the padding each process's batch got)."""
+    args = [*DDP_ARGS, "--tokens-seen", kind, "--epochs", "1", "--batch-size", "8"]
+    stock = run(tmp_path, "stock", ["--stock", *args], nproc=2)
+    ours = run(tmp_path, "ours", args, nproc=2)
+
+    def seen(report: dict) -> list[int]:
+        return [h["num_input_tokens_seen"] for h in report["log_history"] if "num_input_tokens_seen" in h]
+
+    assert seen(ours) == seen(stock) and seen(ours)[-1] > 0

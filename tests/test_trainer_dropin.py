@@ -123,3 +123,20 @@ def test_errors_keep_transformers_phrases(tmp_path):
                                          r"`gradient_accumulation_steps` is greater than 1"):
         Trainer(model=Regression(), args=_arguments(tmp_path, accelerator_config=config,
                                                     gradient_accumulation_steps=2))
+
+
+def test_parallelism_config_is_refused(tmp_path):
+    from accelerate.parallelism_config import ParallelismConfig  # what transformers' docs pass
+
+    with pytest.raises(ValueError, match=r"^parallelism_config: tensor, context and sequence parallelism are not "):
+        _arguments(tmp_path, parallelism_config=ParallelismConfig())
+
+
+def test_deepspeed_in_one_process_names_the_sections_it_does_not_use(tmp_path, monkeypatch):
+    notes: list[str] = []
+    monkeypatch.setattr("hf_backend.strategies.note", notes.append)
+    config = {"zero_optimization": {"stage": 2}, "optimizer": {"type": "Lamb", "params": {"lr": 1e-3}},
+              "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 10}}}
+    Trainer(model=Regression(), args=_arguments(tmp_path, deepspeed=config))
+    assert any("the config's optimizer (Lamb) and scheduler (WarmupDecayLR) sections are not used" in n
+               for n in notes), notes

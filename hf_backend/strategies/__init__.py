@@ -28,8 +28,12 @@ def select_strategy(state: ProcessState, precision: Precision, handlers: Handler
     if deepspeed_plugin is not None:
         if state.distributed:
             return DeepSpeedStrategy(state, precision, handlers, deepspeed_plugin, gradient_state, split_batches)
-        deepspeed_plugin.config()  # still report a bad option
-        note("DeepSpeed asked for in a single process: training without it (ZeRO has nothing to partition)")
+        config = deepspeed_plugin.config()  # still report a bad option
+        unused = [f"{key} ({config[key].get('type', '?')})" for key in ("optimizer", "scheduler")
+                  if isinstance(config.get(key), dict)]
+        note("DeepSpeed asked for in a single process: training without it (ZeRO has nothing to partition)"
+             + (f"; the config's {' and '.join(unused)} sections are not used: the script's (or the Trainer's) "
+                "optimizer and scheduler train" if unused else ""))
     cls = DDPStrategy if state.distributed else SingleDeviceStrategy
     return cls(state, precision, handlers)
 

@@ -98,6 +98,11 @@ class Strategy:
     def is_wrapper(self, model: torch.nn.Module) -> bool:
         return False
 
+    def compile_model(self, model: torch.nn.Module, plugin: Any) -> torch.nn.Module:
+        """torch.compile around the prepared (wrapped) model, as Accelerate does: DDP's and FSDP2's hooks stay
+        outside the compiled graphs (DDP's optimizer splits them at bucket boundaries)."""
+        return torch.compile(model, **plugin.compile_kwargs())
+
     # -- training step -----------------------------------------------------------------------------------------------
     def bind(self, objects: list[Any]) -> None:
         """Called by `prepare` with everything passed in one call, before any of it is prepared (DeepSpeed builds

@@ -211,6 +211,12 @@ class DeepSpeedStrategy(Strategy):
         self.models.append(self.engine)
         return self.engine
 
+    def compile_model(self, model: torch.nn.Module, plugin: Any) -> torch.nn.Module:
+        """DeepSpeed compiles the module inside its engine (its hooks stay outside), in place."""
+        kwargs = plugin.compile_kwargs()
+        model.compile(backend=kwargs.pop("backend"), compile_kwargs=kwargs)
+        return model
+
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         if optimizer is not self._client_optimizer:
             raise HfBackendError("DeepSpeed: prepare() the optimizer in the same call as its model")

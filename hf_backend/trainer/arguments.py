@@ -36,6 +36,9 @@ from ..state import get_process_state, process_state_is_set_up
 @dataclass
 class TrainingArguments(transformers.TrainingArguments):
     def __post_init__(self) -> None:
+        if self.parallelism_config is not None:
+            raise ConfigError("parallelism_config: tensor, context and sequence parallelism are not supported by "
+                              "hf_backend; drop it and shard with FSDP (fsdp=...) or DeepSpeed ZeRO-3")
         self._choose_backend()
         if self.push_to_hub:
             _check_hub_reachable()

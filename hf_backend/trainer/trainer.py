@@ -36,7 +36,12 @@ from ..accelerator import Accelerator
 from ..config.loader import ConfigError
 from ..errors import HfBackendError
 from ..log import note, warn
-from ..options import DataLoaderConfiguration, DistributedDataParallelKwargs, GradientAccumulationPlugin
+from ..options import (
+    DataLoaderConfiguration,
+    DistributedDataParallelKwargs,
+    GradientAccumulationPlugin,
+    TorchDynamoPlugin,
+)
 from .arguments import TrainingArguments
 from .jit_checkpoint import JITCheckpoint
 
@@ -95,6 +100,9 @@ class Trainer(transformers.Trainer):
     # -- the engine ------------------------------------------------------------------------------------------------
     def create_accelerator_and_postprocess(self) -> None:
         args = self.args
+        if (getattr(self.model, "tp_size", None) or 1) > 1:
+            raise ConfigError(f"the model was loaded with tensor parallelism (tp_size={self.model.tp_size}); "
+                              "hf_backend does not run it: load it without tp_plan and use FSDP or DeepSpeed ZeRO-3")
         config = args.accelerator_config
         accumulation = dict(config.gradient_accumulation_kwargs or {})
         if "num_steps" in accumulation:
@@ -116,6 +124,8 @@ class Trainer(transformers.Trainer):
                 non_blocking=config.non_blocking, data_seed=args.data_seed),
             gradient_accumulation_plugin=GradientAccumulationPlugin(**accumulation),
             kwargs_handlers=[self._ddp_kwargs()],
+            dynamo_plugin=TorchDynamoPlugin(backend=args.torch_compile_backend, mode=args.torch_compile_mode)
+            if args.torch_compile else None,
             fsdp_plugin=args.fsdp_plugin,
             deepspeed_plugin=args.deepspeed_plugin,
         )
@@ -276,6 +286,8 @@ class Trainer(transformers.Trainer):
             acc = self.accelerator
             checkpoint.load_checkpoint(checkpoint_dir, self._training_state(engine_files), state=acc.process,
                                        strategy=acc.strategy, scaler=None, rng=False)
+            if self.args.ignore_data_skip and self._train_loader is not None:
+                self._train_loader.skip_first_batches(0)  # the resumed epoch from its first batch, as transformers
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
         if not self.is_fsdp_enabled:

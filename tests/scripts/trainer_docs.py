@@ -113,6 +113,9 @@ def main() -> int:
     p.add_argument("--kill-after-checkpoint", type=int, default=0)
     p.add_argument("--resume", action="store_true")
     p.add_argument("--jit-checkpoint", action="store_true", help="enable_jit_checkpoint=True")
+    p.add_argument("--torch-compile", default=None, help="torch_compile_backend (torch_compile=True)")
+    p.add_argument("--ignore-data-skip", action="store_true")
+    p.add_argument("--tokens-seen", default="no", help="include_num_input_tokens_seen")
     p.add_argument("--slow-after", type=int, default=0, help="see SlowAfter")
     p.add_argument("--sigterm-rank", type=int, default=None, help="see SlowAfter")
     p.add_argument("--report-to", default="none")
@@ -174,6 +177,9 @@ def main() -> int:
         report_to=args.report_to,
         disable_tqdm=True,
         enable_jit_checkpoint=args.jit_checkpoint,
+        torch_compile_backend=args.torch_compile,
+        ignore_data_skip=args.ignore_data_skip,
+        include_num_input_tokens_seen=args.tokens_seen,
         **schedule,
         **backend,
     )
@@ -209,6 +215,8 @@ def main() -> int:
             "world_size": training_args.world_size,
             "distributed_type": str(trainer.accelerator.distributed_type.value),
             "model_wrapped": type(trainer.model_wrapped).__name__,
+            "compiled": isinstance(trainer.model_wrapped, torch._dynamo.eval_frame.OptimizedModule)
+            or bool(getattr(trainer.model_wrapped, "is_compiled", False)),  # DeepSpeed's engine compiles in place
             # Adam's step count: the optimizer steps taken since the first, resumed runs included
             "global_step": trainer.state.global_step,
             "adam_steps": max((int(s["step"]) for s in optimizer_state.values() if "step" in s), default=0),
