@@ -231,7 +231,7 @@ _REFUSED_GROUPS: dict[str, tuple[str, ...]] = {
         "load_and_quantize_model", "has_4bit_bnb_layers", "torchao_required"),
     "TPUs (torch_xla) are not supported; hf_backend runs on CPUs and CUDA GPUs": ("install_xla", "prepare_tpu"),
     "tensor, context, pipeline and sequence parallelism and regional compilation are not supported; use FSDP or "
-    "DeepSpeed ZeRO-3, and torch.compile(model) yourself": (
+    "DeepSpeed ZeRO-3 (TorchDynamoPlugin compiles whole models)": (
         "ParallelismConfig", "parallelism_config", "TorchTensorParallelConfig", "TorchTensorParallelPlugin",
         "TorchContextParallelConfig", "DeepSpeedSequenceParallelConfig", "get_model_tp_size",
         "compile_regions", "compile_regions_deepspeed", "compile_regions_fsdp2", "has_compiled_regions"),
