@@ -272,3 +272,28 @@ def test_the_launch_config_reaches_the_accelerator(monkeypatch, caplog):
     monkeypatch.setenv("HF_BACKEND_FSDP_CONFIG", "{not json")
     with pytest.raises(HfBackendError, match="HF_BACKEND_FSDP_CONFIG is not JSON"):
         Accelerator()
+
+
+def test_dynamo_backend_compiles_the_prepared_model_and_trains_the_same():
+    from hf_backend.utils import TorchDynamoPlugin, is_compiled_module
+
+    def train(**kwargs) -> tuple[torch.nn.Module, Accelerator, list[float]]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+        acc = Accelerator(**kwargs)
+        model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        data = torch.randn(5, 4, 8, generator=torch.Generator().manual_seed(1))
+        losses = []
+        for x in data:
+            loss = model(x).pow(2).mean()
+            acc.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return model, acc, losses
+
+    compiled, acc, losses = train(dynamo_backend="eager")
+    assert is_compiled_module(compiled) and not is_compiled_module(acc.unwrap_model(compiled))
+    assert train(dynamo_plugin=TorchDynamoPlugin(backend="eager"))[2] == losses == train()[2]
+    with pytest.raises(HfBackendError, match="regional compilation is not supported"):
+        Accelerator(dynamo_plugin={"backend": "eager", "use_regional_compilation": True})
