@@ -329,18 +329,29 @@ def test_a_ddp_checkpoint_resumes_under_fsdp(ddp, tmp_path):
     assert max_abs(resumed["params"], ddp["params"]) <= 1e-5
 
 
-# -- enable_jit_checkpoint: SIGTERM to the launcher saves one checkpoint on every rank, then the run resumes ----------
-STRATEGIES = {"ddp": [], "fsdp": ["--fsdp-config", "plugin"], "deepspeed": ["--deepspeed", "DS_CONFIG"]}
+# -- enable_jit_checkpoint: SIGTERM saves one checkpoint on every rank, then the run resumes ------------------------
+def _backend(strategy: str, tmp: Path) -> list[str]:
+    if strategy == "fsdp":
+        return ["--fsdp-config", "plugin"]
+    if strategy == "deepspeed":
+        config = tmp / "ds.json"
+        config.write_text(json.dumps({"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto",
+                                      "gradient_accumulation_steps": "auto", "gradient_clipping": "auto"}))
+        return ["--deepspeed", str(config)]
+    return []
 
 
-@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def _resumes_to_the_uninterrupted_run(tmp: Path, args: list[str], saved: int, ddp: dict) -> None:
+    resumed = run(tmp, "run", [*args, "--resume"], nproc=2)
+    after = saved + saved % 2  # losses are logged every 2 steps: the first whole window after the resume
+    assert relative(losses(resumed, after=after), losses(ddp, after=after)) <= 1e-4
+    assert max_abs(resumed["params"], ddp["params"]) <= 1e-4
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_sigterm_to_the_launcher_saves_a_checkpoint_and_the_run_resumes(strategy, ddp, tmp_path):
-    config = tmp_path / "ds.json"
-    config.write_text(json.dumps({"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto",
-                                  "gradient_accumulation_steps": "auto", "gradient_clipping": "auto"}))
-    backend = [str(config) if a == "DS_CONFIG" else a for a in STRATEGIES[strategy]]
-    # saves every 4 steps on their own; the SIGTERM comes between two of them
-    args = [*DDP_ARGS, "--batch-size", "8", "--jit-checkpoint", *backend]
+    """As a scheduler stops a job: SIGTERM to `hf-backend launch`, which passes it to its workers."""
+    args = [*DDP_ARGS, "--batch-size", "8", "--jit-checkpoint", *_backend(strategy, tmp_path)]
     out_dir = tmp_path / "run"
     command = [*CLI, "launch", "--cpu", "--num_processes", "2", str(SCRIPTS / SCRIPT), "--out",
                str(tmp_path / "first.json"), "--output-dir", str(out_dir), *args, "--slow-after", "9"]
@@ -352,33 +363,29 @@ def test_sigterm_to_the_launcher_saves_a_checkpoint_and_the_run_resumes(strategy
     launcher.send_signal(signal.SIGTERM)
     _, stderr = launcher.communicate(timeout=120)
     saved = sorted(int(p.name.split("-")[1]) for p in out_dir.glob("checkpoint-*"))
-    assert saved and saved[-1] % 4, (saved, stderr[-3000:])  # a checkpoint between the scheduled ones
+    assert saved and saved[-1] % 4, (saved, stderr[-3000:])  # saves every 4 steps; this one came between
     assert (out_dir / f"checkpoint-{saved[-1]}" / "trainer_state.json").is_file()
     assert "SIGTERM: saving checkpoint-" in stderr
-
-    resumed = run(tmp_path, "run", [*args, "--resume"], nproc=2)
-    after = saved[-1] + saved[-1] % 2  # losses are logged every 2 steps: the first whole window after the resume
-    assert relative(losses(resumed, after=after), losses(ddp, after=after)) <= 1e-4
-    assert max_abs(resumed["params"], ddp["params"]) <= 1e-4
+    _resumes_to_the_uninterrupted_run(tmp_path, args, saved[-1], ddp)
 
 
-def test_sigterm_to_one_rank_stops_every_rank_at_the_same_checkpoint(ddp, tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "deepspeed"])
+def test_sigterm_to_one_rank_stops_every_rank_at_the_same_checkpoint(strategy, ddp, tmp_path):
     """A preemption notice to one process: transformers' callback would save on that process alone (the others train
     on, and the save's collectives hang); here every process saves the same step and stops."""
-    args = [*DDP_ARGS, "--batch-size", "8", "--jit-checkpoint"]
+    args = [*DDP_ARGS, "--batch-size", "8", "--jit-checkpoint", *_backend(strategy, tmp_path)]
     first = run(tmp_path, "run", [*args, "--slow-after", "9", "--sigterm-rank", "1"], nproc=2)
     assert first["checkpoints"][-1] == "checkpoint-9" and first["global_step"] == 9
-    resumed = run(tmp_path, "run", [*args, "--resume"], nproc=2)
-    assert relative(losses(resumed, after=10), losses(ddp, after=10)) <= 1e-5
-    assert max_abs(resumed["params"], ddp["params"]) <= 1e-5
+    _resumes_to_the_uninterrupted_run(tmp_path, args, 9, ddp)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_torch_compile_wraps_the_strategys_model(strategy, ddp, tmp_path):
     """torch_compile=True compiles the prepared model (around DDP / FSDP2) once; it trains what DDP trains. The
-    aot_eager backend traces and runs the same graphs as inductor without generating C++ (seconds, not minutes)."""
-    backend = STRATEGIES[strategy]
-    report = run(tmp_path, strategy, [*DDP_ARGS, "--batch-size", "8", "--torch-compile", "aot_eager", *backend],
+    eager backend captures the same graphs as inductor and runs them without generating code (seconds, not
+    minutes)."""
+    backend = _backend(strategy, tmp_path)
+    report = run(tmp_path, strategy, [*DDP_ARGS, "--batch-size", "8", "--torch-compile", "eager", *backend],
                  nproc=2)
     assert report["compiled"]
     assert relative(losses(report), losses(ddp)) <= 1e-4
