@@ -34,7 +34,6 @@ from .options import (
     GradientAccumulationPlugin,
     Handlers,
     ProjectConfiguration,
-    TorchDynamoPlugin,
 )
 from .precision import Precision
 from .state import (
@@ -48,19 +47,6 @@ from .state import (
 from .strategies import select_strategy
 from .strategies.base import is_compiled_module
 from .trigger import Trigger, uneven_inputs
-
-
-def _dynamo_plugin(backend: Any, plugin: Any) -> TorchDynamoPlugin:
-    if backend is not None and plugin is not None:
-        raise HfBackendError("pass dynamo_backend or dynamo_plugin, not both")
-    if plugin is None:
-        return TorchDynamoPlugin(backend=backend if backend is not None else "no")
-    plugin = compat.checked(plugin, TorchDynamoPlugin, "dynamo_plugin")
-    if plugin.use_regional_compilation:
-        raise HfBackendError("dynamo_plugin use_regional_compilation=True: regional compilation is not supported; "
-                             "compile the whole model (use_regional_compilation=False)")
-    return plugin
-
 
 _HANDLER_SLOTS = dict(zip(KWARGS_HANDLERS, ("ddp", "scaler", "init", "autocast", "profile")))
 
@@ -88,7 +74,7 @@ class Accelerator(ProcessView, compat.AccelerateMembers):
         """Accelerate's arguments. Those that name features hf_backend does not run (Megatron-LM, tensor or context
         parallelism) are refused in one line; those with nothing to do here are accepted with a note
         (hf_backend.compat lists both)."""
-        self.dynamo_plugin = _dynamo_plugin(other.pop("dynamo_backend", None), other.pop("dynamo_plugin", None))
+        self.dynamo_plugin = compat.dynamo_plugin(other.pop("dynamo_backend", None), other.pop("dynamo_plugin", None))
         deepspeed_plugin = compat.check_accelerator_arguments(other, deepspeed_plugin)
         loader_options = {k: other.pop(k) for k in ("dispatch_batches", "use_seedable_sampler") if k in other}
 

@@ -18,6 +18,7 @@ import torch
 from .enums import DistributedType, FP8BackendType
 from .errors import HfBackendError
 from .log import note
+from .options import TorchDynamoPlugin
 
 # Accelerator(...) arguments with nothing to do here, and why.
 _NOOP_ARGUMENTS = {
@@ -55,6 +56,19 @@ def check_accelerator_arguments(other: dict[str, Any], deepspeed_plugin: Any) ->
         raise HfBackendError(f"Accelerator() does not support {', '.join(unknown)} in hf_backend; remove the "
                              "argument (docs/compat.md lists every Accelerate argument and member)")
     return deepspeed_plugin
+
+
+def dynamo_plugin(backend: Any, plugin: Any) -> TorchDynamoPlugin:
+    """Accelerate's `dynamo_backend` (a name) or `dynamo_plugin` (a TorchDynamoPlugin or a dict of its fields)."""
+    if backend is not None and plugin is not None:
+        raise HfBackendError("pass dynamo_backend or dynamo_plugin, not both")
+    if plugin is None:
+        return TorchDynamoPlugin(backend=backend if backend is not None else "no")
+    plugin = checked(plugin, TorchDynamoPlugin, "dynamo_plugin")
+    if plugin.use_regional_compilation:
+        raise HfBackendError("dynamo_plugin use_regional_compilation=True: regional compilation is not supported; "
+                             "compile the whole model (use_regional_compilation=False)")
+    return plugin
 
 
 def checked(value: Any, cls: type, argument: str) -> Any:
