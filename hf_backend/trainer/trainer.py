@@ -12,7 +12,8 @@ The training loop, logging, callbacks, evaluation and the checkpoint layout (`ou
   (`global_step*/`). Every strategy adds the train loader's position and `hf_backend_checkpoint.json`, so a resumed
   run continues the exact batch order.
 - `train(resume_from_checkpoint=True)`: resumes from the newest *complete* checkpoint.
-docs/trainer.md lists the transformers internals this relies on.
+docs/trainer.md lists the transformers internals this relies on; transformers_compat.py, what differs between the
+transformers versions it supports (5.17 to 5.23).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import functools
 import os
 import re
 import signal
-import types
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -35,41 +35,24 @@ from .. import checkpoint
 from ..accelerator import Accelerator
 from ..config.loader import ConfigError
 from ..errors import HfBackendError
-from ..log import note, warn
+from ..log import note
 from ..options import (
     DataLoaderConfiguration,
     DistributedDataParallelKwargs,
     GradientAccumulationPlugin,
     TorchDynamoPlugin,
 )
+from . import transformers_compat as compat
 from .arguments import TrainingArguments
 from .jit_checkpoint import JITCheckpoint
 
-TESTED_TRANSFORMERS = "5.23"  # the minor version whose Trainer internals this module is written and tested against
-if not all(hasattr(transformers.Trainer, name) for name in ("_run_epoch", "_get_num_items_in_batch",
-                                                             "_save_optimizer_and_scheduler")):
-    raise ImportError(f"hf_backend.Trainer needs transformers {TESTED_TRANSFORMERS} (it builds on Trainer internals "
-                      f"that older versions lack); you have {transformers.__version__}: "
-                      f"pip install 'transformers=={TESTED_TRANSFORMERS}.*'")
-if not transformers.__version__.startswith(TESTED_TRANSFORMERS + "."):
-    warn(f"hf_backend.Trainer is tested with transformers {TESTED_TRANSFORMERS}; you have {transformers.__version__} "
-         "(docs/trainer.md lists the internals it relies on)")
+compat.check_version()  # 5.17 to 5.23: older is an ImportError, newer a warning
 
 
 def _skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
     """The engine's version of the function transformers imports from Accelerate: the prepared loader starts its next
     pass at that batch (an absolute position, consistent with the one a checkpoint restored)."""
     return dataloader.skip_first_batches(num_batches)
-
-
-def _with_globals(function: types.FunctionType, **names: Any) -> types.FunctionType:
-    """`function` (unchanged code) looking up `names` in place of its module's globals of the same names."""
-    rebound = types.FunctionType(function.__code__, {**function.__globals__, **names}, function.__name__,
-                                 function.__defaults__, function.__closure__)
-    rebound.__kwdefaults__ = function.__kwdefaults__
-    rebound.__qualname__ = function.__qualname__
-    rebound.__doc__ = function.__doc__
-    return rebound
 
 
 class Trainer(transformers.Trainer):
@@ -141,7 +124,8 @@ class Trainer(transformers.Trainer):
         find_unused = args.ddp_find_unused_parameters
         if find_unused is None:  # transformers' default: only models with activation checkpointing skip the search
             if isinstance(self.model, transformers.PreTrainedModel):
-                find_unused = not (self.model.is_activation_checkpointing or args.activation_checkpointing)
+                find_unused = not (compat.model_activation_checkpointing(self.model)
+                                   or compat.activation_checkpointing(args))
             else:
                 find_unused = True
         kwargs = {"find_unused_parameters": find_unused}
@@ -152,9 +136,11 @@ class Trainer(transformers.Trainer):
 
     def _check_combinations(self) -> None:
         args, state = self.args, self.accelerator.state
-        if self.is_fsdp_enabled and state.fsdp_plugin.activation_checkpointing and args.activation_checkpointing:
-            raise HfBackendError("fsdp_config activation_checkpointing and the activation_checkpointing argument are "
-                                 "both set; keep FSDP's (fsdp_config) under FSDP")
+        if (self.is_fsdp_enabled and state.fsdp_plugin.activation_checkpointing
+                and compat.activation_checkpointing(args)):
+            raise HfBackendError(f"fsdp_config activation_checkpointing and the "
+                                 f"{compat.ACTIVATION_CHECKPOINTING_ARGUMENT} argument are both set; keep FSDP's "
+                                 "(fsdp_config) under FSDP")
         if args.save_only_model and self._sharded_weights():
             raise HfBackendError("save_only_model does not go with FSDP's SHARDED_STATE_DICT; use FULL_STATE_DICT")
         if args.save_only_model and args.load_best_model_at_end and (self.is_deepspeed_enabled or
@@ -168,7 +154,7 @@ class Trainer(transformers.Trainer):
         return self.is_fsdp_enabled and self.accelerator.strategy.sharded_checkpoints
 
     # transformers' epoch loop, with the engine's skip_first_batches (the original builds Accelerate's PartialState).
-    _run_epoch = _with_globals(transformers.Trainer._run_epoch, skip_first_batches=_skip_first_batches)
+    _run_epoch = compat.borrowed_run_epoch(skip_first_batches=_skip_first_batches)
 
     def get_train_dataloader(self) -> Any:
         self._train_loader = super().get_train_dataloader()
@@ -195,8 +181,9 @@ class Trainer(transformers.Trainer):
             return False
         spread = self.args.world_size > 1 or self.args.gradient_accumulation_steps > 1
         declared = hasattr(self.accelerator.unwrap_model(self.model), "accepts_loss_kwargs")
-        return (spread and not declared and self.compute_loss_func is None and self.loss_is_scaled_for_ga is None
-                and len(batch_samples) > 0 and isinstance(batch_samples[0], Mapping) and "labels" in batch_samples[0])
+        return (spread and not declared and self.compute_loss_func is None
+                and compat.loss_is_scaled_for_ga(self) is None and len(batch_samples) > 0
+                and isinstance(batch_samples[0], Mapping) and "labels" in batch_samples[0])
 
     @torch.no_grad()
     def _loss_divides_by_item_count(self, batch: Mapping[str, Any]) -> bool:
@@ -229,8 +216,10 @@ class Trainer(transformers.Trainer):
             os.makedirs(output_dir, exist_ok=True)
             self.accelerator.strategy.save_model_state(self.model_wrapped, Path(output_dir), "model", True)
             self._save_model_files(output_dir)
-        else:  # the user's save: full weights that from_pretrained reads, gathered from the shards
-            self._save(output_dir, state_dict=self.accelerator.get_state_dict(self.model_wrapped))
+        else:  # the user's save: full weights that from_pretrained reads, gathered from the shards (collective)
+            state_dict = self.accelerator.get_state_dict(self.model_wrapped)
+            if self.args.should_save:  # before 5.23 transformers' _save writes from every process (transformers_compat)
+                self._save(output_dir, state_dict=state_dict)
             if self.args.push_to_hub:
                 self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 

@@ -123,9 +123,12 @@ def main() -> int:
     p.add_argument("--early-stopping", type=int, default=0, help="EarlyStoppingCallback with this patience")
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
+    p.add_argument("--save-final", action="store_true", help="trainer.save_model(output_dir/final) at the end")
     p.add_argument("--evaluate-first", action="store_true", help="trainer.evaluate() before train() (prepares the "
                    "model for evaluation, then again for training)")
     args = p.parse_args()
+
+    from hf_backend.trainer.transformers_compat import ACTIVATION_CHECKPOINTING_ARGUMENT
 
     if args.stock:
         from transformers import Trainer, TrainingArguments
@@ -166,7 +169,7 @@ def main() -> int:
         weight_decay=0.01,
         load_best_model_at_end=True,
         gradient_accumulation_steps=args.grad_accum,
-        activation_checkpointing=args.activation_checkpointing,
+        **{ACTIVATION_CHECKPOINTING_ARGUMENT: args.activation_checkpointing},  # its name depends on the version
         bf16=args.precision == "bf16",
         # transformers refuses bf16 on a CPU-only machine without use_cpu, and under torchrun it trains unsynchronized
         # copies (each process all the data, writing the same checkpoint files) without it
@@ -202,6 +205,8 @@ def main() -> int:
         trainer.evaluate()
     trainer.train(resume_from_checkpoint=True if args.resume else None)
     metrics = trainer.evaluate()
+    if args.save_final:
+        trainer.save_model(str(Path(args.output_dir) / "final"))
     params = trainer.accelerator.get_state_dict(trainer.model_wrapped)
     optimizer_state = {} if trainer.is_deepspeed_enabled else trainer.optimizer.state_dict()["state"]
     if trainer.is_world_process_zero():

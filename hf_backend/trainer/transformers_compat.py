@@ -1,0 +1,143 @@
+"""The transformers versions hf_backend.Trainer supports, and what differs between them, in one place.
+
+trainer.py builds on Trainer internals (docs/trainer.md lists them). From 5.17 to 5.23 these changed, and the rest of
+hf_backend asks here instead of looking at transformers' version:
+
+| internal | 5.17, 5.18 | 5.19 - 5.22 | 5.23 |
+|---|---|---|---|
+| argument turning on activation checkpointing | `gradient_checkpointing` | same | `activation_checkpointing` |
+| the model's flag for it | `is_gradient_checkpointing` | same | `is_activation_checkpointing` |
+| `Trainer.loss_is_scaled_for_ga` | absent (read as None) | None unless set | same |
+| `Trainer._run_epoch` (borrowed, see below) | the 5.17 loop | same | + models sharded at load time |
+| `Trainer._save` on a process that must not write | writes | same | returns (trainer.py asks `should_save`) |
+| transformers.Trainer resumes an optimizer under DDP on CPU | 5.17: no (1) | yes | yes |
+
+(5.23 keeps the old names as deprecated aliases that warn.) (1): transformers' own Trainer, not this one: 5.17 loads
+`optimizer.pt` with map_location "cpu:0", which torch cannot restore (fixed in 5.18); only the tests ask.
+
+`Trainer._run_epoch` is borrowed: its code runs with the engine's `skip_first_batches` in place of Accelerate's.
+RUN_EPOCH_FINGERPRINTS records it for each supported minor; tests/test_trainer_compat.py fails when the installed one
+differs, and a differing one warns at import: review what changed, then record the new fingerprint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import inspect
+import io
+import textwrap
+import tokenize
+import types
+from typing import Any
+
+import transformers
+from packaging.version import Version
+
+from ..log import warn
+
+OLDEST, NEWEST = (5, 17), (5, 23)
+_RELEASE = Version(transformers.__version__).release[:2]
+# fingerprint(transformers.Trainer._run_epoch) of each supported minor (the same in every patch release of it).
+RUN_EPOCH_FINGERPRINTS = {
+    **dict.fromkeys(("5.17", "5.18", "5.19", "5.20", "5.21", "5.22"), "02f7d1200db9626b"),
+    "5.23": "f6339c3ff4b7407b",  # a branch for models sharded at load time (FSDP's gradient reduction deferred)
+}
+# The module globals of `_run_epoch` that are rebound to the engine's (Accelerate's versions build its state).
+RUN_EPOCH_REBOUND = ("skip_first_batches",)
+# Trainer members trainer.py overrides or calls, present in every supported version.
+_NEEDED = ("_run_epoch", "_get_num_items_in_batch", "_save_optimizer_and_scheduler", "_load_optimizer_and_scheduler",
+           "_load_from_checkpoint", "_load_best_model", "create_accelerator_and_postprocess", "get_train_dataloader",
+           "_save")
+
+
+def minor(version: str = transformers.__version__) -> str:
+    """'5.20' for '5.20.2' (and for '5.20.0.dev0')."""
+    return "{}.{}".format(*Version(version).release[:2])
+
+
+def _span() -> str:
+    return f"{OLDEST[0]}.{OLDEST[1]} to {NEWEST[0]}.{NEWEST[1]}"
+
+
+def check_version() -> None:
+    """At import: older than OLDEST is an error; newer than NEWEST, or a `_run_epoch` not recorded, a warning."""
+    installed, release = transformers.__version__, _RELEASE
+    missing = [name for name in _NEEDED if not hasattr(transformers.Trainer, name)]
+    if release < OLDEST or missing:
+        raise ImportError(f"hf_backend.Trainer needs transformers {_span()} (it builds on Trainer internals that older "
+                          f"versions lack); you have {installed}: "
+                          f"pip install 'transformers>={OLDEST[0]}.{OLDEST[1]},<{NEWEST[0]}.{NEWEST[1] + 1}'")
+    if release > NEWEST:
+        warn(f"hf_backend.Trainer is tested with transformers {_span()}; you have {installed} (docs/trainer.md lists "
+             "the internals it relies on)")
+    elif fingerprint(transformers.Trainer._run_epoch) != RUN_EPOCH_FINGERPRINTS[minor(installed)]:
+        warn(f"transformers {installed}'s Trainer._run_epoch is not the one hf_backend.Trainer was tested with for "
+             f"{minor(installed)} (it runs that loop); report it with `hf-backend env`")
+
+
+def fingerprint(function: Any) -> str:
+    """A hash of the function's source (see `source_fingerprint`)."""
+    return source_fingerprint(inspect.getsource(function))
+
+
+def source_fingerprint(source: str) -> str:
+    """A hash of `source` with comments, trailing spaces and blank lines left out: the same under every Python version
+    (tokenize only finds the comments)."""
+    source = textwrap.dedent(source)
+    lines = source.splitlines()
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            row, column = token.start
+            lines[row - 1] = lines[row - 1][:column]
+    text = "\n".join(line.rstrip() for line in lines if line.strip())
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def borrowed_run_epoch(**engine_globals: Any) -> types.FunctionType:
+    """transformers' `Trainer._run_epoch` (unchanged code), looking up `engine_globals` in place of the module globals
+    of the same names. Each name must be one the loop uses, or the engine's version would silently not run."""
+    function = transformers.Trainer._run_epoch
+    unused = sorted(set(engine_globals) - set(function.__code__.co_names))
+    if unused or set(engine_globals) != set(RUN_EPOCH_REBOUND):
+        raise ImportError(f"transformers {transformers.__version__}'s Trainer._run_epoch no longer uses {unused}; "
+                          f"hf_backend.Trainer supports transformers {_span()}")
+    return with_globals(function, **engine_globals)
+
+
+def with_globals(function: types.FunctionType, **names: Any) -> types.FunctionType:
+    """`function` (unchanged code) looking up `names` in place of its module's globals of the same names."""
+    rebound = types.FunctionType(function.__code__, {**function.__globals__, **names}, function.__name__,
+                                 function.__defaults__, function.__closure__)
+    rebound.__kwdefaults__ = function.__kwdefaults__
+    rebound.__qualname__ = function.__qualname__
+    rebound.__doc__ = function.__doc__
+    return rebound
+
+
+# -- names that changed ------------------------------------------------------------------------------------------------
+_ARGUMENT_FIELDS = {field.name for field in dataclasses.fields(transformers.TrainingArguments)}
+# The TrainingArguments field that turns on activation checkpointing (5.23 renamed it).
+ACTIVATION_CHECKPOINTING_ARGUMENT = ("activation_checkpointing" if "activation_checkpointing" in _ARGUMENT_FIELDS
+                                     else "gradient_checkpointing")
+_MODEL_FLAG = ("is_activation_checkpointing" if hasattr(transformers.PreTrainedModel, "is_activation_checkpointing")
+               else "is_gradient_checkpointing")
+
+
+# transformers.Trainer itself resumes an optimizer state under DDP on CPU (the table's note 1).
+STOCK_TRAINER_RESUMES_UNDER_CPU_DDP = _RELEASE >= (5, 18)
+
+
+def activation_checkpointing(args: Any) -> bool:
+    """Whether the TrainingArguments turn on activation checkpointing."""
+    return bool(getattr(args, ACTIVATION_CHECKPOINTING_ARGUMENT))
+
+
+def model_activation_checkpointing(model: Any) -> bool:
+    """Whether a PreTrainedModel has activation checkpointing on."""
+    return bool(getattr(model, _MODEL_FLAG))
+
+
+def loss_is_scaled_for_ga(trainer: Any) -> bool | None:
+    """`Trainer.loss_is_scaled_for_ga` (5.19 on; before, None: the Trainer decided from the model's loss kwargs)."""
+    return getattr(trainer, "loss_is_scaled_for_ga", None)
