@@ -341,7 +341,6 @@ class PreparedDataLoader(DataLoader):
         finally:
             self.gradient_state.exit_dataloader(self)
 
-
     def _remainder_of_last(self, batch: Any) -> int:
         """Real rows of the last global batch when it is short (what `gather_for_metrics` keeps), else 0 or -1.
 

@@ -100,7 +100,7 @@ class Strategy:
 
     def compile_model(self, model: torch.nn.Module, plugin: Any) -> torch.nn.Module:
         """torch.compile around the prepared (wrapped) model, as Accelerate does: DDP's and FSDP2's hooks stay
-        outside the compiled graphs (DDP's optimizer splits them at bucket boundaries)."""
+        outside the compiled graphs (dynamo's DDPOptimizer splits the graphs at DDP's bucket boundaries)."""
         return torch.compile(model, **plugin.compile_kwargs())
 
     # -- training step -----------------------------------------------------------------------------------------------
