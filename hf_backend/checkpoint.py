@@ -295,10 +295,15 @@ def read_metadata(source: str | os.PathLike) -> dict[str, Any]:
         raise HfBackendError(f"load_state: {source} is not an hf_backend checkpoint (no {METADATA}); "
                              "pass a directory written by Accelerator.save_state")
     try:
-        return json.loads(meta_path.read_text())
+        meta = json.loads(meta_path.read_text())
     except json.JSONDecodeError as err:
         raise HfBackendError(f"load_state: {meta_path} is corrupt (line {err.lineno}); use another checkpoint") \
             from None
+    version = meta.get("format_version", 1)
+    if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= FORMAT_VERSION:
+        raise HfBackendError(f"load_state: {meta_path} has format_version {version!r}; this hf_backend reads versions "
+                             f"1 to {FORMAT_VERSION}: load it with the hf_backend that wrote it, or upgrade")
+    return meta
 
 
 def load_checkpoint(source: str | os.PathLike, objects: Checkpointable, *, state: ProcessState, strategy: Any,

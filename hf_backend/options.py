@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .enums import DDPCommunicationHookType
+from .errors import HfBackendError
 
 
 @dataclass
@@ -114,6 +115,12 @@ class InitProcessGroupKwargs(KwargsHandler):
     backend: str | None = None
     init_method: str | None = None
     timeout: datetime.timedelta | None = None
+
+    def __post_init__(self) -> None:
+        if self.init_method not in (None, "env://"):
+            raise HfBackendError(f"InitProcessGroupKwargs(init_method={self.init_method!r}): hf_backend joins the "
+                                 "process group from the launcher's environment (env://); remove init_method and set "
+                                 "MASTER_ADDR / MASTER_PORT (hf-backend launch and torchrun do)")
 
 
 @dataclass

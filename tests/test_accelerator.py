@@ -297,3 +297,27 @@ def test_dynamo_backend_compiles_the_prepared_model_and_trains_the_same():
     assert train(dynamo_plugin=TorchDynamoPlugin(backend="eager"))[2] == losses == train()[2]
     with pytest.raises(HfBackendError, match="regional compilation is not supported"):
         Accelerator(dynamo_plugin={"backend": "eager", "use_regional_compilation": True})
+
+
+def test_a_checkpoint_of_an_unknown_format_version_is_refused_in_one_line(tmp_path):
+    acc = Accelerator()
+    model = acc.prepare(torch.nn.Linear(2, 1))
+    acc.save_state(tmp_path / "ckpt")
+    meta_path = tmp_path / "ckpt" / "hf_backend_checkpoint.json"
+    meta = json.loads(meta_path.read_text())
+    assert meta["format_version"] == 1
+    for version in (2, "1", 0):
+        meta_path.write_text(json.dumps({**meta, "format_version": version}))
+        with pytest.raises(HfBackendError, match=rf"has format_version {version!r}; this hf_backend reads versions 1"):
+            acc.load_state(tmp_path / "ckpt")
+    meta_path.write_text(json.dumps({**meta, "format_version": 1}))
+    acc.load_state(tmp_path / "ckpt")
+    assert model.weight.shape == (1, 2)
+
+
+def test_init_method_other_than_env_is_an_error_not_ignored():
+    from hf_backend import InitProcessGroupKwargs
+
+    assert InitProcessGroupKwargs(init_method="env://").init_method == "env://"
+    with pytest.raises(HfBackendError, match=r"^InitProcessGroupKwargs\(init_method='tcp://127.0.0.1:1'\): "):
+        InitProcessGroupKwargs(init_method="tcp://127.0.0.1:1")
