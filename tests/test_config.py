@@ -193,3 +193,24 @@ def test_the_reference_doc_is_generated_from_the_schema():
 
 def test_validate_accepts_a_plain_mapping():
     assert validate({}).distributed_type == "NO"
+
+
+def test_every_deepspeed_section_key_reaches_the_config_or_is_refused():
+    from hf_backend.config.plugins import DeepSpeedPlugin
+
+    section = {"zero_stage": 3, "gradient_accumulation_steps": 4, "offload_optimizer_device": "nvme",
+               "offload_optimizer_nvme_path": "/nvme/opt", "offload_param_device": "nvme",
+               "offload_param_nvme_path": "/nvme/param"}
+    config = validate({"distributed_type": "DEEPSPEED", "deepspeed_config": section})
+    ds = DeepSpeedPlugin.from_section(config.deepspeed).config()
+    zero = ds["zero_optimization"]
+    assert ds["gradient_accumulation_steps"] == 4 and zero["stage"] == 3
+    assert zero["offload_optimizer"] == {"device": "nvme", "nvme_path": "/nvme/opt"}
+    assert zero["offload_param"] == {"device": "nvme", "nvme_path": "/nvme/param"}
+    moe = validate({"distributed_type": "DEEPSPEED", "deepspeed_config": {"deepspeed_moe_layer_cls_names": "Expert"}})
+    with pytest.raises(ConfigError, match="^deepspeed_config deepspeed_moe_layer_cls_names: mixture-of-experts"):
+        DeepSpeedPlugin.from_section(moe.deepspeed)
+    stray = validate({"distributed_type": "DEEPSPEED",
+                      "deepspeed_config": {"offload_param_nvme_path": "/nvme/param"}})
+    with pytest.raises(ConfigError, match="offload_param_nvme_path='/nvme/param' needs offload_param_device 'nvme'"):
+        DeepSpeedPlugin.from_section(stray.deepspeed).config()

@@ -191,14 +191,23 @@ class DeepSpeedPlugin:
     offload_param_device: str | None = None
     zero3_init_flag: bool | None = None
     zero3_save_16bit_model: bool | None = None
+    offload_optimizer_nvme_path: str | None = None
+    offload_param_nvme_path: str | None = None
 
     @classmethod
     def from_section(cls, section: DeepSpeedSection) -> DeepSpeedPlugin:
+        if section.deepspeed_moe_layer_cls_names:
+            raise ConfigError("deepspeed_config deepspeed_moe_layer_cls_names: mixture-of-experts leaf modules are not "
+                              "supported by hf_backend's DeepSpeed strategy; remove the key")
+        steps = section.gradient_accumulation_steps
         return cls(hf_ds_config=section.deepspeed_config_file, zero_stage=section.zero_stage,
+                   gradient_accumulation_steps=steps if steps != 1 else None,  # 1 (the default): the file's, if any
                    gradient_clipping=section.gradient_clipping,
                    offload_optimizer_device=section.offload_optimizer_device,
                    offload_param_device=section.offload_param_device, zero3_init_flag=section.zero3_init_flag,
-                   zero3_save_16bit_model=section.zero3_save_16bit_model)
+                   zero3_save_16bit_model=section.zero3_save_16bit_model,
+                   offload_optimizer_nvme_path=section.offload_optimizer_nvme_path,
+                   offload_param_nvme_path=section.offload_param_nvme_path)
 
     @classmethod
     def from_object(cls, obj: Any) -> DeepSpeedPlugin:
@@ -290,10 +299,16 @@ class DeepSpeedPlugin:
             if current != "auto" and current != value:
                 raise ConfigError(f"DeepSpeedPlugin: {key}={value!r} contradicts {current!r} in hf_ds_config; keep one")
             where[key] = value
-        for kind, device in (("offload_optimizer", self.offload_optimizer_device),
-                             ("offload_param", self.offload_param_device)):
+        for kind, device, nvme_path in (
+                ("offload_optimizer", self.offload_optimizer_device, self.offload_optimizer_nvme_path),
+                ("offload_param", self.offload_param_device, self.offload_param_nvme_path)):
             if device not in (None, "none"):
                 zero.setdefault(kind, {})["device"] = device
+            if nvme_path is not None:
+                if zero.get(kind, {}).get("device") != "nvme":
+                    raise ConfigError(f"DeepSpeed {kind}_nvme_path={nvme_path!r} needs {kind}_device 'nvme'; set it "
+                                      "or remove the path")
+                zero[kind].setdefault("nvme_path", nvme_path)
         zero.setdefault("stage", 2)
         return config
 
