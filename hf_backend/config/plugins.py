@@ -304,7 +304,7 @@ class DeepSpeedPlugin:
                 ("offload_param", self.offload_param_device, self.offload_param_nvme_path)):
             if device not in (None, "none"):
                 zero.setdefault(kind, {})["device"] = device
-            if nvme_path is not None:
+            if nvme_path not in (None, "none"):  # Accelerate's plugin says "none"
                 if zero.get(kind, {}).get("device") != "nvme":
                     raise ConfigError(f"DeepSpeed {kind}_nvme_path={nvme_path!r} needs {kind}_device 'nvme'; set it "
                                       "or remove the path")
