@@ -160,12 +160,16 @@ class TorchDynamoPlugin(KwargsHandler):
     use_regional_compilation: bool = False
 
     @property
+    def backend_name(self) -> str:
+        return str(getattr(self.backend, "value", self.backend)).lower()
+
+    @property
     def enabled(self) -> bool:
-        return str(getattr(self.backend, "value", self.backend)).lower() != "no" and not self.disable
+        return self.backend_name != "no" and not self.disable
 
     def compile_kwargs(self) -> dict[str, Any]:
         """torch.compile's keyword arguments."""
-        kwargs = {"backend": str(getattr(self.backend, "value", self.backend)).lower(), "mode": self.mode,
+        kwargs = {"backend": self.backend_name, "mode": self.mode,
                   "fullgraph": self.fullgraph, "dynamic": self.dynamic, "options": self.options}
         return {k: v for k, v in kwargs.items() if v is not None}
 

@@ -24,7 +24,6 @@ class JITCheckpoint(TrainerCallback):
     def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
         self.requested = Trigger(trainer.accelerator.process)
-        self.saved_at: int | None = None
         self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
@@ -35,7 +34,6 @@ class JITCheckpoint(TrainerCallback):
             note(f"SIGTERM: saving checkpoint-{state.global_step} and stopping (enable_jit_checkpoint)")
             control.should_save = False  # this save replaces the scheduled one of the same step
             self.trainer._save_checkpoint(self.trainer.model_wrapped, trial=None)
-            self.saved_at = state.global_step
             control.should_training_stop = True
         return control
 
