@@ -9,7 +9,7 @@ make the small fixtures in tests/fixtures/checkpoints_v1/:
 
 Each directory also holds `expected.json`: what a run that loads the checkpoint must see (the weights, the
 optimizer's state, the scheduler, the next batch, a registered object, the next random number). `check` builds the
-same objects with today's code, loads the checkpoint and writes what it sees to `--out` (tests/test_checkpoint_io.py
+same objects with today's code, loads the checkpoint and writes what it sees to `--out` (tests/test_old_checkpoints.py
 compares the two). FSDP's sharded checkpoint is checked in one process (it loads into an unsharded model), the
 DeepSpeed one under DeepSpeed in 2 processes (its own format).
 """
