@@ -12,7 +12,6 @@ import functools
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,6 +35,7 @@ from .options import (
     ProjectConfiguration,
 )
 from .precision import Precision
+from .prepared import PreparedObjects
 from .state import (
     AcceleratorState,
     DistributedType,
@@ -123,7 +123,9 @@ class Accelerator(ProcessView, compat.AccelerateMembers):
         fsdp_plugin, deepspeed_plugin = plugins_in_effect(fsdp_plugin, deepspeed_plugin, self.launch_config)
         self.strategy = select_strategy(self.process, self.precision, self.handlers, fsdp_plugin, deepspeed_plugin,
                                         self.gradient_state, self.dataloader_config.split_batches)
-        self._objects = checkpoint.Checkpointable()
+        self._objects = PreparedObjects()
+        self.checkpoint_io = checkpoint.CheckpointIO(self.process, self.strategy, self.precision, self._objects,
+                                                     self._progress)
         self.step = 0  # micro steps seen by accumulate() since the last sync
         self.trigger = Trigger(self.process)
         self._save_state_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
@@ -364,19 +366,7 @@ class Accelerator(ProcessView, compat.AccelerateMembers):
     def save_model(self, model: torch.nn.Module, save_directory: str | os.PathLike,
                    max_shard_size: int | str = "10GB", safe_serialization: bool = True) -> None:
         """Write the full weights in the layout `from_pretrained` reads (with config.json for transformers models)."""
-        state_dict = self.strategy.model_state_dict(model)
-        if not self.is_main_process:
-            return
-        save_directory = Path(save_directory)
-        if save_directory.is_file():
-            raise HfBackendError(f"save_model: {save_directory} is a file; pass a directory")
-        save_directory.mkdir(parents=True, exist_ok=True)
-        inner = self.unwrap_model(model)
-        checkpoint.write_weights(state_dict, save_directory, max_shard_size=max_shard_size,
-                                 safe_serialization=safe_serialization, tied_keys=checkpoint.tied_weight_keys(inner))
-        config = getattr(inner, "config", None)
-        if hasattr(config, "save_pretrained"):
-            config.save_pretrained(save_directory)
+        self.checkpoint_io.save_pretrained(model, save_directory, max_shard_size, safe_serialization)
 
     def register_save_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
         """`hook(models, weights, output_dir)` runs before `save_state` writes; a model whose state dict it removes
@@ -404,10 +394,9 @@ class Accelerator(ProcessView, compat.AccelerateMembers):
         config = self.project_configuration
         automatic = output_dir is None
         output_dir = output_dir if output_dir is not None else checkpoint.automatic_dir(config)
-        objects = checkpoint.after_save_hooks(self._save_state_pre_hooks.values(), self._objects, output_dir,
+        objects = checkpoint.apply_save_hooks(self._save_state_pre_hooks.values(), self._objects, output_dir,
                                               functools.partial(self.get_state_dict, unwrap=False))
-        target = checkpoint.save_checkpoint(output_dir, **self._checkpoint_io(objects),
-                                            safe_serialization=safe_serialization)
+        target = self.checkpoint_io.save(output_dir, objects, safe_serialization=safe_serialization)
         if automatic:
             config.iteration += 1
             if config.total_limit is not None and self.is_main_process:
@@ -415,22 +404,18 @@ class Accelerator(ProcessView, compat.AccelerateMembers):
             self.wait_for_everyone()
         return str(target)
 
-    def _checkpoint_io(self, objects: checkpoint.Checkpointable | None = None) -> dict[str, Any]:
-        """What `checkpoint.write_state` writes: the registered objects and the process's state (also used by
-        hf_backend.ray_train)."""
-        return {"objects": objects or self._objects, "state": self.process, "strategy": self.strategy,
-                "scaler": self.scaler,
-                "extra": {"accumulation_step": self.step, "iteration": self.project_configuration.iteration}}
+    def _progress(self) -> dict[str, Any]:
+        """The counters a checkpoint keeps besides the objects' states (restored by `load_state`)."""
+        return {"accumulation_step": self.step, "iteration": self.project_configuration.iteration}
 
     def load_state(self, input_dir: str | os.PathLike | None = None) -> None:
         """Restore what `save_state` wrote. The next pass over each prepared dataloader continues with the batch after
         the last one seen, in the same order: no manual skipping."""
         config = self.project_configuration
         input_dir = input_dir if input_dir is not None else checkpoint.latest_automatic_dir(config)
-        objects = checkpoint.after_load_hooks(self._load_state_pre_hooks.values(), self._objects, input_dir)
-        meta = checkpoint.load_checkpoint(input_dir, objects, state=self.process, strategy=self.strategy,
-                                          models_taken_by_hooks=len(objects.models) < len(self._objects.models),
-                                          scaler=self.scaler)
+        objects = checkpoint.apply_load_hooks(self._load_state_pre_hooks.values(), self._objects, input_dir)
+        meta = self.checkpoint_io.read(input_dir, objects,
+                                       models_taken_by_hooks=len(objects.models) < len(self._objects.models))
         saved_world = meta["num_processes"]
         if saved_world != self.num_processes:
             note(f"load_state: {input_dir} was saved by {saved_world} processes and is resumed by "
@@ -482,7 +467,8 @@ class Accelerator(ProcessView, compat.AccelerateMembers):
     # -- lifecycle -------------------------------------------------------------------------------------------------
     def free_memory(self, *objects: Any) -> list[None]:
         """Drop every reference this Accelerator holds to prepared objects (and return `None` for each argument)."""
-        self._objects = checkpoint.Checkpointable()
+        self._objects.clear()
+        self.strategy.reset()
         self.step = 0
         return release_memory(*objects)
 

@@ -33,11 +33,9 @@ from typing import Any
 
 import torch
 
-from . import checkpoint
 from .accelerator import Accelerator
+from .checkpoint.layout import RAY_MODEL_DIR
 from .errors import HfBackendError
-
-MODEL_DIR = "model"
 
 
 def _ray_train() -> Any:
@@ -79,9 +77,9 @@ def report(accelerator: Accelerator, metrics: dict[str, Any], *, model: torch.nn
     with tempfile.TemporaryDirectory(prefix=f"hf_backend_ray_rank{accelerator.process_index}_") as tmp:
         directory = Path(tmp)
         if checkpoint_state:
-            checkpoint.write_state(directory, **accelerator._checkpoint_io())
+            accelerator.checkpoint_io.write(directory)
         if model is not None:
-            accelerator.save_model(model, directory / MODEL_DIR)
+            accelerator.save_model(model, directory / RAY_MODEL_DIR)
         # Upload is synchronous: the directory is in storage when report returns and can go.
         train.report(metrics, checkpoint=train.Checkpoint.from_directory(tmp))
 

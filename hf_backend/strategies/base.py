@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.algorithms.join import Join
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -22,7 +21,6 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-from ..checkpoint import check_loaded, load_file, read_state_dict, tied_weight_keys, write_weights
 from ..errors import HfBackendError
 from ..log import note
 from ..optim import DummyScheduler
@@ -67,7 +65,6 @@ class Strategy:
         self.state = state
         self.precision = precision
         self.handlers = handlers
-        self.models: list[torch.nn.Module] = []  # prepared by this strategy, in order
 
     # -- preparing ---------------------------------------------------------------------------------------------------
     def setup_model(self, model: torch.nn.Module, device_placement: bool = True,
@@ -75,7 +72,6 @@ class Strategy:
         if device_placement:
             model = model.to(self.state.device)
         self.precision.wrap_forward(model)
-        self.models.append(model)
         return model
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -138,85 +134,40 @@ class Strategy:
         torch.nn.utils.clip_grad_value_(list(parameters), clip_value)
 
     # -- state -------------------------------------------------------------------------------------------------------
-    # A checkpoint holds each model and optimizer either as full files written by the main process (safetensors,
-    # `optimizer.bin`, both keyed by parameter names) or as a DCP directory (`<stem>_dcp/`) that every process wrote
-    # its shards into. Every strategy reads both through torch's distributed state-dict API, so a checkpoint resumes
-    # under another strategy or world size.
+    # What a model's and optimizer's state is, through torch's distributed state-dict API; hf_backend.checkpoint
+    # decides where and how it is written. `sharded_checkpoints`: states are saved as each process's shards (DCP)
+    # rather than gathered full states. Both forms load under every strategy.
     sharded_checkpoints = False
+    native_checkpoints = False  # DeepSpeed: the engine writes and reads model and optimizer in its own format
     save_options = StateDictOptions()  # how full states are taken from this strategy's models
     load_options = StateDictOptions(strict=False)  # how full states are given back (missing tied keys checked)
 
-    def model_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """The full (unsharded) state dict; collective for sharded strategies, so call it on every process."""
-        return get_model_state_dict(model, options=self.save_options)
+    def model_state_dict(self, model: torch.nn.Module, sharded: bool = False) -> dict[str, torch.Tensor]:
+        """The full state dict (collective for sharded strategies: call it on every process), or with `sharded`
+        this process's shards."""
+        return get_model_state_dict(model, options=StateDictOptions() if sharded else self.save_options)
 
-    def save_model_state(self, model: torch.nn.Module, directory: Path, stem: str, safe_serialization: bool) -> None:
-        if self.sharded_checkpoints:
-            dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(Path(directory) / f"{stem}_dcp"))
-            return
-        state_dict = self.model_state_dict(model)
-        if self.state.is_main_process:
-            write_weights(state_dict, directory, filename_stem=stem, safe_serialization=safe_serialization,
-                          tied_keys=tied_weight_keys(self.unwrap_model(model)))
+    def load_model_state_dict(self, model: torch.nn.Module, state_dict: dict[str, Any], sharded: bool = False) -> Any:
+        """Give the model a full state dict (or, with `sharded`, this process's shards); returns torch's missing and
+        unexpected keys."""
+        return set_model_state_dict(model, state_dict, options=StateDictOptions() if sharded else self.load_options)
 
-    def load_model_state(self, model: torch.nn.Module, directory: Path, stem: str) -> None:
-        sharded = Path(directory) / f"{stem}_dcp"
-        if sharded.is_dir():
-            state_dict = {"model": get_model_state_dict(model)}
-            dcp.load(state_dict, checkpoint_id=str(sharded))
-            set_model_state_dict(model, state_dict["model"])
-        else:
-            result = set_model_state_dict(model, read_state_dict(directory, stem), options=self.load_options)
-            check_loaded(self.unwrap_model(model), result, directory)
+    def optimizer_state_dict(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                             sharded: bool = False) -> dict[str, Any]:
+        """The optimizer's state keyed by parameter names: full, or with `sharded` this process's shards."""
+        return get_optimizer_state_dict(model, optimizer, options=StateDictOptions() if sharded else self.save_options)
 
-    def save_optimizer_state(self, optimizer: Any, directory: Path, name: str) -> None:
-        inner = getattr(optimizer, "optimizer", optimizer)
-        model = self.model_of(inner)
-        if self.sharded_checkpoints:
-            dcp.save({"optimizer": get_optimizer_state_dict(model, inner)},
-                     checkpoint_id=str(Path(directory) / f"{name}_dcp"))
-            return
-        state_dict = get_optimizer_state_dict(model, inner, options=self.save_options)
-        if self.state.is_main_process:
-            torch.save(state_dict, Path(directory) / f"{name}.bin")
+    def load_optimizer_state_dict(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                                  state_dict: dict[str, Any], sharded: bool = False) -> None:
+        set_optimizer_state_dict(model, optimizer, state_dict,
+                                 options=StateDictOptions() if sharded else self.load_options)
 
-    def load_optimizer_state(self, optimizer: Any, directory: Path, name: str, filename: str | None = None) -> None:
-        """Read `<name>_dcp/` or the full file `filename` (default `<name>.bin`), keyed by parameter names or, as
-        torch's own `optimizer.state_dict()` (transformers' `optimizer.pt`), by position."""
-        inner = getattr(optimizer, "optimizer", optimizer)
-        model = self.model_of(inner)
-        sharded = Path(directory) / f"{name}_dcp"
-        if sharded.is_dir() and filename is None:
-            state_dict = {"optimizer": get_optimizer_state_dict(model, inner)}
-            dcp.load(state_dict, checkpoint_id=str(sharded))
-            set_optimizer_state_dict(model, inner, state_dict["optimizer"])
-        else:
-            path = Path(directory) / (filename or f"{name}.bin")
-            state_dict = _keyed_by_name(load_file(path), inner, self.unwrap_model(model), path)
-            set_optimizer_state_dict(model, inner, state_dict, options=self.load_options)
+    def save_native(self, directory: Path, tag: str) -> None:
+        """Write model and optimizer in the engine's own format under `directory/tag` (`native_checkpoints`)."""
+        raise HfBackendError(f"{type(self).__name__} has no checkpoint format of its own")
 
-    def model_of(self, optimizer: torch.optim.Optimizer) -> torch.nn.Module:
-        """The prepared model whose parameters `optimizer` updates."""
-        ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        for model in self.models:
-            if any(id(p) in ids for p in model.parameters()):
-                return model
-        raise HfBackendError("an optimizer's parameters belong to no prepared model; prepare the model with it")
+    def load_native(self, directory: Path, tag: str) -> None:
+        raise HfBackendError(f"{type(self).__name__} has no checkpoint format of its own")
 
-
-def _keyed_by_name(state_dict: dict[str, Any], optimizer: torch.optim.Optimizer, model: torch.nn.Module,
-                   path: Path) -> dict[str, Any]:
-    """A full optimizer state keyed by parameter names. torch's `optimizer.state_dict()` numbers the parameters in
-    the order of its param groups; the same groups of this optimizer say which parameter each number is."""
-    saved = state_dict.get("param_groups", [])
-    if not any(isinstance(p, int) for group in saved for p in group["params"]):
-        return state_dict  # already by name
-    shapes, mine = [len(g["params"]) for g in saved], [len(g["params"]) for g in optimizer.param_groups]
-    if shapes != mine:
-        raise HfBackendError(f"{path}: its optimizer has param groups of {shapes} parameters, this one {mine}; "
-                             "resume with the optimizer set up as when it was saved")
-    names = {id(p): n for n, p in model.named_parameters()}
-    name_of = {i: names[id(p)] for group, mine in zip(saved, optimizer.param_groups)
-               for i, p in zip(group["params"], mine["params"])}
-    return {"state": {name_of[i]: value for i, value in state_dict.get("state", {}).items()},
-            "param_groups": [{**group, "params": [name_of[i] for i in group["params"]]} for group in saved]}
+    def reset(self) -> None:
+        """Drop every reference to prepared objects this strategy holds (`Accelerator.free_memory`)."""

@@ -208,7 +208,6 @@ class DeepSpeedStrategy(Strategy):
         if self.engine is None:
             raise HfBackendError("DeepSpeed: prepare() the model together with its optimizer (and training "
                                  "DataLoader) in one call")
-        self.models.append(self.engine)
         return self.engine
 
     def compile_model(self, model: torch.nn.Module, plugin: Any) -> torch.nn.Module:
@@ -263,28 +262,27 @@ class DeepSpeedStrategy(Strategy):
         return model is self.engine
 
     # -- state -------------------------------------------------------------------------------------------------------
-    def model_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    native_checkpoints = True  # the engine's checkpoint holds the (partitioned) optimizer state with the model
+
+    def model_state_dict(self, model: torch.nn.Module, sharded: bool = False) -> dict[str, torch.Tensor]:
         """Full weights; under ZeRO-3 gathered (16-bit when training in bf16) onto rank 0, other ranks get {}."""
         if self.zero_stage == 3:
             return self.engine._zero3_consolidated_16bit_state_dict() or {}
         return self.engine.module.state_dict()
 
-    def save_model_state(self, model: torch.nn.Module, directory: Path, stem: str, safe_serialization: bool) -> None:
-        self.engine.save_checkpoint(str(directory), tag=f"{stem}_deepspeed")
+    def save_native(self, directory: Path, tag: str) -> None:
+        self.engine.save_checkpoint(str(directory), tag=tag)
 
-    def load_model_state(self, model: torch.nn.Module, directory: Path, stem: str) -> None:
-        tag = f"{stem}_deepspeed"
-        if not (Path(directory) / tag).is_dir():
-            raise HfBackendError(f"load_state: {directory} was not saved by a DeepSpeed run (no {tag}/); resume it "
-                                 "with the strategy that wrote it")
-        self.engine.load_checkpoint(str(directory), tag=tag, load_optimizer_states=True,
-                                    load_lr_scheduler_states=False)
+    def load_native(self, directory: Path, tag: str) -> None:
+        self.engine.load_checkpoint(str(directory), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False)
 
-    def save_optimizer_state(self, optimizer: Any, directory: Path, name: str) -> None:
-        """Saved with the model: DeepSpeed's checkpoint holds the (partitioned) optimizer state."""
-
-    def load_optimizer_state(self, optimizer: Any, directory: Path, name: str) -> None:
-        """Loaded with the model."""
+    def reset(self) -> None:
+        """The engine's hooks on the parameters (held by autograd, out of Python's garbage collector's reach) would
+        keep model and optimizer alive: DeepSpeed's `destroy` removes them."""
+        if self.engine is not None:
+            self.engine.destroy()
+            _forget_zero3_module(self.engine.module)
+        self.engine = self._client_optimizer = None
 
 
 class _EngineSteps(torch.optim.Optimizer):
@@ -357,6 +355,16 @@ def _partition_at_construction(config: dict[str, Any], bf16: bool) -> Any:
     construction.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1)
     construction.setdefault("bf16", {})["enabled"] = bf16
     return HfDeepSpeedConfig(construction)
+
+
+def _forget_zero3_module(module: torch.nn.Module) -> None:
+    """ZeRO-3 pushes the model onto a module-level stack when it sets up its hooks and `destroy` leaves it there
+    (DeepSpeed 0.19), which keeps a freed model alive for the life of the process."""
+    from deepspeed.runtime.zero import parameter_offload
+
+    stack = getattr(parameter_offload, "FWD_MODULE_STACK", None)
+    if isinstance(stack, list):
+        stack[:] = [m for m in stack if m is not module]
 
 
 def _without_auto(config: Any) -> Any:

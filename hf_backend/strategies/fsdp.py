@@ -52,8 +52,6 @@ class FSDPStrategy(Strategy):
     def setup_model(self, model: torch.nn.Module, device_placement: bool = True,
                     evaluation_mode: bool = False) -> torch.nn.Module:
         if isinstance(model, FSDPModule):  # sharded by an earlier prepare (transformers evaluates, frees, trains)
-            if not any(model is m for m in self.models):
-                self.models.append(model)
             return model
         before = list(model.parameters())  # what an optimizer built before prepare holds; mapped to the shards below
         efficient = self.options.fsdp_cpu_ram_efficient_loading
@@ -179,6 +177,9 @@ class FSDPStrategy(Strategy):
     # full state gives every rank the whole tensors to keep its shard of.
     save_options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     load_options = StateDictOptions(full_state_dict=True, strict=False)
+
+    def reset(self) -> None:
+        self._new_params.clear()
 
 
 def _dtype(value: Any) -> torch.dtype | None:

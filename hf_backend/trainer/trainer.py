@@ -20,16 +20,13 @@ from __future__ import annotations
 
 import functools
 import os
-import re
 import signal
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
-from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME, TRAINING_ARGS_NAME
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.trainer import TRAINING_ARGS_NAME
 
 from .. import checkpoint
 from ..accelerator import Accelerator
@@ -42,6 +39,7 @@ from ..options import (
     GradientAccumulationPlugin,
     TorchDynamoPlugin,
 )
+from ..prepared import PreparedObjects
 from . import transformers_compat as compat
 from .arguments import TrainingArguments
 from .jit_checkpoint import JITCheckpoint
@@ -151,7 +149,7 @@ class Trainer(transformers.Trainer):
             raise HfBackendError("auto_find_batch_size does not work with DeepSpeed ZeRO-3; set the batch size")
 
     def _sharded_weights(self) -> bool:
-        return self.is_fsdp_enabled and self.accelerator.strategy.sharded_checkpoints
+        return self.is_fsdp_enabled and self.accelerator.checkpoint_io.sharded
 
     # transformers' epoch loop, with the engine's skip_first_batches (the original builds Accelerate's PartialState).
     _run_epoch = compat.borrowed_run_epoch(skip_first_batches=_skip_first_batches)
@@ -214,7 +212,7 @@ class Trainer(transformers.Trainer):
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if _internal_call:  # a checkpoint: each process writes its shards (model_dcp/), no full copy is gathered
             os.makedirs(output_dir, exist_ok=True)
-            self.accelerator.strategy.save_model_state(self.model_wrapped, Path(output_dir), "model", True)
+            self.accelerator.checkpoint_io.save_weights(self.model_wrapped, output_dir)
             self._save_model_files(output_dir)
         else:  # the user's save: full weights that from_pretrained reads, gathered from the shards (collective)
             state_dict = self.accelerator.get_state_dict(self.model_wrapped)
@@ -238,75 +236,62 @@ class Trainer(transformers.Trainer):
         if not self._engine_writes_optimizer():  # transformers' optimizer.pt / scheduler.pt, or DeepSpeed's checkpoint
             super()._save_optimizer_and_scheduler(output_dir)
         os.makedirs(output_dir, exist_ok=True)
-        acc = self.accelerator
-        checkpoint.write_state(Path(output_dir), self._training_state(self._engine_writes_optimizer()),
-                               state=acc.process, strategy=acc.strategy, scaler=None,
-                               extra={"written_by": "hf_backend.Trainer"}, rng=False)
+        self.accelerator.checkpoint_io.write(output_dir, self._training_state(self._engine_writes_optimizer()),
+                                             rng=False, scaler=False, extra={"written_by": "hf_backend.Trainer"})
 
     def _engine_writes_optimizer(self) -> bool:
         """FSDP's optimizer state is sharded: the engine writes it (and the scheduler beside it). Elsewhere
         transformers' own files are written, which transformers.Trainer resumes from too."""
         return self.is_fsdp_enabled and not self.is_deepspeed_enabled
 
-    def _training_state(self, optimizer_and_scheduler: bool) -> checkpoint.Checkpointable:
+    def _training_state(self, optimizer_and_scheduler: bool) -> PreparedObjects:
         """The train loader position, and the optimizer and scheduler when the engine keeps them; the Trainer itself
         writes the weights, RNG and scaler files."""
         loaders = [self._train_loader] if self._train_loader is not None else []
         if not optimizer_and_scheduler:
-            return checkpoint.Checkpointable(dataloaders=loaders)
-        return checkpoint.Checkpointable(optimizers=[self.optimizer], schedulers=[self.lr_scheduler],
-                                         dataloaders=loaders)
+            return PreparedObjects(dataloaders=loaders)
+        return PreparedObjects(optimizers=[self.optimizer], schedulers=[self.lr_scheduler], dataloaders=loaders)
 
     def _load_optimizer_and_scheduler(self, checkpoint_dir: str | None) -> None:
         if checkpoint_dir is None:
             return
-        path = Path(checkpoint_dir)
-        ours = (path / checkpoint.METADATA).is_file()
-        transformers_files = (path / OPTIMIZER_NAME).is_file() and (path / SCHEDULER_NAME).is_file()
+        io = self.accelerator.checkpoint_io
+        ours = checkpoint.layout.holds_engine_state(checkpoint_dir)
+        transformers_files = checkpoint.layout.holds_trainer_optimizer(checkpoint_dir)
         if self.is_deepspeed_enabled or (transformers_files and not self._engine_writes_optimizer()):
             super()._load_optimizer_and_scheduler(checkpoint_dir)  # DeepSpeed's, or transformers' own files
         elif transformers_files:  # written without FSDP (by either Trainer), resumed under FSDP: sharded here
-            self.accelerator.strategy.load_optimizer_state(self.optimizer, path, "optimizer", OPTIMIZER_NAME)
-            self.lr_scheduler.load_state_dict(checkpoint.load_file(path / SCHEDULER_NAME))
+            io.read_trainer_optimizer(self.optimizer, self.lr_scheduler, checkpoint_dir)
         # The engine's optimizer and scheduler files: FSDP's, and those of earlier hf_backend checkpoints, which held
         # `optimizer.bin` / `scheduler.bin` in one process and under DDP too.
         engine_files = ours and not self.is_deepspeed_enabled and not transformers_files
         if ours:
-            acc = self.accelerator
-            checkpoint.load_checkpoint(checkpoint_dir, self._training_state(engine_files), state=acc.process,
-                                       strategy=acc.strategy, scaler=None, rng=False)
+            io.read(checkpoint_dir, self._training_state(engine_files), rng=False, scaler=False)
             if self.args.ignore_data_skip and self._train_loader is not None:
                 self._train_loader.skip_first_batches(0)  # the resumed epoch from its first batch, as transformers
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
         if not self.is_fsdp_enabled:
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        self.accelerator.strategy.load_model_state(model or self.model_wrapped, Path(resume_from_checkpoint), "model")
+        self.accelerator.checkpoint_io.load_weights(model or self.model_wrapped, resume_from_checkpoint)
 
     def _load_best_model(self) -> None:
         if not self.is_fsdp_enabled:
             return super()._load_best_model()
         best = self.state.best_model_checkpoint
         note(f"loading the best model from {best} (score: {self.state.best_metric})")
-        self.accelerator.strategy.load_model_state(self.model_wrapped, Path(best), "model")
+        self.accelerator.checkpoint_io.load_weights(self.model_wrapped, best)
 
 
 def _loss_of(outputs: Any) -> torch.Tensor:
     return outputs["loss"] if isinstance(outputs, dict) else outputs[0]
 
 
-_CHECKPOINT_NAME = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
-
-
 def last_complete_checkpoint(output_dir: str) -> str:
-    """The newest `checkpoint-{step}` in `output_dir` whose save finished (`trainer_state.json` is written last);
-    newer, interrupted ones are passed over with a note."""
-    root = Path(output_dir)
-    found = sorted(((int(m.group(1)), p) for p in (root.iterdir() if root.is_dir() else [])
-                    if p.is_dir() and (m := _CHECKPOINT_NAME.match(p.name))), reverse=True)
-    for _, path in found:
-        if (path / TRAINER_STATE_NAME).is_file():
-            return str(path)
-        note(f"{path} is incomplete (its save was interrupted: no {TRAINER_STATE_NAME}); resuming from an older one")
+    """The newest `checkpoint-{step}` in `output_dir` whose save finished; newer, interrupted ones are passed over
+    with a note."""
+    found = checkpoint.last_complete_trainer_checkpoint(output_dir)
+    if found is not None:
+        return str(found)
     raise ConfigError(f"resume_from_checkpoint=True: No valid checkpoint found in output directory ({output_dir}): "
                       "no complete checkpoint-* directory there; train without resuming or pass a checkpoint path")

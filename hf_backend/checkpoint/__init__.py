@@ -1,0 +1,17 @@
+"""Checkpoints: every file hf_backend writes or reads to save and resume training, and nothing else does.
+
+    layout.py       every name in a checkpoint directory (and the layout itself, documented there)
+    files.py        how bytes are written and read: safetensors weights, torch files, random generator states
+    directories.py  staging + rename (a save appears complete or not at all), automatic naming, rotation
+    state_io.py     CheckpointIO: a set of prepared objects to files and back, the strategy saying what each state is
+"""
+
+from __future__ import annotations
+
+from . import layout
+from .directories import automatic_dir, last_complete_trainer_checkpoint, latest_automatic_dir, rotate
+from .files import load_file, save_object
+from .state_io import CheckpointIO, apply_load_hooks, apply_save_hooks, read_metadata
+
+__all__ = ["CheckpointIO", "apply_load_hooks", "apply_save_hooks", "automatic_dir", "last_complete_trainer_checkpoint",
+           "latest_automatic_dir", "layout", "load_file", "read_metadata", "rotate", "save_object"]

@@ -1,0 +1,82 @@
+"""Checkpoint directories: a save appears complete or not at all, automatic naming and rotation, and which of a
+Trainer's checkpoints is the newest complete one."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..collectives import gather_object
+from ..errors import HfBackendError
+from ..log import note
+from ..state import ProcessState
+from . import layout
+
+
+def staged_write(target: Path, process: ProcessState, write: Callable[[Path], None]) -> None:
+    """Run `write(staging_dir)` on every process, then move the staging dir to `target` in one rename.
+
+    When the processes name different directories (each its own, as Accelerate allows), each process stages and
+    renames its own, holding its part of the checkpoint."""
+    own = process.distributed and len(set(gather_object(str(target.resolve())))) > 1
+    if own:
+        staged_write(target, dataclasses.replace(process, num_processes=1, process_index=0), write)
+        process.wait_for_everyone()
+        return
+    staging = layout.staging_dir(target)
+    if process.is_main_process:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+    process.wait_for_everyone()
+    write(staging)
+    process.wait_for_everyone()
+    if process.is_main_process:
+        previous = layout.previous_dir(target)
+        if target.exists():
+            shutil.rmtree(previous, ignore_errors=True)
+            target.rename(previous)
+        staging.rename(target)
+        shutil.rmtree(previous, ignore_errors=True)
+    process.wait_for_everyone()
+
+
+def automatic_dir(config: Any) -> Path:
+    """Where `save_state()` without a directory writes: the next automatic checkpoint of a ProjectConfiguration."""
+    if not config.automatic_checkpoint_naming:
+        raise HfBackendError("save_state() needs a directory, or ProjectConfiguration(automatic_checkpoint_naming="
+                             "True, project_dir=...)")
+    if config.project_dir is None:
+        raise HfBackendError("save_state(): automatic checkpoint naming needs project_dir; pass "
+                             "Accelerator(project_dir=...) or ProjectConfiguration(project_dir=...)")
+    return layout.automatic_dir(config.project_dir, config.iteration)
+
+
+def latest_automatic_dir(config: Any) -> Path:
+    """What `load_state()` without a directory reads: the newest automatic checkpoint."""
+    found = layout.automatic_dirs(config.project_dir) if config.project_dir else []
+    if not found:
+        raise HfBackendError(f"load_state(): no checkpoint under {config.project_dir}/checkpoints; pass the "
+                             "directory save_state wrote")
+    return found[-1]
+
+
+def rotate(project_dir: str, total_limit: int) -> None:
+    """Keep the newest `total_limit` automatic checkpoints."""
+    for old in layout.automatic_dirs(project_dir)[:-total_limit]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def last_complete_trainer_checkpoint(output_dir: str) -> Path | None:
+    """The newest `checkpoint-{step}` in `output_dir` whose save finished (`trainer_state.json` is written last);
+    newer, interrupted ones are passed over with a note. None when there is none."""
+    root = Path(output_dir)
+    found = sorted(((int(m.group(1)), p) for p in (root.iterdir() if root.is_dir() else [])
+                    if p.is_dir() and (m := layout.TRAINER_CHECKPOINT.match(p.name))), reverse=True)
+    for _, path in found:
+        if (path / layout.TRAINER_STATE).is_file():
+            return path
+        note(f"{path} is incomplete (its save was interrupted: no {layout.TRAINER_STATE}); resuming from an older one")
+    return None

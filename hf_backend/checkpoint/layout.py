@@ -1,0 +1,112 @@
+"""Every name in a checkpoint directory, in one place (no other module spells a checkpoint file).
+
+A state checkpoint (`save_state`; object i > 0 of a kind gets an `_i` suffix):
+
+    hf_backend_checkpoint.json   what was saved: format version, counts, world size, accumulation step, iteration
+    model.safetensors            full weights (sharded with an index JSON when large), or
+    model_dcp/                   each process's shards (torch.distributed.checkpoint), or
+    model_deepspeed/             DeepSpeed's own checkpoint of model and optimizer (with its `latest` file)
+    optimizer.bin | optimizer_dcp/
+    scheduler.bin  dataloader.bin  custom_checkpoint_0.pkl  scaler.pt
+    rng_state_{rank}.pt          python, numpy, torch (and CUDA) generator states of each process
+
+Automatic checkpoints (`ProjectConfiguration(automatic_checkpoint_naming=True)`) are `project_dir/checkpoints/
+checkpoint_{n}`. A save is staged in `<dir>.incomplete`; an overwritten checkpoint waits in `<dir>.previous` until the
+new one is in place. transformers' Trainer checkpoints (`checkpoint-{step}/` with `trainer_state.json`,
+`optimizer.pt`, `scheduler.pt`) are named here too, for hf_backend.Trainer.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+METADATA = "hf_backend_checkpoint.json"
+FORMAT_VERSION = 1
+SCALER = "scaler.pt"
+STAGING_SUFFIX = ".incomplete"
+PREVIOUS_SUFFIX = ".previous"
+PRETRAINED_STEM = "model"  # the weights `save_model` writes, in the layout `from_pretrained` reads
+RAY_MODEL_DIR = "model"  # where ray_train.report puts `save_model`'s output in a Ray checkpoint
+
+# transformers' Trainer checkpoint (the names transformers.trainer uses; the engine does not import transformers)
+TRAINER_STATE = "trainer_state.json"
+TRAINER_OPTIMIZER = "optimizer.pt"
+TRAINER_SCHEDULER = "scheduler.pt"
+TRAINER_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+
+_AUTOMATIC = re.compile(r"^checkpoint_(\d+)$")
+
+
+def indexed(stem: str, index: int, ext: str = "") -> str:
+    """`model`, `model_1`, ... for the i-th object of a kind."""
+    return f"{stem}{'' if index == 0 else f'_{index}'}{ext}"
+
+
+def model_stem(index: int) -> str:
+    return indexed("model", index)
+
+
+def optimizer_stem(index: int) -> str:
+    return indexed("optimizer", index)
+
+
+def full_optimizer_file(stem: str) -> str:
+    return f"{stem}.bin"
+
+
+def sharded_dir(stem: str) -> str:
+    """The DCP directory every process writes its shards of one model or optimizer into."""
+    return f"{stem}_dcp"
+
+
+def native_dir(stem: str) -> str:
+    """The tag under which DeepSpeed's engine writes its own checkpoint."""
+    return f"{stem}_deepspeed"
+
+
+def scheduler_file(index: int) -> str:
+    return indexed("scheduler", index, ".bin")
+
+
+def dataloader_file(index: int) -> str:
+    return indexed("dataloader", index, ".bin")
+
+
+def custom_file(index: int) -> str:
+    return f"custom_checkpoint_{index}.pkl"
+
+
+def rng_file(process_index: int) -> str:
+    return f"rng_state_{process_index}.pt"
+
+
+def automatic_dir(project_dir: str | Path, iteration: int) -> Path:
+    return Path(project_dir) / "checkpoints" / f"checkpoint_{iteration}"
+
+
+def automatic_dirs(project_dir: str | Path) -> list[Path]:
+    """The automatic checkpoints under `project_dir`, oldest first."""
+    root = Path(project_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _AUTOMATIC.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def staging_dir(target: Path) -> Path:
+    return target.with_name(target.name + STAGING_SUFFIX)
+
+
+def previous_dir(target: Path) -> Path:
+    return target.with_name(target.name + PREVIOUS_SUFFIX)
+
+
+def holds_engine_state(directory: Path) -> bool:
+    """A directory hf_backend wrote its state into (a `save_state` checkpoint, or the engine's part of a Trainer's)."""
+    return (Path(directory) / METADATA).is_file()
+
+
+def holds_trainer_optimizer(directory: Path) -> bool:
+    """transformers' own optimizer and scheduler files (either Trainer writes them outside FSDP and DeepSpeed)."""
+    return (Path(directory) / TRAINER_OPTIMIZER).is_file() and (Path(directory) / TRAINER_SCHEDULER).is_file()

@@ -1,0 +1,288 @@
+"""`CheckpointIO`: an Accelerator's training state to files and back.
+
+The strategy says *what* a model's or optimizer's state is (a full state dict gathered to the main process, or each
+process's shards, through torch's distributed state-dict API; DeepSpeed: its engine's own checkpoint); this module
+decides *where and how* it is written: full weights as safetensors by the main process, shards as one DCP directory
+that every process writes into. Either form loads under any strategy and world size, so a checkpoint resumes
+anywhere but in DeepSpeed's own format.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from ..errors import HfBackendError
+from ..precision import Precision
+from ..prepared import PreparedObjects
+from ..state import ProcessState
+from ..strategies.base import Strategy, is_compiled_module
+from . import layout
+from .directories import staged_write
+from .files import (
+    capture_rng,
+    check_loaded,
+    load_custom_object,
+    load_file,
+    read_weights,
+    restore_rng,
+    tied_weight_keys,
+    write_weights,
+)
+
+
+class CheckpointIO:
+    """Every read and write of training state; built by the Accelerator, used by it, hf_backend.Trainer and
+    hf_backend.ray_train (`accelerator.checkpoint_io`). Every method is called on every process."""
+
+    def __init__(self, process: ProcessState, strategy: Strategy, precision: Precision, prepared: PreparedObjects,
+                 progress: Callable[[], dict[str, Any]]) -> None:
+        self.process = process
+        self.strategy = strategy
+        self.precision = precision
+        self.prepared = prepared
+        self.progress = progress  # the facade's counters, written into the metadata
+
+    @property
+    def sharded(self) -> bool:
+        """Whether model and optimizer states are written as each process's shards."""
+        return self.strategy.sharded_checkpoints
+
+    # -- whole checkpoints ---------------------------------------------------------------------------------------------
+    def save(self, target: str | os.PathLike, objects: PreparedObjects | None = None, *,
+             safe_serialization: bool = True) -> Path:
+        """`write` into a new directory `target`, staged so that it appears complete or not at all."""
+        target = Path(target)
+        staged_write(target, self.process, lambda directory: self.write(directory, objects,
+                                                                        safe_serialization=safe_serialization))
+        return target
+
+    def write(self, directory: str | os.PathLike, objects: PreparedObjects | None = None, *, rng: bool = True,
+              scaler: bool = True, extra: dict[str, Any] | None = None, safe_serialization: bool = True) -> None:
+        """Write `objects` (default: everything prepared and registered) into the existing `directory`, unstaged;
+        `rng` / `scaler`: also this process's random states / the fp16 loss scaler (hf_backend.Trainer leaves both to
+        transformers); `extra` replaces the facade's counters in the metadata."""
+        directory, objects = Path(directory), objects if objects is not None else self.prepared
+        if rng:
+            torch.save(capture_rng(), directory / layout.rng_file(self.process.process_index))
+        for i, model in enumerate(objects.models):
+            self.save_weights(model, directory, layout.model_stem(i), safe_serialization)
+        if not self.strategy.native_checkpoints:  # DeepSpeed's engine wrote its optimizer with the model
+            for i, optimizer in enumerate(objects.optimizers):
+                self.save_optimizer(optimizer, directory, layout.optimizer_stem(i))
+        if not self.process.is_main_process:
+            return
+        for i, scheduler in enumerate(objects.schedulers):
+            torch.save(scheduler.state_dict(), directory / layout.scheduler_file(i))
+        for i, loader in enumerate(objects.dataloaders):
+            torch.save(loader.state_dict(), directory / layout.dataloader_file(i))
+        for i, obj in enumerate(objects.custom):
+            torch.save(obj.state_dict(), directory / layout.custom_file(i))
+        grad_scaler = self.precision.scaler if scaler else None
+        if grad_scaler is not None:
+            torch.save(grad_scaler.state_dict(), directory / layout.SCALER)
+        meta = {"format_version": layout.FORMAT_VERSION, "num_processes": self.process.num_processes,
+                "counts": objects.counts(), "scaler": grad_scaler is not None,
+                **(self.progress() if extra is None else extra)}
+        (directory / layout.METADATA).write_text(json.dumps(meta, indent=2))
+
+    def read(self, directory: str | os.PathLike, objects: PreparedObjects | None = None, *, rng: bool = True,
+             scaler: bool = True, models_taken_by_hooks: bool = False) -> dict[str, Any]:
+        """Restore `objects` (default: everything prepared and registered) from `directory`; returns its metadata.
+        `models_taken_by_hooks`: load-state hooks load some models themselves, so fewer models than the checkpoint
+        holds are read (in order, as Accelerate does)."""
+        directory, objects = Path(directory), objects if objects is not None else self.prepared
+        meta = read_metadata(directory)
+        for kind, saved in meta["counts"].items():
+            have = len(getattr(objects, kind))
+            if saved != have and not (kind == "models" and models_taken_by_hooks and have < saved):
+                raise HfBackendError(
+                    f"load_state: {directory} holds {saved} {kind} but {have} are prepared/registered; prepare and "
+                    "register the same objects, in the same order, as the run that saved it")
+        for i, model in enumerate(objects.models):
+            self.load_weights(model, directory, layout.model_stem(i))
+        if not self.strategy.native_checkpoints:
+            for i, optimizer in enumerate(objects.optimizers):
+                self.load_optimizer(optimizer, directory, layout.optimizer_stem(i))
+        for i, scheduler in enumerate(objects.schedulers):
+            scheduler.load_state_dict(load_file(directory / layout.scheduler_file(i)))
+        for i, loader in enumerate(objects.dataloaders):
+            loader.load_state_dict(load_file(directory / layout.dataloader_file(i)))
+        for i, obj in enumerate(objects.custom):
+            obj.load_state_dict(load_custom_object(directory / layout.custom_file(i)))
+        grad_scaler = self.precision.scaler if scaler else None
+        if grad_scaler is not None and meta.get("scaler"):
+            grad_scaler.load_state_dict(load_file(directory / layout.SCALER))
+        rng_file = directory / layout.rng_file(self.process.process_index)
+        if rng and rng_file.is_file():
+            restore_rng(load_file(rng_file))
+        return meta
+
+    # -- one model or optimizer ----------------------------------------------------------------------------------------
+    def save_weights(self, model: torch.nn.Module, directory: str | os.PathLike, stem: str = "model",
+                     safe_serialization: bool = True) -> None:
+        """The model's weights as a checkpoint holds them: each process's shards when `sharded`, else full files."""
+        directory = Path(directory)
+        if self.strategy.native_checkpoints:
+            self.strategy.save_native(directory, layout.native_dir(stem))
+        elif self.sharded:
+            dcp.save({"model": self.strategy.model_state_dict(model, sharded=True)},
+                     checkpoint_id=str(directory / layout.sharded_dir(stem)))
+        else:
+            state_dict = self.strategy.model_state_dict(model)
+            if self.process.is_main_process:
+                write_weights(state_dict, directory, filename_stem=stem, safe_serialization=safe_serialization,
+                              tied_keys=tied_weight_keys(self.strategy.unwrap_model(model)))
+
+    def load_weights(self, model: torch.nn.Module, directory: str | os.PathLike, stem: str = "model") -> None:
+        """Weights in either form (or DeepSpeed's own checkpoint, under DeepSpeed) into the prepared model."""
+        directory = Path(directory)
+        if self.strategy.native_checkpoints:
+            tag = layout.native_dir(stem)
+            if not (directory / tag).is_dir():
+                raise HfBackendError(f"load_state: {directory} was not saved by a DeepSpeed run (no {tag}/); resume "
+                                     "it with the strategy that wrote it")
+            self.strategy.load_native(directory, tag)
+            return
+        shards = directory / layout.sharded_dir(stem)
+        if shards.is_dir():
+            state_dict = {"model": self.strategy.model_state_dict(model, sharded=True)}
+            dcp.load(state_dict, checkpoint_id=str(shards))
+            self.strategy.load_model_state_dict(model, state_dict["model"], sharded=True)
+        else:
+            result = self.strategy.load_model_state_dict(model, read_weights(directory, stem))
+            check_loaded(self.strategy.unwrap_model(model), result, directory)
+
+    def save_optimizer(self, optimizer: Any, directory: str | os.PathLike, stem: str = "optimizer") -> None:
+        inner, model = self._optimizer_and_model(optimizer)
+        directory = Path(directory)
+        if self.sharded:
+            dcp.save({"optimizer": self.strategy.optimizer_state_dict(model, inner, sharded=True)},
+                     checkpoint_id=str(directory / layout.sharded_dir(stem)))
+            return
+        state_dict = self.strategy.optimizer_state_dict(model, inner)
+        if self.process.is_main_process:
+            torch.save(state_dict, directory / layout.full_optimizer_file(stem))
+
+    def load_optimizer(self, optimizer: Any, directory: str | os.PathLike, stem: str = "optimizer",
+                       file: str | None = None) -> None:
+        """Read the shards `<stem>_dcp/`, or the full file `file` (default `<stem>.bin`) keyed by parameter names
+        or, as torch's own `optimizer.state_dict()` (transformers' `optimizer.pt`), by position."""
+        inner, model = self._optimizer_and_model(optimizer)
+        directory = Path(directory)
+        shards = directory / layout.sharded_dir(stem)
+        if shards.is_dir() and file is None:
+            state_dict = {"optimizer": self.strategy.optimizer_state_dict(model, inner, sharded=True)}
+            dcp.load(state_dict, checkpoint_id=str(shards))
+            self.strategy.load_optimizer_state_dict(model, inner, state_dict["optimizer"], sharded=True)
+        else:
+            path = directory / (file or layout.full_optimizer_file(stem))
+            state_dict = keyed_by_name(load_file(path), inner, self.strategy.unwrap_model(model), path)
+            self.strategy.load_optimizer_state_dict(model, inner, state_dict)
+
+    def read_trainer_optimizer(self, optimizer: Any, scheduler: Any, directory: str | os.PathLike) -> None:
+        """transformers' `optimizer.pt` (keyed by position) and `scheduler.pt` into a prepared optimizer and
+        scheduler: how a Trainer checkpoint written without FSDP resumes under it."""
+        self.load_optimizer(optimizer, directory, file=layout.TRAINER_OPTIMIZER)
+        scheduler.load_state_dict(load_file(Path(directory) / layout.TRAINER_SCHEDULER))
+
+    def save_pretrained(self, model: torch.nn.Module, directory: str | os.PathLike, max_shard_size: int | str,
+                        safe_serialization: bool) -> None:
+        """Full weights in the layout `from_pretrained` reads, with the model's config.json when it has one."""
+        state_dict = self.strategy.model_state_dict(model)
+        if not self.process.is_main_process:
+            return
+        directory = Path(directory)
+        if directory.is_file():
+            raise HfBackendError(f"save_model: {directory} is a file; pass a directory")
+        directory.mkdir(parents=True, exist_ok=True)
+        inner = self.strategy.unwrap_model(model)
+        write_weights(state_dict, directory, filename_stem=layout.PRETRAINED_STEM, max_shard_size=max_shard_size,
+                      safe_serialization=safe_serialization, tied_keys=tied_weight_keys(inner))
+        config = getattr(inner, "config", None)
+        if hasattr(config, "save_pretrained"):
+            config.save_pretrained(directory)
+
+    def _optimizer_and_model(self, optimizer: Any) -> tuple[torch.optim.Optimizer, torch.nn.Module]:
+        """The torch optimizer inside a prepared one, and the prepared model whose parameters it updates."""
+        inner = getattr(optimizer, "optimizer", optimizer)
+        ids = {id(p) for group in inner.param_groups for p in group["params"]}
+        for model in self.prepared.models:
+            if any(id(p) in ids for p in model.parameters()):
+                return inner, model._orig_mod if is_compiled_module(model) else model
+        raise HfBackendError("an optimizer's parameters belong to no prepared model; prepare the model with it")
+
+
+def read_metadata(source: str | os.PathLike) -> dict[str, Any]:
+    source = Path(source)
+    if not source.is_dir():
+        raise HfBackendError(f"load_state: no checkpoint directory at {source}; pass the directory save_state wrote")
+    meta_path = source / layout.METADATA
+    if not meta_path.is_file():
+        raise HfBackendError(f"load_state: {source} is not an hf_backend checkpoint (no {layout.METADATA}); "
+                             "pass a directory written by Accelerator.save_state")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except json.JSONDecodeError as err:
+        raise HfBackendError(f"load_state: {meta_path} is corrupt (line {err.lineno}); use another checkpoint") \
+            from None
+    version = meta.get("format_version", 1)
+    if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= layout.FORMAT_VERSION:
+        raise HfBackendError(f"load_state: {meta_path} has format_version {version!r}; this hf_backend reads versions "
+                             f"1 to {layout.FORMAT_VERSION}: load it with the hf_backend that wrote it, or upgrade")
+    return meta
+
+
+def keyed_by_name(state_dict: dict[str, Any], optimizer: torch.optim.Optimizer, model: torch.nn.Module,
+                  path: Path) -> dict[str, Any]:
+    """A full optimizer state keyed by parameter names. torch's `optimizer.state_dict()` numbers the parameters in
+    the order of its param groups; the same groups of this optimizer say which parameter each number is."""
+    saved = state_dict.get("param_groups", [])
+    if not any(isinstance(p, int) for group in saved for p in group["params"]):
+        return state_dict  # already by name
+    shapes, mine = [len(g["params"]) for g in saved], [len(g["params"]) for g in optimizer.param_groups]
+    if shapes != mine:
+        raise HfBackendError(f"{path}: its optimizer has param groups of {shapes} parameters, this one {mine}; "
+                             "resume with the optimizer set up as when it was saved")
+    names = {id(p): n for n, p in model.named_parameters()}
+    name_of = {i: names[id(p)] for group, mine in zip(saved, optimizer.param_groups)
+               for i, p in zip(group["params"], mine["params"])}
+    return {"state": {name_of[i]: value for i, value in state_dict.get("state", {}).items()},
+            "param_groups": [{**group, "params": [name_of[i] for i in group["params"]]} for group in saved]}
+
+
+# -- Accelerate's save/load-state hooks --------------------------------------------------------------------------------
+def apply_save_hooks(hooks: Iterable[Callable], objects: PreparedObjects, output_dir: str | os.PathLike,
+                     state_dict: Callable[[torch.nn.Module], dict]) -> PreparedObjects:
+    """Run `register_save_state_pre_hook` hooks as `hook(models, weights, output_dir)`; a model whose state dict a
+    hook removed from `weights` is left out of the checkpoint (the hook saves it its own way)."""
+    hooks = list(hooks)
+    if not hooks:
+        return objects
+    weights = [state_dict(model) for model in objects.models]
+    kept = list(weights)
+    for hook in hooks:
+        hook(objects.models, kept, str(output_dir))
+    return objects.with_models([m for m, w in zip(objects.models, weights) if any(w is k for k in kept)])
+
+
+def apply_load_hooks(hooks: Iterable[Callable], objects: PreparedObjects,
+                     input_dir: str | os.PathLike) -> PreparedObjects:
+    """Run `register_load_state_pre_hook` hooks as `hook(models, input_dir)`; a model a hook removed from `models` is
+    not loaded (the hook loads it its own way)."""
+    hooks = list(hooks)
+    if not hooks:
+        return objects
+    models = list(objects.models)
+    for hook in hooks:
+        hook(models, str(input_dir))
+    return objects.with_models(models)
+
+
+__all__ = ["CheckpointIO", "apply_load_hooks", "apply_save_hooks", "keyed_by_name", "read_metadata"]

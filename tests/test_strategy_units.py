@@ -1,0 +1,130 @@
+"""The fast unit layer: each strategy's contract checked in this process, in seconds, on a gloo group of one.
+
+No processes are started: a world of one runs the same code as a larger world (DDP's reducer, FSDP2's DTensors,
+DeepSpeed's engine) but for the communication. What only several processes show (sharding, gathering, parity with
+DDP) is in test_fsdp.py, test_deepspeed.py and test_engine_loops.py.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hf_backend.checkpoint import CheckpointIO
+from hf_backend.config.plugins import DeepSpeedPlugin, FullyShardedDataParallelPlugin
+from hf_backend.gradient_state import GradientState
+from hf_backend.options import GradientAccumulationPlugin, Handlers
+from hf_backend.precision import Precision
+from hf_backend.prepared import PreparedObjects
+from hf_backend.state import ProcessState
+from hf_backend.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, SingleDeviceStrategy
+
+STRATEGIES = ["single", "ddp", "fsdp_full", "fsdp_sharded", "zero2", "zero3"]
+
+
+@pytest.fixture(scope="module")
+def world_of_one():
+    """A gloo process group of one in this process, torn down after the module (later tests see no group)."""
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LOCAL_RANK", "0")  # DeepSpeed's engine insists on it
+        yield ProcessState(device=torch.device("cpu"), num_processes=1, process_index=0, local_process_index=0,
+                           local_num_processes=1, backend="gloo")
+    dist.destroy_process_group()
+
+
+def make_strategy(kind: str, process: ProcessState):
+    precision, handlers = Precision("no", process.device, None, None), Handlers()
+    if kind == "single":
+        return SingleDeviceStrategy(process, precision, handlers)
+    if kind == "ddp":
+        return DDPStrategy(process, precision, handlers)
+    if kind.startswith("fsdp"):
+        plugin = FullyShardedDataParallelPlugin(
+            auto_wrap_policy="SIZE_BASED_WRAP", min_num_params=16,
+            state_dict_type="SHARDED_STATE_DICT" if kind == "fsdp_sharded" else "FULL_STATE_DICT")
+        return FSDPStrategy(process, precision, handlers, plugin)
+    pytest.importorskip("deepspeed")
+    gradient_state = GradientState(GradientAccumulationPlugin(num_steps=1))
+    plugin = DeepSpeedPlugin(hf_ds_config={"train_micro_batch_size_per_gpu": 2}, zero_stage=int(kind[-1]))
+    return DeepSpeedStrategy(process, precision, handlers, plugin, gradient_state)
+
+
+def prepare(strategy, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, PreparedObjects]:
+    """What `Accelerator.prepare(model, optimizer)` asks of a strategy."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    strategy.bind([model, optimizer])
+    model = strategy.setup_model(model)
+    optimizer = strategy.setup_optimizer(optimizer)
+    return model, optimizer, PreparedObjects(models=[model], optimizers=[optimizer])
+
+
+def train_step(strategy, model, optimizer) -> None:
+    x, y = torch.arange(8.0).reshape(2, 4) / 8, torch.tensor([0, 1])
+    strategy.backward(torch.nn.functional.cross_entropy(model(x), y), 1, True)
+    inner = getattr(optimizer, "optimizer", optimizer)
+    if not strategy.native_checkpoints:  # DeepSpeed's engine stepped inside backward
+        inner.step()
+        inner.zero_grad()
+
+
+def full_weights(strategy, model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone().float() for k, v in strategy.model_state_dict(model).items()}
+
+
+@pytest.mark.parametrize("kind", STRATEGIES)
+def test_checkpoint_round_trip(world_of_one, tmp_path, kind):
+    strategy = make_strategy(kind, world_of_one)
+    model, optimizer, prepared = prepare(strategy, seed=0)
+    train_step(strategy, model, optimizer)
+    io = CheckpointIO(world_of_one, strategy, strategy.precision, prepared, lambda: {})
+    io.write(tmp_path)
+    saved = full_weights(strategy, model)
+    layout = sorted(p.name for p in tmp_path.iterdir())
+    expected = {"single": "model.safetensors", "ddp": "model.safetensors", "fsdp_full": "model.safetensors",
+                "fsdp_sharded": "model_dcp", "zero2": "model_deepspeed", "zero3": "model_deepspeed"}[kind]
+    assert expected in layout, layout
+
+    other = make_strategy(kind, world_of_one)
+    model2, optimizer2, prepared2 = prepare(other, seed=1)
+    assert any(not torch.equal(saved[k], v) for k, v in full_weights(other, model2).items())
+    CheckpointIO(world_of_one, other, other.precision, prepared2, lambda: {}).read(tmp_path)
+    loaded = full_weights(other, model2)
+    assert saved.keys() == loaded.keys()
+    for key in saved:
+        torch.testing.assert_close(loaded[key], saved[key], rtol=0, atol=0)
+    # the optimizer continues identically: one more step on each gives the same weights
+    train_step(strategy, model, optimizer)
+    train_step(other, model2, optimizer2)
+    after, after2 = full_weights(strategy, model), full_weights(other, model2)
+    for key in after:
+        torch.testing.assert_close(after2[key], after[key], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", STRATEGIES)
+def test_reset_releases_the_model(world_of_one, kind):
+    strategy = make_strategy(kind, world_of_one)
+    model, optimizer, prepared = prepare(strategy, seed=0)
+    train_step(strategy, model, optimizer)
+    probe = weakref.ref(strategy.unwrap_model(model))
+    prepared.clear()
+    strategy.reset()
+    del model, optimizer
+    gc.collect()
+    assert probe() is None, gc.get_referrers(probe())
+
+
+@pytest.mark.parametrize("kind", ["single", "ddp", "fsdp_full"])
+def test_full_optimizer_state_is_keyed_by_parameter_names(world_of_one, kind):
+    strategy = make_strategy(kind, world_of_one)
+    model, optimizer, _ = prepare(strategy, seed=0)
+    train_step(strategy, model, optimizer)
+    state = strategy.optimizer_state_dict(model, optimizer)
+    assert sorted(state["state"]) == ["0.bias", "0.weight", "2.bias", "2.weight"]
