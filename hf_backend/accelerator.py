@@ -237,17 +237,19 @@ class Accelerator(ProcessView, compat.AccelerateMembers):
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer | DummyOptim) -> AcceleratedOptimizer:
         if isinstance(optimizer, AcceleratedOptimizer):
             return optimizer
-        wrapped = AcceleratedOptimizer(self.strategy.setup_optimizer(optimizer), self.gradient_state, self.scaler)
+        inner = self.strategy.setup_optimizer(optimizer)
+        wrapped = AcceleratedOptimizer(inner, self.gradient_state, self.scaler, self.strategy.steps_in_backward(inner))
         self._objects.optimizers.append(wrapped)
         return wrapped
 
     def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
         if isinstance(scheduler, AcceleratedScheduler):
             return scheduler
-        inner = getattr(scheduler, "optimizer", None)
-        linked = [opt for opt in self._objects.optimizers if opt.optimizer is inner] or list(self._objects.optimizers)
-        wrapped = AcceleratedScheduler(self.strategy.setup_scheduler(scheduler), linked, self.gradient_state,
-                                       self.step_scheduler_with_optimizer, self.split_batches, self.num_processes)
+        steps = getattr(scheduler, "optimizer", None)
+        linked = [opt for opt in self._objects.optimizers if opt.optimizer is steps] or list(self._objects.optimizers)
+        inner = self.strategy.setup_scheduler(scheduler)
+        wrapped = AcceleratedScheduler(inner, linked, self.gradient_state, self.step_scheduler_with_optimizer,
+                                       self.split_batches, self.num_processes, self.strategy.steps_in_backward(inner))
         self._objects.schedulers.append(wrapped)
         return wrapped
 

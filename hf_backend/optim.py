@@ -12,15 +12,17 @@ from .gradient_state import GradientState
 class AcceleratedOptimizer(torch.optim.Optimizer):
     """Steps (and zeroes) only on gradient-sync steps; with fp16, steps through the GradScaler.
 
-    `step_was_skipped` is True after a step the scaler skipped because of inf/nan gradients.
+    `step_was_skipped` is True after a step the scaler skipped because of inf/nan gradients. `stepped_by_engine`:
+    the strategy's backward steps and zeroes the optimizer itself (DeepSpeed), so `step` and `zero_grad` do nothing.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, gradient_state: GradientState,
-                 scaler: torch.amp.GradScaler | None = None) -> None:
+                 scaler: torch.amp.GradScaler | None = None, stepped_by_engine: bool = False) -> None:
         # Deliberately not calling Optimizer.__init__: this object only forwards to `optimizer`.
         self.optimizer = optimizer
         self.gradient_state = gradient_state
         self.scaler = scaler
+        self.stepped_by_engine = stepped_by_engine
         self.step_was_skipped = False
 
     @property
@@ -49,11 +51,11 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self.optimizer.load_state_dict(state_dict)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self.gradient_state.sync_gradients:
+        if self.gradient_state.sync_gradients and not self.stepped_by_engine:
             self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def step(self, closure: Any = None) -> Any:
-        if not self.gradient_state.sync_gradients:
+        if not self.gradient_state.sync_gradients or self.stepped_by_engine:
             return None
         if self.scaler is None:
             self.step_was_skipped = False
@@ -81,17 +83,22 @@ class AcceleratedScheduler:
 
     A schedule is usually sized from `len(dataloader)` before `prepare`; each process then sees 1/N of the batches,
     so unless `split_batches` the scheduler advances N times per optimizer step, spanning the run as planned.
+    `stepped_by_engine`: the strategy steps it at each optimizer step (DeepSpeed's own scheduler); `step` does nothing.
     """
 
     def __init__(self, scheduler: Any, optimizers: list[AcceleratedOptimizer], gradient_state: GradientState,
-                 step_with_optimizer: bool = True, split_batches: bool = False, num_processes: int = 1) -> None:
+                 step_with_optimizer: bool = True, split_batches: bool = False, num_processes: int = 1,
+                 stepped_by_engine: bool = False) -> None:
         self.scheduler = scheduler
+        self.stepped_by_engine = stepped_by_engine
         self.optimizers = optimizers
         self.gradient_state = gradient_state
         self.step_with_optimizer = step_with_optimizer
         self.steps_per_update = 1 if split_batches else num_processes
 
     def step(self, *args: Any, **kwargs: Any) -> None:
+        if self.stepped_by_engine:
+            return
         if not self.step_with_optimizer:
             self.scheduler.step(*args, **kwargs)
             return

@@ -100,6 +100,11 @@ class Strategy:
         return torch.compile(model, **plugin.compile_kwargs())
 
     # -- training step -----------------------------------------------------------------------------------------------
+    def steps_in_backward(self, optimizer_or_scheduler: Any) -> bool:
+        """Whether `backward` already steps (and zeroes) this prepared optimizer or scheduler, so that the script's
+        `step()` / `zero_grad()` calls are no-ops (DeepSpeed's engine does)."""
+        return False
+
     def bind(self, objects: list[Any]) -> None:
         """Called by `prepare` with everything passed in one call, before any of it is prepared (DeepSpeed builds
         its engine from the model, optimizer and loader together)."""

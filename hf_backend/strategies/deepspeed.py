@@ -220,12 +220,20 @@ class DeepSpeedStrategy(Strategy):
         if optimizer is not self._client_optimizer:
             raise HfBackendError("DeepSpeed: prepare() the optimizer in the same call as its model")
         # DeepSpeed's own optimizer (config section) is the one whose param groups the engine steps.
-        return _EngineSteps(self.engine.optimizer if isinstance(optimizer, DummyOptim) else optimizer)
+        return self.engine.optimizer if isinstance(optimizer, DummyOptim) else optimizer
 
     def setup_scheduler(self, scheduler: Any) -> Any:
-        if isinstance(scheduler, DummyScheduler):
-            return _EngineScheduler(self.engine.lr_scheduler)
-        return scheduler
+        if not isinstance(scheduler, DummyScheduler):
+            return scheduler
+        if self.engine.lr_scheduler is None:
+            raise HfBackendError("DummyScheduler: DeepSpeed built no scheduler; check the config's scheduler section")
+        return self.engine.lr_scheduler
+
+    def steps_in_backward(self, optimizer_or_scheduler: Any) -> bool:
+        """The engine steps and zeroes the optimizer, and steps its own scheduler, at the end of each window."""
+        engine = self.engine
+        return engine is not None and any(optimizer_or_scheduler is own for own in (
+            engine.optimizer, self._client_optimizer, engine.lr_scheduler) if own is not None)
 
     # -- training step -----------------------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, accumulation_steps: int, sync: bool, **kwargs: Any) -> None:
@@ -283,60 +291,6 @@ class DeepSpeedStrategy(Strategy):
             self.engine.destroy()
             _forget_zero3_module(self.engine.module)
         self.engine = self._client_optimizer = None
-
-
-class _EngineSteps(torch.optim.Optimizer):
-    """What `prepare` returns for the optimizer: the engine steps and zeroes it inside `backward`, so these are
-    no-ops; the param groups are the optimizer's own, so a scheduler's learning rates reach the engine."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:  # not Optimizer.__init__: a view, not a copy
-        self.optimizer = optimizer
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
-
-    @property
-    def state(self) -> Any:
-        return self.optimizer.state
-
-    @property
-    def defaults(self) -> dict[str, Any]:
-        return self.optimizer.defaults
-
-    def step(self, closure: Any = None) -> None:
-        return None
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        return None
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        return None
-
-
-class _EngineScheduler:
-    """What `prepare` returns for a DummyScheduler: the engine steps DeepSpeed's scheduler at each optimizer step."""
-
-    def __init__(self, scheduler: Any) -> None:
-        if scheduler is None:
-            raise HfBackendError("DummyScheduler: DeepSpeed built no scheduler; check the config's scheduler section")
-        self.scheduler = scheduler
-        self._step_count = 0
-
-    def step(self, *args: Any, **kwargs: Any) -> None:
-        return None
-
-    def get_last_lr(self) -> list[float]:
-        return self.scheduler.get_last_lr()
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.scheduler.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.scheduler.load_state_dict(state_dict)
 
 
 def _partition_at_construction(config: dict[str, Any], bf16: bool) -> Any:
