@@ -1,14 +1,16 @@
 """A small BERT-shaped transformers model trained through the engine (DDP or FSDP), instrumented for the tests.
 
 Writes from rank 0 a JSON report: loss per optimizer step, per-rank bytes of parameters / gradients / optimizer state
-(measured from the local shards), and the logits of a fixed batch.
+(measured from the local shards), the logits of a fixed batch, and whether `free_memory` let the model go.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
+import weakref
 
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -150,6 +152,11 @@ def main() -> int:
     report["logits"] = logits.tolist()
     if args.save_model:
         accelerator.save_model(model, args.save_model)
+    probe = weakref.ref(accelerator.unwrap_model(model))
+    model, optimizer, loader, scheduler = accelerator.free_memory(model, optimizer, loader, scheduler)
+    del loss  # the script's own reference: the last loss's autograd graph reaches the model through FSDP's hooks
+    gc.collect()
+    report["model_freed"] = probe() is None  # nothing of the engine's (or DeepSpeed's) still holds the model
     if accelerator.is_main_process:
         report["per_rank"] = per_rank
         with open(args.out, "w") as f:
