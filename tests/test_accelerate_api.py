@@ -10,7 +10,7 @@ import logging
 
 import pytest
 import torch
-from conftest import run_script
+from helpers import run_script
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, TensorDataset
 
 from hf_backend import Accelerator, HfBackendError

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from conftest import SCRIPTS
+from helpers import SCRIPTS
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader, TensorDataset
 

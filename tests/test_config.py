@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import DOCS_FSDP_YAML
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -15,36 +16,6 @@ from hf_backend.cli.main import build_parser
 from hf_backend.config import reference
 from hf_backend.config.loader import ConfigError, load_config, validate, write_config
 from hf_backend.config.schema import LaunchConfig
-
-# The FSDP example of the Transformers docs (an `accelerate config` file), key for key.
-DOCS_FSDP_YAML = """\
-compute_environment: LOCAL_MACHINE
-debug: false
-distributed_type: FSDP
-downcast_bf16: 'no'
-fsdp_config:
-  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
-  fsdp_backward_prefetch_policy: BACKWARD_PRE
-  fsdp_forward_prefetch: true
-  fsdp_cpu_ram_efficient_loading: true
-  fsdp_offload_params: false
-  fsdp_sharding_strategy: 1
-  fsdp_state_dict_type: SHARDED_STATE_DICT
-  fsdp_sync_module_states: true
-  fsdp_transformer_layer_cls_to_wrap: BertLayer
-  fsdp_use_orig_params: true
-machine_rank: 0
-main_training_function: main
-mixed_precision: bf16
-num_machines: 1
-num_processes: 2
-rdzv_backend: static
-same_network: true
-tpu_env: []
-tpu_use_cluster: false
-tpu_use_sudo: false
-use_cpu: false
-"""
 
 
 def _write(tmp_path: Path, text: str, name: str = "c.yaml") -> Path:

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 import torch
-from conftest import BERT_LOOP, BERT_TRAIN, SCRIPTS, relative_difference, run_report
+from helpers import BERT_LOOP, BERT_TRAIN, relative_difference, run_report
 
 from hf_backend import DeepSpeedPlugin, HfBackendError
 from hf_backend.gradient_state import GradientState
@@ -17,8 +16,7 @@ from hf_backend.state import ProcessState
 
 pytest.importorskip("deepspeed")
 transformers = pytest.importorskip("transformers")
-sys.path.insert(0, str(SCRIPTS))
-from bert_loop import CONFIG, data  # noqa: E402
+from bert_loop import CONFIG, data  # noqa: E402 - tests/scripts, on pytest's `pythonpath` (pyproject)
 
 from hf_backend.strategies import DeepSpeedStrategy  # noqa: E402
 

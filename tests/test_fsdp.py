@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 import torch
-from conftest import BERT_LOOP, BERT_TRAIN, SCRIPTS, relative_difference, run_report
-from test_cli import cli
-from test_config import DOCS_FSDP_YAML
+from helpers import BERT_LOOP, BERT_TRAIN, DOCS_FSDP_YAML, SCRIPTS, cli, relative_difference, run_report, run_script
 
 from hf_backend import FullyShardedDataParallelPlugin, HfBackendError
 from hf_backend.options import Handlers
@@ -18,8 +15,7 @@ from hf_backend.state import ProcessState
 from hf_backend.strategies import FSDPStrategy
 
 transformers = pytest.importorskip("transformers")
-sys.path.insert(0, str(SCRIPTS))
-from bert_loop import CONFIG, data  # noqa: E402
+from bert_loop import CONFIG, data  # noqa: E402 - tests/scripts, on pytest's `pythonpath` (pyproject)
 
 LOOP, TRAIN, _relative = BERT_LOOP, BERT_TRAIN, relative_difference
 
@@ -153,8 +149,6 @@ def test_cpu_ram_efficient_loading_with_from_pretrained(tmp_path):
 
 def test_mixed_precision_policy_and_activation_checkpointing(tmp_path):
     out = tmp_path / "r.json"
-    from conftest import run_script
-
     run_script("fsdp_options.py", [str(out)], nproc=2)
     seen = json.loads(out.read_text())
     assert seen["bf16_policy"]["param_dtype"] == "torch.float32"  # sharded master weights stay fp32
