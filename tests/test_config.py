@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from hf_backend.cli.launch import effective_config
 from hf_backend.cli.main import build_parser
 from hf_backend.config import reference
 from hf_backend.config.loader import ConfigError, load_config, validate, write_config
-from hf_backend.config.schema import LaunchConfig
+from hf_backend.config.schema import DeepSpeedSection, FsdpSection, LaunchConfig, fields_of
 
 
 def _write(tmp_path: Path, text: str, name: str = "c.yaml") -> Path:
@@ -123,7 +124,32 @@ def test_mutated_config_files_load_or_fail_with_one_config_error_line(tmp_path, 
     except ConfigError as err:
         assert "\n" not in str(err) and str(path) in str(err)
     else:
-        assert isinstance(config, LaunchConfig)
+        _assert_valid(config)
+        assert load_config(write_config(config, tmp_path / "again.yaml")) == config
+
+
+_TYPES = {"bool": bool, "int": int, "float": float, "str": str, "dict": dict, "list": list}
+
+
+def _assert_valid(config: LaunchConfig) -> None:
+    """What a config that loaded promises: each value (sections included) of its key's type, among its choices and
+    not below its minimum, and the keys that must agree agree."""
+    for model, values in ((LaunchConfig, dataclasses.asdict(config)), (FsdpSection, config.fsdp_config),
+                          (DeepSpeedSection, config.deepspeed_config)):
+        fields = fields_of(model)
+        assert set(values) <= set(fields), f"{model.__name__}: unknown keys {set(values) - set(fields)}"
+        for name, value in values.items():
+            meta, annotation = fields[name].metadata, str(fields[name].type)
+            if value is None:
+                assert annotation.endswith("| None"), f"{name}=None"
+                continue
+            kind = _TYPES[annotation.split(" | ")[0]]
+            assert isinstance(value, kind) and (kind is bool or not isinstance(value, bool)), f"{name}={value!r}"
+            assert meta["choices"] is None or value in meta["choices"], f"{name}={value!r}"
+            assert meta["minimum"] is None or value >= meta["minimum"], f"{name}={value!r}"
+    assert config.machine_rank < config.num_machines and config.num_processes % config.num_machines == 0
+    assert config.num_machines == 1 or config.main_process_ip
+    assert config.main_process_port is None or config.main_process_port <= 65535
 
 
 def _launch_args(*argv: str):
@@ -145,7 +171,8 @@ def test_precedence_flags_over_environment_over_file_over_defaults(tmp_path, mon
     config, _ = effective_config(_launch_args("--config_file", str(path), "--use_fsdp",
                                               "--fsdp_transformer_layer_cls_to_wrap", "BertLayer"))
     assert config.distributed_type == "FSDP" and config.fsdp.fsdp_transformer_layer_cls_to_wrap == "BertLayer"
-    with pytest.raises(ConfigError, match="--fsdp_offload_params|fsdp_config.fsdp_offload_params='maybe'"):
+    with pytest.raises(ConfigError, match=r"^command line: fsdp_config\.fsdp_offload_params='maybe' is not valid; "
+                                          r"use true or false$"):
         effective_config(_launch_args("--use_fsdp", "--fsdp_offload_params", "maybe"))
 
 

@@ -155,5 +155,9 @@ def test_mixed_precision_policy_and_activation_checkpointing(tmp_path):
     assert seen["activation_checkpointing"]["checkpointed"] == 3  # one per wrapped block: embeddings + 2 layers
     # Recomputing activations changes nothing numerically.
     assert seen["activation_checkpointing"]["losses"] == seen["plain"]["losses"]
-    for variant in seen.values():
-        assert all(0 < loss < 2 for loss in variant["losses"])
+    # bf16 (the policy's parameters, or autocast) shows in every loss, which still tracks the same steps in fp32 within
+    # a few bf16 roundings (its spacing near 0.69 is 0.004).
+    reference = seen.pop("fp32")["losses"]
+    for name, variant in seen.items():
+        assert len(variant["losses"]) == len(reference) == 4 and variant["losses"] != reference, name
+        assert max(abs(a - b) for a, b in zip(variant["losses"], reference)) <= 0.02, (name, variant, reference)
