@@ -10,7 +10,7 @@ import logging
 
 import pytest
 import torch
-from conftest import run_script
+from helpers import run_script
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, TensorDataset
 
 from hf_backend import Accelerator, HfBackendError
@@ -147,8 +147,12 @@ def test_partial_state_members_in_one_process(capsys):
     state.print("printed by the main process")
     assert capsys.readouterr().out == "printed by the main process\n"
     state.wait_for_everyone()
-    with state.main_process_first():
-        pass
+    ran = []
+    with state.main_process_first() as value:
+        ran.append("block")  # the only process is the main one: it runs the block at once, and once
+    assert ran == ["block"] and value is None
+    with pytest.raises(KeyError, match="from the block"), state.main_process_first():
+        raise KeyError("from the block")  # an error in the block reaches the caller unchanged
     with state.split_between_processes([1, 2, 3]) as part:
         assert part == [1, 2, 3]
     assert state.on_main_process(lambda: "main")() == "main"

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from conftest import SCRIPTS
+from helpers import SCRIPTS
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -31,8 +31,13 @@ def test_one_process_state():
     assert acc.num_processes == 1 and acc.process_index == 0 and acc.is_main_process and acc.is_local_main_process
     assert acc.distributed_type is DistributedType.NO and acc.device == torch.device("cpu")
     assert acc.mixed_precision == "no" and acc.gradient_accumulation_steps == 1
-    with acc.main_process_first(), acc.local_main_process_first():
-        pass
+    ran = []
+    with acc.main_process_first() as first, acc.local_main_process_first() as local_first:
+        ran.append("block")  # the only process is the main and the local main one: it runs the block, once
+    assert ran == ["block"] and first is None and local_first is None
+    for context in (acc.main_process_first, acc.local_main_process_first):
+        with pytest.raises(KeyError, match="from the block"), context():
+            raise KeyError("from the block")  # an error in the block reaches the caller unchanged
     with acc.split_between_processes([1, 2, 3]) as part:
         assert part == [1, 2, 3]
 

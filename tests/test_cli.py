@@ -4,33 +4,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
 
 import psutil
 import pytest
-from conftest import SCRIPTS, run_report
-from test_config import DOCS_FSDP_YAML
-from warm_processes import free_port
+from helpers import CLI, DOCS_FSDP_YAML, SCRIPTS, cli, cli_env, free_port, run_report
 
 from hf_backend.cli.main import build_parser
 from hf_backend.config.loader import load_config
-
-CLI = [sys.executable, "-m", "hf_backend.cli.main"]
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_BACKEND_")}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS"):
-        env.pop(name, None)
-    return {**env, **extra}
-
-
-def cli(*args: str, input: str | None = None, timeout: int = 180, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, input=input, timeout=timeout,
-                          env=_env(**env))
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +47,7 @@ def test_two_launchers_on_loopback_form_one_two_node_job(one_process, tmp_path):
     for rank, log in enumerate(logs):  # output to files, never an unread pipe that could fill and stall a node
         with log.open("w") as sink:
             nodes.append(subprocess.Popen([*CLI, *common, "--machine_rank", str(rank), *script], stdout=sink,
-                                          stderr=subprocess.STDOUT, text=True, env=_env(HF_HOME=str(tmp_path))))
+                                          stderr=subprocess.STDOUT, text=True, env=cli_env(HF_HOME=str(tmp_path))))
     deadline = time.monotonic() + 120  # about 10 s when it works; a node that failed ends the wait at once
     while time.monotonic() < deadline:
         codes = [node.poll() for node in nodes]
@@ -203,6 +186,6 @@ def test_config_commands_start_without_importing_torch(tmp_path):
             f"code = main(['config', 'validate', {str(path)!r}]); "
             "assert sorted(hf_backend.__all__) == sorted(hf_backend._WHERE); "
             "print(code, 'torch' in sys.modules)")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=_env())
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=cli_env())
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().endswith("0 False")

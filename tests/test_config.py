@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 import yaml
+from helpers import DOCS_FSDP_YAML
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -14,37 +16,7 @@ from hf_backend.cli.launch import effective_config
 from hf_backend.cli.main import build_parser
 from hf_backend.config import reference
 from hf_backend.config.loader import ConfigError, load_config, validate, write_config
-from hf_backend.config.schema import LaunchConfig
-
-# The FSDP example of the Transformers docs (an `accelerate config` file), key for key.
-DOCS_FSDP_YAML = """\
-compute_environment: LOCAL_MACHINE
-debug: false
-distributed_type: FSDP
-downcast_bf16: 'no'
-fsdp_config:
-  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
-  fsdp_backward_prefetch_policy: BACKWARD_PRE
-  fsdp_forward_prefetch: true
-  fsdp_cpu_ram_efficient_loading: true
-  fsdp_offload_params: false
-  fsdp_sharding_strategy: 1
-  fsdp_state_dict_type: SHARDED_STATE_DICT
-  fsdp_sync_module_states: true
-  fsdp_transformer_layer_cls_to_wrap: BertLayer
-  fsdp_use_orig_params: true
-machine_rank: 0
-main_training_function: main
-mixed_precision: bf16
-num_machines: 1
-num_processes: 2
-rdzv_backend: static
-same_network: true
-tpu_env: []
-tpu_use_cluster: false
-tpu_use_sudo: false
-use_cpu: false
-"""
+from hf_backend.config.schema import DeepSpeedSection, FsdpSection, LaunchConfig, fields_of
 
 
 def _write(tmp_path: Path, text: str, name: str = "c.yaml") -> Path:
@@ -152,7 +124,32 @@ def test_mutated_config_files_load_or_fail_with_one_config_error_line(tmp_path, 
     except ConfigError as err:
         assert "\n" not in str(err) and str(path) in str(err)
     else:
-        assert isinstance(config, LaunchConfig)
+        _assert_valid(config)
+        assert load_config(write_config(config, tmp_path / "again.yaml")) == config
+
+
+_TYPES = {"bool": bool, "int": int, "float": float, "str": str, "dict": dict, "list": list}
+
+
+def _assert_valid(config: LaunchConfig) -> None:
+    """What a config that loaded promises: each value (sections included) of its key's type, among its choices and
+    not below its minimum, and the keys that must agree agree."""
+    for model, values in ((LaunchConfig, dataclasses.asdict(config)), (FsdpSection, config.fsdp_config),
+                          (DeepSpeedSection, config.deepspeed_config)):
+        fields = fields_of(model)
+        assert set(values) <= set(fields), f"{model.__name__}: unknown keys {set(values) - set(fields)}"
+        for name, value in values.items():
+            meta, annotation = fields[name].metadata, str(fields[name].type)
+            if value is None:
+                assert annotation.endswith("| None"), f"{name}=None"
+                continue
+            kind = _TYPES[annotation.split(" | ")[0]]
+            assert isinstance(value, kind) and (kind is bool or not isinstance(value, bool)), f"{name}={value!r}"
+            assert meta["choices"] is None or value in meta["choices"], f"{name}={value!r}"
+            assert meta["minimum"] is None or value >= meta["minimum"], f"{name}={value!r}"
+    assert config.machine_rank < config.num_machines and config.num_processes % config.num_machines == 0
+    assert config.num_machines == 1 or config.main_process_ip
+    assert config.main_process_port is None or config.main_process_port <= 65535
 
 
 def _launch_args(*argv: str):
@@ -174,7 +171,8 @@ def test_precedence_flags_over_environment_over_file_over_defaults(tmp_path, mon
     config, _ = effective_config(_launch_args("--config_file", str(path), "--use_fsdp",
                                               "--fsdp_transformer_layer_cls_to_wrap", "BertLayer"))
     assert config.distributed_type == "FSDP" and config.fsdp.fsdp_transformer_layer_cls_to_wrap == "BertLayer"
-    with pytest.raises(ConfigError, match="--fsdp_offload_params|fsdp_config.fsdp_offload_params='maybe'"):
+    with pytest.raises(ConfigError, match=r"^command line: fsdp_config\.fsdp_offload_params='maybe' is not valid; "
+                                          r"use true or false$"):
         effective_config(_launch_args("--use_fsdp", "--fsdp_offload_params", "maybe"))
 
 

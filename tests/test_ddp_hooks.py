@@ -80,7 +80,7 @@ def _worker(argv: list[str]) -> None:
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> dict:
-    from conftest import run_report
+    from helpers import run_report
 
     return run_report(Path(__file__).resolve(), tmp_path_factory.mktemp("hooks") / "r.json", [], nproc=2)
 

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 import torch
-from conftest import BERT_LOOP, BERT_TRAIN, SCRIPTS, relative_difference, run_report
+from helpers import BERT_LOOP, BERT_TRAIN, relative_difference, run_report
 
 from hf_backend import DeepSpeedPlugin, HfBackendError
 from hf_backend.gradient_state import GradientState
@@ -17,12 +16,20 @@ from hf_backend.state import ProcessState
 
 pytest.importorskip("deepspeed")
 transformers = pytest.importorskip("transformers")
-sys.path.insert(0, str(SCRIPTS))
-from bert_loop import CONFIG, data  # noqa: E402
+from bert_loop import CONFIG, data  # noqa: E402 - tests/scripts, on pytest's `pythonpath` (pyproject)
 
 from hf_backend.strategies import DeepSpeedStrategy  # noqa: E402
 
 LOOP, TRAIN, _relative = BERT_LOOP, BERT_TRAIN, relative_difference
+
+
+def _tracks_fp32(run: dict, bert_ddp: dict) -> None:
+    """A bf16 run of the loop's defaults (16 steps of 2 ranks x 8 samples) against the fp32 DDP run's first epoch,
+    which steps on the same 16 samples each time (2 ranks x 4, 2 accumulated; the fp32 ZeRO-3 run of the defaults
+    matches it): a few bf16 roundings apart (its spacing near 0.69 is 0.004), and learning."""
+    losses, reference = run["losses"], bert_ddp["losses"][:16]
+    assert len(losses) == 16 and max(abs(a - b) for a, b in zip(losses, reference)) <= 0.02, (losses, reference)
+    assert losses[-1] < losses[0]
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -56,10 +63,10 @@ def test_zero3_resume_and_save_model(bert_ddp, tmp_path):
     torch.testing.assert_close(logits, torch.tensor(second["logits"]))
 
 
-def test_bf16_zero3_trains_and_saves_bf16_weights(tmp_path):
+def test_bf16_zero3_trains_and_saves_bf16_weights(bert_ddp, tmp_path):
     run = run_report(LOOP, tmp_path / "r.json", ["--zero", "3", "--mixed-precision", "bf16",
                                                  "--save-model", str(tmp_path / "model")], nproc=2)
-    assert all(0 < loss < 2 for loss in run["losses"])
+    _tracks_fp32(run, bert_ddp)
     loaded = transformers.BertForSequenceClassification.from_pretrained(tmp_path / "model").eval()
     with torch.no_grad():
         logits = loaded(input_ids=data(4).tensors[0]).logits
@@ -80,11 +87,11 @@ DOCS_CONFIG = {
 }
 
 
-def test_the_docs_dict_with_bf16_and_cpu_offload_trains_and_saves(tmp_path):
+def test_the_docs_dict_with_bf16_and_cpu_offload_trains_and_saves(bert_ddp, tmp_path):
     run = run_report(LOOP, tmp_path / "r.json", ["--zero", "3", "--mixed-precision", "bf16", "--ds-config",
                                                  json.dumps(DOCS_CONFIG), "--save-model", str(tmp_path / "model")],
                      nproc=2, timeout=400)  # the first use compiles DeepSpeed's CPU Adam
-    assert all(0 < loss < 2 for loss in run["losses"]) and run["losses"][-1] < run["losses"][0]
+    _tracks_fp32(run, bert_ddp)
     loaded = transformers.BertForSequenceClassification.from_pretrained(tmp_path / "model").eval()
     with torch.no_grad():
         logits = loaded(input_ids=data(4).tensors[0]).logits
@@ -143,7 +150,7 @@ def test_micro_batch_needs_the_loader_and_plugin_contradictions_fail():
     strategy = _strategy()
     with pytest.raises(HfBackendError, match="pass the training DataLoader to the same prepare"):
         strategy._resolve(strategy.config, model, None)
-    with pytest.raises(HfBackendError, match=r"zero_stage|stage=3 contradicts 1"):
+    with pytest.raises(HfBackendError, match=r"^DeepSpeedPlugin: stage=3 contradicts 1 in hf_ds_config; keep one$"):
         DeepSpeedPlugin(hf_ds_config={"zero_optimization": {"stage": 1}}, zero_stage=3).config()
     with pytest.raises(HfBackendError, match="fp16"):
         _strategy("fp16")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import run_report
+from helpers import run_report
 
 LOOP = "tutorial_loop.py"
 

@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 import torch
-from conftest import BERT_LOOP, BERT_TRAIN, SCRIPTS, relative_difference, run_report
-from test_cli import cli
-from test_config import DOCS_FSDP_YAML
+from helpers import BERT_LOOP, BERT_TRAIN, DOCS_FSDP_YAML, SCRIPTS, cli, relative_difference, run_report, run_script
 
 from hf_backend import FullyShardedDataParallelPlugin, HfBackendError
 from hf_backend.options import Handlers
@@ -18,8 +15,7 @@ from hf_backend.state import ProcessState
 from hf_backend.strategies import FSDPStrategy
 
 transformers = pytest.importorskip("transformers")
-sys.path.insert(0, str(SCRIPTS))
-from bert_loop import CONFIG, data  # noqa: E402
+from bert_loop import CONFIG, data  # noqa: E402 - tests/scripts, on pytest's `pythonpath` (pyproject)
 
 LOOP, TRAIN, _relative = BERT_LOOP, BERT_TRAIN, relative_difference
 
@@ -153,13 +149,15 @@ def test_cpu_ram_efficient_loading_with_from_pretrained(tmp_path):
 
 def test_mixed_precision_policy_and_activation_checkpointing(tmp_path):
     out = tmp_path / "r.json"
-    from conftest import run_script
-
     run_script("fsdp_options.py", [str(out)], nproc=2)
     seen = json.loads(out.read_text())
     assert seen["bf16_policy"]["param_dtype"] == "torch.float32"  # sharded master weights stay fp32
     assert seen["activation_checkpointing"]["checkpointed"] == 3  # one per wrapped block: embeddings + 2 layers
     # Recomputing activations changes nothing numerically.
     assert seen["activation_checkpointing"]["losses"] == seen["plain"]["losses"]
-    for variant in seen.values():
-        assert all(0 < loss < 2 for loss in variant["losses"])
+    # bf16 (the policy's parameters, or autocast) shows in every loss, which still tracks the same steps in fp32 within
+    # a few bf16 roundings (its spacing near 0.69 is 0.004).
+    reference = seen.pop("fp32")["losses"]
+    for name, variant in seen.items():
+        assert len(variant["losses"]) == len(reference) == 4 and variant["losses"] != reference, name
+        assert max(abs(a - b) for a, b in zip(variant["losses"], reference)) <= 0.02, (name, variant, reference)

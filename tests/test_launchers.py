@@ -14,8 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import run_script
-from warm_processes import free_port
+from helpers import free_port, run_script
 
 from hf_backend import HfBackendError, debug_launcher, notebook_launcher
 

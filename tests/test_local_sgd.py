@@ -114,7 +114,7 @@ def _worker(argv: list[str]) -> None:
 
 @pytest.fixture(scope="module")
 def two(tmp_path_factory) -> dict:
-    from conftest import run_report
+    from helpers import run_report
 
     return run_report(Path(__file__).resolve(), tmp_path_factory.mktemp("local_sgd") / "r.json", [], nproc=2)
 

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import run_report
+from helpers import run_report
 
 FIXTURES = Path(__file__).parent / "fixtures" / "checkpoints_v1"
 

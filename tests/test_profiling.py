@@ -92,7 +92,7 @@ def test_bad_options_are_one_line(handler, words):
 
 
 def test_two_processes_write_one_trace_each(tmp_path):
-    from conftest import run_report
+    from helpers import run_report
 
     report = run_report(Path(__file__).resolve(), tmp_path / "r.json", ["--trace-dir", str(tmp_path / "t")], nproc=2)
     assert report["world"] == 2

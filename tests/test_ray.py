@@ -9,19 +9,19 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import OFFLINE, SCRIPTS, recipe_args
-from test_cli import cli
+from helpers import OFFLINE, SCRIPTS, cli, recipe_args
 
 ray = pytest.importorskip("ray")
-RECIPE_DIRS = [Path(__file__).parent.parent / "recipes" / d for d in ("glue", "ray")]
-sys.path[:0] = [str(SCRIPTS), *map(str, RECIPE_DIRS)]  # the worker functions: tests/scripts, recipes/
 from ray.train import FailureConfig, RunConfig, ScalingConfig  # noqa: E402
 from ray.train.torch import TorchTrainer  # noqa: E402
+
+# The worker functions (tests/scripts/ray_loop.py, recipes/ray/run_glue_ray.py): this process imports them through
+# pytest's `pythonpath` (pyproject.toml), the Ray workers through the PYTHONPATH that ray_cluster sets.
+RECIPE_DIRS = [Path(__file__).parent.parent / "recipes" / d for d in ("glue", "ray")]
 
 pytestmark = pytest.mark.timeout(400)
 EPOCHS = 3

@@ -11,13 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import HEADER, OFFLINE, _mrpc_rows, recipe_args
-from test_cli import cli
+from helpers import HEADER, OFFLINE, cli, mrpc_rows, recipe_args
 
 pytest.importorskip("evaluate")
 RECIPES = Path(__file__).parent.parent / "recipes" / "glue"
-sys.path.insert(0, str(RECIPES))
-import glue_data  # noqa: E402
+import glue_data  # noqa: E402 - recipes/glue, on the path through pyproject's pytest `pythonpath`
 
 
 def _python(*args: str) -> subprocess.CompletedProcess:
@@ -61,10 +59,10 @@ def test_bad_input_is_one_line_naming_the_file_and_row(tiny, tmp_path):
     task = glue_data.get_task("mrpc")
     bad = tmp_path / "MRPC"
     bad.mkdir()
-    (bad / "dev.tsv").write_text(HEADER + _mrpc_rows(3, 1))
+    (bad / "dev.tsv").write_text(HEADER + mrpc_rows(3, 1))
     cases = {
-        "fields": HEADER + _mrpc_rows(3, 0) + "1\t5\t6\tonly one sentence\n",
-        "label": HEADER + _mrpc_rows(2, 0) + "2\t5\t6\ta b\tc d\n",
+        "fields": HEADER + mrpc_rows(3, 0) + "1\t5\t6\tonly one sentence\n",
+        "label": HEADER + mrpc_rows(2, 0) + "2\t5\t6\ta b\tc d\n",
     }
     for kind, text in cases.items():
         (bad / "train.tsv").write_text(text)
@@ -78,7 +76,7 @@ def test_bad_input_is_one_line_naming_the_file_and_row(tiny, tmp_path):
     with pytest.raises(glue_data.DataError, match=r"--data_dir .*nowhere: no such directory"):
         glue_data.load(task, str(tmp_path / "nowhere"))
     (bad / "dev.tsv").unlink()
-    (bad / "train.tsv").write_text(HEADER + _mrpc_rows(3, 0))
+    (bad / "train.tsv").write_text(HEADER + mrpc_rows(3, 0))
     with pytest.raises(glue_data.DataError, match=r"dev.tsv: missing; a GLUE mrpc folder holds train.tsv, dev.tsv"):
         glue_data.load(task, str(bad))
 

@@ -10,7 +10,7 @@ import textwrap
 import numpy as np
 import pytest
 import torch
-from conftest import run_script
+from helpers import run_script
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from hf_backend import Accelerator, HfBackendError, ProjectConfiguration

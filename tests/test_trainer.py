@@ -12,9 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import OFFLINE, SCRIPTS, run_script
-from test_cli import CLI, _env, cli
-from test_config import DOCS_FSDP_YAML
+from helpers import CLI, DOCS_FSDP_YAML, OFFLINE, SCRIPTS, cli, cli_env, run_script
 
 pytest.importorskip("datasets")
 
@@ -365,7 +363,7 @@ def test_sigterm_to_the_launcher_saves_a_checkpoint_and_the_run_resumes(strategy
     command = [*CLI, "launch", "--cpu", "--num_processes", "2", str(SCRIPTS / SCRIPT), "--out",
                str(tmp_path / "first.json"), "--output-dir", str(out_dir), *args, "--slow-after", "9"]
     launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env=_env(**OFFLINE))
+                                env=cli_env(**OFFLINE))
     deadline = time.monotonic() + 240
     while not (out_dir / "reached").is_file() and launcher.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -16,6 +16,7 @@ VARIANTS = {
                                                                                  "reduce_dtype": "fp32"})),
     "activation_checkpointing": ("bf16", FullyShardedDataParallelPlugin(activation_checkpointing=True)),
     "plain": ("bf16", FullyShardedDataParallelPlugin()),
+    "fp32": ("no", FullyShardedDataParallelPlugin()),  # the reference: the same steps without reduced precision
 }
 seen = {}
 for name, (precision, plugin) in VARIANTS.items():

@@ -1,0 +1,121 @@
+"""What the test modules share (imported as `helpers`; tests/conftest.py holds the fixtures): running a script in
+one process or under torchrun with 2 gloo processes and reading its JSON report, the `hf-backend` command line, the
+BERT-shaped loop's arguments, the GLUE recipes' smoke-run data, and the Transformers docs' FSDP config file."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import warm_processes
+from warm_processes import free_port  # noqa: F401 - re-exported: tests pick a port through helpers too
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def run_script(script: str | Path, args: list[str], nproc: int = 1, timeout: int = 240,
+               env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    """Run tests/scripts/<script> (or a script at a path) in `nproc` processes, forked warm (warm_processes.py;
+    torchrun's environment when nproc > 1). A timeout fails the test with every process's output, and so does a
+    failure when `check`."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        full_env.pop(name, None)
+    try:
+        proc = warm_processes.run(SCRIPTS / script, args, nproc=nproc, env=full_env, timeout=timeout)
+    except subprocess.TimeoutExpired as hung:
+        pytest.fail(f"{script} {' '.join(map(str, args))} in {nproc} process(es): killed after {timeout} s\n"
+                    f"{hung.stdout[-3000:]}\n{hung.stderr[-6000:]}")
+    if check and proc.returncode != 0:
+        pytest.fail(f"{script} {' '.join(map(str, args))} in {nproc} process(es) exited {proc.returncode}\n"
+                    f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def run_report(script: str, out: Path, args: list[str], nproc: int = 1, **kw) -> dict:
+    run_script(script, ["--out", str(out), *args], nproc=nproc, **kw)
+    return json.loads(out.read_text())
+
+
+# The BERT-shaped loop shared by the FSDP and DeepSpeed tests: 32 optimizer steps with accumulation and clipping.
+BERT_LOOP = "bert_loop.py"
+BERT_TRAIN = ["--batch-size", "4", "--grad-accum", "2", "--epochs", "2"]
+
+
+def relative_difference(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b)
+    return max(abs(x - y) / abs(x) for x, y in zip(a, b))
+
+
+# The FSDP example of the Transformers docs (an `accelerate config` file), key for key.
+DOCS_FSDP_YAML = """\
+compute_environment: LOCAL_MACHINE
+debug: false
+distributed_type: FSDP
+downcast_bf16: 'no'
+fsdp_config:
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_backward_prefetch_policy: BACKWARD_PRE
+  fsdp_forward_prefetch: true
+  fsdp_cpu_ram_efficient_loading: true
+  fsdp_offload_params: false
+  fsdp_sharding_strategy: 1
+  fsdp_state_dict_type: SHARDED_STATE_DICT
+  fsdp_sync_module_states: true
+  fsdp_transformer_layer_cls_to_wrap: BertLayer
+  fsdp_use_orig_params: true
+machine_rank: 0
+main_training_function: main
+mixed_precision: bf16
+num_machines: 1
+num_processes: 2
+rdzv_backend: static
+same_network: true
+tpu_env: []
+tpu_use_cluster: false
+tpu_use_sudo: false
+use_cpu: false
+"""
+
+# -- the `hf-backend` command line, run as a fresh process with a clean environment ----------------------------------
+CLI = [sys.executable, "-m", "hf_backend.cli.main"]
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_BACKEND_")}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS"):
+        env.pop(name, None)
+    return {**env, **extra}
+
+
+def cli(*args: str, input: str | None = None, timeout: int = 180, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, input=input, timeout=timeout,
+                          env=cli_env(**env))
+
+
+# -- the GLUE recipes' smoke runs (tests/test_recipes.py, tests/test_ray.py) ----------------------------------------
+OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+HEADER = "\ufeffQuality\t#1 ID\t#2 ID\t#1 String\t#2 String\n"  # MRPC's header starts with a byte-order mark
+WORDS = ["the", "cat", "sat", "on", "mat", "a", "dog", "ran", "he", "said", "it", "was", "not", "good"]
+
+
+def mrpc_rows(n: int, seed: int) -> str:
+    import random
+
+    r = random.Random(seed)
+    rows = []
+    for i in range(n):
+        a = " ".join(r.choice(WORDS) for _ in range(r.randint(4, 10)))
+        b = " ".join(r.choice(WORDS) for _ in range(r.randint(4, 10)))
+        rows.append(f"{i % 2}\t{1000 + i}\t{2000 + i}\t\"{a}\t{b}\"")  # unbalanced quotes, as in the real files
+    return "".join(row + "\n" for row in rows)
+
+
+def recipe_args(tiny, out: Path) -> list[str]:
+    model_dir, data_dir = tiny
+    return ["--task", "mrpc", "--model", str(model_dir), "--data_dir", str(data_dir), "--output_dir", str(out),
+            "--epochs", "2", "--batch_size", "8", "--max_length", "32", "--logging_steps", "2"]
