@@ -11,7 +11,7 @@ import gc
 import weakref
 
 import torch
-from conftest import BERT_LOOP, run_report
+from helpers import BERT_LOOP, run_report
 
 from hf_backend import Accelerator
 
