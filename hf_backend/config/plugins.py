@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..log import note
-from .loader import ConfigError, coerce
+from .loader import ConfigError, coerce, read_mapping
 from .schema import DeepSpeedSection, FsdpSection, fields_of
 
 # plugin field -> config key (FsdpSection), for the fields that have one
@@ -275,13 +275,9 @@ class DeepSpeedPlugin:
         elif isinstance(base, dict):
             config = json.loads(json.dumps(base))  # a deep copy the engine may fill in
         else:
-            path = Path(base)
-            if not path.is_file():
+            if not Path(base).is_file():
                 raise ConfigError(f"DeepSpeedPlugin(hf_ds_config={str(base)!r}): no such file; pass a dict or a path")
-            try:
-                config = json.loads(path.read_text())
-            except json.JSONDecodeError as err:
-                raise ConfigError(f"{path}: line {err.lineno}: malformed JSON ({err.msg})") from None
+            config = read_mapping(base, json_only=True)
         zero = config.setdefault("zero_optimization", {})
         fields = fields_of(DeepSpeedSection)
         for where, key, value in (
