@@ -67,8 +67,28 @@ def read_launch_config() -> Any | None:
     return validate(raw, source=f"the launcher's environment ({PREFIX}*)")
 
 
-def resolve(name: str, explicit: Any, env_name: str, parse: Callable[[str], Any], default: Any) -> Any:
-    """An explicit argument wins over what a launcher put in the environment, with a warning when they differ."""
+def parse_bool(raw: str) -> bool:
+    lowered = raw.strip().lower()
+    if lowered in ("1", "true", "yes"):
+        return True
+    if lowered in ("0", "false", "no"):
+        return False
+    raise ValueError(raw)
+
+
+# Each setting a launcher hands over: its variable, how the variable is read, and the value when nobody sets it.
+SETTINGS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
+    "cpu": (USE_CPU, parse_bool, False),
+    "mixed_precision": (MIXED_PRECISION, str, "no"),
+    "gradient_accumulation_steps": (GRADIENT_ACCUMULATION_STEPS, int, 1),
+}
+
+
+def resolve(name: str, explicit: Any = None) -> Any:
+    """The setting `name` (a SETTINGS key) in effect: an explicit argument wins over what a launcher put in the
+    environment, with a warning when they differ; else the launcher's value; else the default. `Accelerator()` and
+    `TrainingArguments` both ask here."""
+    env_name, parse, default = SETTINGS[name]
     raw = launcher_setting(env_name)
     from_env = None
     if raw is not None:
@@ -81,12 +101,3 @@ def resolve(name: str, explicit: Any, env_name: str, parse: Callable[[str], Any]
     if from_env is not None and from_env != explicit:
         warn(f"{name}={explicit!r} given to Accelerator() overrides the launcher's {env_name}={raw}")
     return explicit
-
-
-def parse_bool(raw: str) -> bool:
-    lowered = raw.strip().lower()
-    if lowered in ("1", "true", "yes"):
-        return True
-    if lowered in ("0", "false", "no"):
-        return False
-    raise ValueError(raw)

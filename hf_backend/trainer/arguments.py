@@ -52,7 +52,7 @@ class TrainingArguments(transformers.TrainingArguments):
             deepspeed = self.hf_deepspeed_config.config  # a plugin object is kept as its (serializable) config
         self.deepspeed = deepspeed
         if not (self.fp16 or self.bf16) and "ACCELERATE_MIXED_PRECISION" not in os.environ:
-            self.mixed_precision = env.resolve("mixed_precision", None, env.MIXED_PRECISION, str, "no")
+            self.mixed_precision = env.resolve("mixed_precision")
 
     def _choose_backend(self) -> None:
         wants_fsdp = bool(self.fsdp) or self.fsdp_config not in (None, {})
@@ -81,7 +81,7 @@ class TrainingArguments(transformers.TrainingArguments):
                 "AcceleratorConfig requires a pre-configured `AcceleratorState` or `PartialState` to be defined "
                 "before calling `TrainingArguments`; create an hf_backend Accelerator or PartialState first, or drop "
                 "use_configured_state")
-        cpu = env.resolve("cpu", True if self.use_cpu else None, env.USE_CPU, env.parse_bool, False)
+        cpu = env.resolve("cpu", True if self.use_cpu else None)
         timeout = datetime.timedelta(seconds=self.ddp_timeout) if self.ddp_timeout else None
         # Read by transformers through the attribute names of Accelerate's PartialState, which ProcessState shares.
         self.distributed_state = get_process_state(cpu=cpu, timeout=timeout, backend=self.ddp_backend)
