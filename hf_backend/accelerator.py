@@ -21,7 +21,7 @@ from torch.utils.hooks import RemovableHandle
 
 from . import checkpoint, collectives, compat
 from .config import environment as env
-from .config.plugins import plugins_in_effect
+from .config.backend import choose_backend
 from .data import PreparedDataLoader, prepare_dataloader, skip_first_batches
 from .errors import HfBackendError
 from .gradient_state import GradientState
@@ -119,9 +119,9 @@ class Accelerator(ProcessView, compat.AccelerateMembers):
         self.device_placement = device_placement
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self.launch_config = env.read_launch_config()  # what `hf-backend launch` handed over, or None
-        fsdp_plugin, deepspeed_plugin = plugins_in_effect(fsdp_plugin, deepspeed_plugin, self.launch_config)
-        self.strategy = select_strategy(self.process, self.precision, self.handlers, fsdp_plugin, deepspeed_plugin,
-                                        self.gradient_state, self.dataloader_config.split_batches)
+        backend = choose_backend(fsdp_plugin, deepspeed_plugin, self.launch_config)
+        self.strategy = select_strategy(self.process, self.precision, self.handlers, backend, self.gradient_state,
+                                        self.dataloader_config.split_batches)
         self._objects = checkpoint.Checkpointable()
         self.step = 0  # micro steps seen by accumulate() since the last sync
         self.trigger = Trigger(self.process)

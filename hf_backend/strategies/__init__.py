@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..config.plugins import DeepSpeedPlugin, FullyShardedDataParallelPlugin
+from ..config.backend import Backend
 from ..gradient_state import GradientState
 from ..log import note
 from ..options import Handlers
@@ -15,17 +15,16 @@ from .fsdp import FSDPStrategy
 from .single import SingleDeviceStrategy
 
 
-def select_strategy(state: ProcessState, precision: Precision, handlers: Handlers,
-                    fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
-                    deepspeed_plugin: DeepSpeedPlugin | None = None, gradient_state: GradientState | None = None,
-                    split_batches: bool = False) -> Strategy:
-    """Chosen once per Accelerator. FSDP or DeepSpeed asked for in a single process train unsharded, with a note."""
-    if fsdp_plugin is not None:
+def select_strategy(state: ProcessState, precision: Precision, handlers: Handlers, backend: Backend | None = None,
+                    gradient_state: GradientState | None = None, split_batches: bool = False) -> Strategy:
+    """Chosen once per Accelerator, from `backend` (`config.backend.choose_backend`, with its options resolved) and
+    the world size. FSDP or DeepSpeed asked for in a single process train unsharded, with a note."""
+    if backend is not None and backend.fsdp is not None:
         if state.distributed:
-            return FSDPStrategy(state, precision, handlers, fsdp_plugin)
-        fsdp_plugin.resolved()  # still report a bad option
+            return FSDPStrategy(state, precision, handlers, backend.fsdp)
         note("FSDP asked for in a single process: training unsharded (sharded checkpoints still load)")
-    if deepspeed_plugin is not None:
+    if backend is not None and backend.deepspeed is not None:
+        deepspeed_plugin = backend.deepspeed
         if state.distributed:
             return DeepSpeedStrategy(state, precision, handlers, deepspeed_plugin, gradient_state, split_batches)
         config = deepspeed_plugin.config()  # still report a bad option
