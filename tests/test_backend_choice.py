@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_config import DOCS_FSDP_YAML
 
-from hf_backend import DeepSpeedPlugin, FullyShardedDataParallelPlugin, HfBackendError
+from hf_backend import DeepSpeedPlugin, FullyShardedDataParallelPlugin, HfBackendError, log
 from hf_backend.config import backend as backend_module
 from hf_backend.config import environment as env
 from hf_backend.config.backend import ACCELERATOR, TRAINING_ARGUMENTS, choose_backend
@@ -28,6 +28,12 @@ TWO_CPU = ProcessState(torch.device("cpu"), 2, 0, 0, 2, "gloo")
 
 def _launched(kind: str, **sections) -> object:
     return validate({"distributed_type": kind, **sections})
+
+
+@pytest.fixture(autouse=True)
+def own_notes(monkeypatch) -> None:
+    """Notes are said once per process: these tests' own must not hide them from tests that assert on them."""
+    monkeypatch.setattr(log, "_said", set())
 
 
 @pytest.fixture

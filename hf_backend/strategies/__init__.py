@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..config.backend import Backend
+from ..config.backend import DATA_PARALLEL, Backend
 from ..gradient_state import GradientState
 from ..log import note
 from ..options import Handlers
@@ -19,15 +19,15 @@ def select_strategy(state: ProcessState, precision: Precision, handlers: Handler
                     gradient_state: GradientState | None = None, split_batches: bool = False) -> Strategy:
     """Chosen once per Accelerator, from `backend` (`config.backend.choose_backend`, with its options resolved) and
     the world size. FSDP or DeepSpeed asked for in a single process train unsharded, with a note."""
-    if backend is not None and backend.fsdp is not None:
+    backend = backend or Backend(DATA_PARALLEL)
+    if backend.fsdp is not None:
         if state.distributed:
             return FSDPStrategy(state, precision, handlers, backend.fsdp)
         note("FSDP asked for in a single process: training unsharded (sharded checkpoints still load)")
-    if backend is not None and backend.deepspeed is not None:
-        deepspeed_plugin = backend.deepspeed
+    if backend.deepspeed is not None:
         if state.distributed:
-            return DeepSpeedStrategy(state, precision, handlers, deepspeed_plugin, gradient_state, split_batches)
-        config = deepspeed_plugin.config()  # still report a bad option
+            return DeepSpeedStrategy(state, precision, handlers, backend.deepspeed, gradient_state, split_batches)
+        config = backend.deepspeed.config()  # still report a bad option
         unused = [f"{key} ({config[key].get('type', '?')})" for key in ("optimizer", "scheduler")
                   if isinstance(config.get(key), dict)]
         note("DeepSpeed asked for in a single process: training without it (ZeRO has nothing to partition)"

@@ -39,7 +39,8 @@ class TrainingArguments(transformers.TrainingArguments):
         if self.parallelism_config is not None:
             raise ConfigError("parallelism_config: tensor, context and sequence parallelism are not supported by "
                               "hf_backend; drop it and shard with FSDP (fsdp=...) or DeepSpeed ZeRO-3")
-        # With no fsdp / fsdp_config / deepspeed here, the launcher's choice applies, its options read by then.
+        # fsdp / fsdp_config / deepspeed given here win (and are read below, once transformers has parsed them);
+        # without them the launcher's FSDP or DeepSpeed options, read by choose_backend, apply.
         wants_fsdp = bool(self.fsdp) or self.fsdp_config not in (None, {})
         self._backend = choose_backend(True if wants_fsdp else None, self.deepspeed or None,
                                        caller=TRAINING_ARGUMENTS)
