@@ -20,7 +20,7 @@ from torch.utils.hooks import RemovableHandle
 
 from . import checkpoint, collectives, compat
 from .config import environment as env
-from .config.plugins import plugins_in_effect
+from .config.backend import choose_backend
 from .data import PreparedDataLoader, prepare_dataloader, skip_first_batches
 from .errors import HfBackendError
 from .gradient_state import GradientState
@@ -86,20 +86,19 @@ class Accelerator(ProcessView, compat.AccelerateMembers):
                                      f"{', '.join(c.__name__ for c in KWARGS_HANDLERS)}")
             setattr(self.handlers, slot, handler)
 
-        cpu = env.resolve("cpu", cpu, env.USE_CPU, env.parse_bool, False)
+        cpu = env.resolve("cpu", cpu)
         init = self.handlers.init
         self.process: ProcessState = get_process_state(cpu=cpu, timeout=init.timeout, backend=init.backend)
 
         mixed_precision = getattr(mixed_precision, "value", mixed_precision)  # Accelerate's PrecisionType enum
-        mixed_precision = env.resolve("mixed_precision", mixed_precision, env.MIXED_PRECISION, str, "no")
+        mixed_precision = env.resolve("mixed_precision", mixed_precision)
         self.precision = Precision(str(mixed_precision), self.process.device, self.handlers.scaler,
                                    self.handlers.autocast)
 
         if gradient_accumulation_plugin is not None and gradient_accumulation_steps not in (None, 1):
             raise HfBackendError("pass gradient_accumulation_steps or gradient_accumulation_plugin, not both")
         if gradient_accumulation_plugin is None:
-            steps = env.resolve("gradient_accumulation_steps", gradient_accumulation_steps,
-                                env.GRADIENT_ACCUMULATION_STEPS, int, 1)
+            steps = env.resolve("gradient_accumulation_steps", gradient_accumulation_steps)
             gradient_accumulation_plugin = GradientAccumulationPlugin(num_steps=steps)
         if int(gradient_accumulation_plugin.num_steps) < 1:
             raise HfBackendError(f"gradient_accumulation_steps={gradient_accumulation_plugin.num_steps} must be >= 1")
@@ -120,9 +119,9 @@ class Accelerator(ProcessView, compat.AccelerateMembers):
         self.device_placement = device_placement
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self.launch_config = env.read_launch_config()  # what `hf-backend launch` handed over, or None
-        fsdp_plugin, deepspeed_plugin = plugins_in_effect(fsdp_plugin, deepspeed_plugin, self.launch_config)
-        self.strategy = select_strategy(self.process, self.precision, self.handlers, fsdp_plugin, deepspeed_plugin,
-                                        self.gradient_state, self.dataloader_config.split_batches)
+        backend = choose_backend(fsdp_plugin, deepspeed_plugin, self.launch_config)
+        self.strategy = select_strategy(self.process, self.precision, self.handlers, backend, self.gradient_state,
+                                        self.dataloader_config.split_batches)
         self._objects = PreparedObjects()
         self.checkpoint_io = checkpoint.CheckpointIO(self.process, self.strategy, self.precision, self._objects,
                                                      self._progress)

@@ -1,4 +1,4 @@
-"""transformers' TrainingArguments `fsdp`, `fsdp_config` and `deepspeed` values, read into hf_backend's plugins.
+"""transformers' TrainingArguments `fsdp`, `fsdp_config` and `deepspeed` values, read into hf_backend's options.
 
 `fsdp_config` may be:
 - a path to transformers' flat JSON of FSDP options (`{"transformer_layer_cls_to_wrap": [...], ...}`), or to a config
@@ -17,7 +17,7 @@ from typing import Any
 
 from ..log import note
 from .loader import ConfigError, read_mapping, validate, validate_section
-from .plugins import DeepSpeedPlugin, FullyShardedDataParallelPlugin
+from .plugins import DeepSpeedPlugin, FsdpOptions, FullyShardedDataParallelPlugin
 from .schema import FsdpSection
 
 _FSDP_WORDS = {
@@ -31,8 +31,9 @@ _XLA_KEYS = ("xla", "xla_fsdp_v2", "xla_fsdp_grad_ckpt", "xla_fsdp_settings")
 _PLUGIN_ONLY_KEYS = ("limit_all_gathers",)  # plugin fields without a config-file key
 
 
-def fsdp_plugin_from_arguments(fsdp: Any, fsdp_config: Any) -> FullyShardedDataParallelPlugin | None:
-    """The FSDP plugin TrainingArguments(fsdp=..., fsdp_config=...) asks for; None when FSDP is off."""
+def fsdp_options_from_arguments(fsdp: Any, fsdp_config: Any) -> FsdpOptions | None:
+    """The FSDP options TrainingArguments(fsdp=..., fsdp_config=...) ask for, resolved (once); None when FSDP is
+    off."""
     if not fsdp and fsdp_config in (None, {}):
         return None
     source = "fsdp_config"
@@ -55,7 +56,7 @@ def fsdp_plugin_from_arguments(fsdp: Any, fsdp_config: Any) -> FullyShardedDataP
         plugin = FullyShardedDataParallelPlugin.from_object(fsdp_config)
     section = plugin.resolved()
     _apply_words(section, _fsdp_words(fsdp), plugin.given_options(), source)
-    return plugin.canonical(section)
+    return FsdpOptions.from_plugin(plugin, section)
 
 
 def _fsdp_words(fsdp: Any) -> list[str]:

@@ -1,6 +1,7 @@
 """The environment variables through which a launcher hands settings to `Accelerator()` in each process.
 
-`hf-backend launch` writes them (`to_environment`); `Accelerator()` reads them (`resolve`, `read_launch_config`).
+`hf-backend launch` writes them (`to_environment`); `Accelerator()` and `TrainingArguments` read them (`resolve`,
+`read_launch_config`). The two variables the FSDP strategy sets for transformers are here too, with the reason.
 """
 
 from __future__ import annotations
@@ -67,8 +68,28 @@ def read_launch_config() -> Any | None:
     return validate(raw, source=f"the launcher's environment ({PREFIX}*)")
 
 
-def resolve(name: str, explicit: Any, env_name: str, parse: Callable[[str], Any], default: Any) -> Any:
-    """An explicit argument wins over what a launcher put in the environment, with a warning when they differ."""
+def parse_bool(raw: str) -> bool:
+    lowered = raw.strip().lower()
+    if lowered in ("1", "true", "yes"):
+        return True
+    if lowered in ("0", "false", "no"):
+        return False
+    raise ValueError(raw)
+
+
+# Each setting a launcher hands over: its variable, how the variable is read, and the value when nobody sets it.
+SETTINGS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
+    "cpu": (USE_CPU, parse_bool, False),
+    "mixed_precision": (MIXED_PRECISION, str, "no"),
+    "gradient_accumulation_steps": (GRADIENT_ACCUMULATION_STEPS, int, 1),
+}
+
+
+def resolve(name: str, explicit: Any = None) -> Any:
+    """The setting `name` (a SETTINGS key) in effect: an explicit argument wins over what a launcher put in the
+    environment, with a warning when they differ; else the launcher's value; else the default. `Accelerator()` and
+    `TrainingArguments` both ask here."""
+    env_name, parse, default = SETTINGS[name]
     raw = launcher_setting(env_name)
     from_env = None
     if raw is not None:
@@ -83,10 +104,15 @@ def resolve(name: str, explicit: Any, env_name: str, parse: Callable[[str], Any]
     return explicit
 
 
-def parse_bool(raw: str) -> bool:
-    lowered = raw.strip().lower()
-    if lowered in ("1", "true", "yes"):
-        return True
-    if lowered in ("0", "false", "no"):
-        return False
-    raise ValueError(raw)
+def set_ram_efficient_loading_variables() -> None:
+    """FSDP with cpu_ram_efficient_loading, in more than one process: let transformers' `from_pretrained` build the
+    model without initializing its weights on ranks other than local rank 0 (it checks ACCELERATE_USE_FSDP and
+    FSDP_CPU_RAM_EFFICIENT_LOADING in `os.environ` at each call, where a process group is initialized).
+
+    Set for the rest of the process, and so inherited by processes it starts, as `accelerate launch` exports them
+    for the whole job and Accelerate's own Accelerator sets them in the process: `from_pretrained` may run at any
+    time after the FSDP strategy is built (before `prepare`, or again in the Trainer's `model_init`), and an
+    Accelerator has no end of life at which to unset them. A value already there (the launcher's, the user's) is
+    kept. The FSDP strategy's constructor is the only caller."""
+    os.environ.setdefault("ACCELERATE_USE_FSDP", "true")
+    os.environ.setdefault("FSDP_CPU_RAM_EFFICIENT_LOADING", "true")

@@ -33,8 +33,9 @@ def default_config_path() -> Path:
     return Path(hf_home) / "hf_backend" / "default_config.yaml"
 
 
-def read_mapping(path: str | os.PathLike) -> dict[str, Any]:
-    """The raw key/value mapping of a YAML or JSON file (JSON is read by its extension, YAML otherwise)."""
+def read_mapping(path: str | os.PathLike, json_only: bool = False) -> dict[str, Any]:
+    """The raw key/value mapping of a YAML or JSON file (JSON is read by its extension, or always with `json_only`:
+    DeepSpeed's configs are JSON whatever their name; YAML otherwise)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: no such config file; create one with `hf-backend config` or fix the path")
@@ -42,7 +43,7 @@ def read_mapping(path: str | os.PathLike) -> dict[str, Any]:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
         raise ConfigError(f"{path}: cannot be read ({type(err).__name__}); pass a UTF-8 YAML or JSON file") from None
-    if path.suffix.lower() == ".json":
+    if json_only or path.suffix.lower() == ".json":
         try:
             data = json.loads(text)
         except json.JSONDecodeError as err:

@@ -1,8 +1,9 @@
 """`FullyShardedDataParallelPlugin` and `DeepSpeedPlugin`: options with the field names users know from Accelerate.
 
 Each field may be given as Accelerate and transformers spell it (strings, 1-5 for sharding strategies, torch enums,
-FSDP1 config objects); `resolved()` turns them into the settings the FSDP2 strategy uses. A plugin object from
-`accelerate` is read by its fields (`from_object`), never imported.
+FSDP1 config objects); `resolved()` turns them into the settings the FSDP2 strategy uses, and `FsdpOptions` holds
+those settings with the canonical plugin. A plugin object from `accelerate` is read by its fields (`from_object`),
+never imported.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 
 from ..log import note
-from .loader import ConfigError, coerce
+from .loader import ConfigError, coerce, read_mapping
 from .schema import DeepSpeedSection, FsdpSection, fields_of
 
 # plugin field -> config key (FsdpSection), for the fields that have one
@@ -114,10 +115,6 @@ class FullyShardedDataParallelPlugin:
     def validate_cpu_offload(self) -> None:
         self.resolved()
 
-    def canonical(self, section: FsdpSection) -> FullyShardedDataParallelPlugin:
-        """This plugin with its options as the FSDP2 strategy runs them (what `accelerator.state.fsdp_plugin` shows)."""
-        return dataclasses.replace(self, **{**_plugin_fields(section), "fsdp_version": 2})
-
     def resolved(self) -> FsdpSection:
         """The options in canonical form; raises ConfigError naming a bad field."""
         values: dict[str, Any] = {}
@@ -150,6 +147,44 @@ class FullyShardedDataParallelPlugin:
             note("FullyShardedDataParallelPlugin.use_orig_params=False has no FSDP2 meaning: parameters stay as they "
                  "are (sharded as DTensors)")
         return section
+
+
+@dataclass(frozen=True)
+class FsdpOptions:
+    """FSDP options resolved once, the one object the FSDP strategy receives. `section`: what the strategy runs;
+    `plugin`: the canonical plugin (the section's values under Accelerate's field names, fsdp_version 2, and the
+    fields without a config key, mixed_precision_policy among them), which `accelerator.state.fsdp_plugin` and
+    `TrainingArguments.fsdp_plugin` show.
+
+    The canonical plugin remembers these options, so handing it on (TrainingArguments -> Trainer -> Accelerator)
+    does not resolve it again; a plugin with a field reassigned since is resolved anew."""
+
+    section: FsdpSection
+    plugin: FullyShardedDataParallelPlugin
+
+    @classmethod
+    def of(cls, source: Any) -> FsdpOptions:
+        """The options of a plugin (ours or Accelerate's), resolved unless they already are."""
+        if isinstance(source, FsdpOptions):
+            return source
+        plugin = FullyShardedDataParallelPlugin.from_object(source)
+        options, values = vars(plugin).get("_resolved_as", (None, None))
+        if options is not None and values == _field_values(plugin):
+            return options
+        return cls.from_plugin(plugin)
+
+    @classmethod
+    def from_plugin(cls, plugin: FullyShardedDataParallelPlugin, section: FsdpSection | None = None) -> FsdpOptions:
+        """Resolve `plugin` (or take `section`, its options as the caller already resolved and adjusted them)."""
+        section = plugin.resolved() if section is None else section
+        canonical = dataclasses.replace(plugin, **{**_plugin_fields(section), "fsdp_version": 2})
+        options = cls(section, canonical)
+        canonical._resolved_as = (options, _field_values(canonical))  # not a field: replace() and == ignore it
+        return options
+
+
+def _field_values(plugin: FullyShardedDataParallelPlugin) -> tuple:
+    return tuple(getattr(plugin, f.name) for f in dataclasses.fields(plugin))
 
 
 def _plugin_fields(section: FsdpSection, keys: set[str] | None = None) -> dict[str, Any]:
@@ -275,13 +310,9 @@ class DeepSpeedPlugin:
         elif isinstance(base, dict):
             config = json.loads(json.dumps(base))  # a deep copy the engine may fill in
         else:
-            path = Path(base)
-            if not path.is_file():
+            if not Path(base).is_file():
                 raise ConfigError(f"DeepSpeedPlugin(hf_ds_config={str(base)!r}): no such file; pass a dict or a path")
-            try:
-                config = json.loads(path.read_text())
-            except json.JSONDecodeError as err:
-                raise ConfigError(f"{path}: line {err.lineno}: malformed JSON ({err.msg})") from None
+            config = read_mapping(base, json_only=True)
         zero = config.setdefault("zero_optimization", {})
         fields = fields_of(DeepSpeedSection)
         for where, key, value in (
@@ -313,17 +344,4 @@ class DeepSpeedPlugin:
         return config
 
 
-def plugins_in_effect(fsdp_plugin: Any, deepspeed_plugin: Any, launch_config: Any) -> tuple[
-        FullyShardedDataParallelPlugin | None, DeepSpeedPlugin | None]:
-    """The plugins an Accelerator uses: those given to it (ours or Accelerate's objects), else the launcher's."""
-    if fsdp_plugin is not None and deepspeed_plugin is not None:
-        raise ConfigError("Accelerator(): pass fsdp_plugin or deepspeed_plugin, not both")
-    if fsdp_plugin is not None or deepspeed_plugin is not None:
-        return (FullyShardedDataParallelPlugin.from_object(fsdp_plugin) if fsdp_plugin is not None else None,
-                DeepSpeedPlugin.from_object(deepspeed_plugin) if deepspeed_plugin is not None else None)
-    kind = launch_config.distributed_type if launch_config is not None else None
-    return (FullyShardedDataParallelPlugin.from_section(launch_config.fsdp) if kind == "FSDP" else None,
-            DeepSpeedPlugin.from_section(launch_config.deepspeed) if kind == "DEEPSPEED" else None)
-
-
-__all__ = ["ConfigError", "DeepSpeedPlugin", "FullyShardedDataParallelPlugin", "plugins_in_effect"]
+__all__ = ["ConfigError", "DeepSpeedPlugin", "FsdpOptions", "FullyShardedDataParallelPlugin"]

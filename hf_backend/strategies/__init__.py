@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..config.plugins import DeepSpeedPlugin, FullyShardedDataParallelPlugin
+from ..config.backend import DATA_PARALLEL, Backend
 from ..gradient_state import GradientState
 from ..log import note
 from ..options import Handlers
@@ -15,20 +15,19 @@ from .fsdp import FSDPStrategy
 from .single import SingleDeviceStrategy
 
 
-def select_strategy(state: ProcessState, precision: Precision, handlers: Handlers,
-                    fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
-                    deepspeed_plugin: DeepSpeedPlugin | None = None, gradient_state: GradientState | None = None,
-                    split_batches: bool = False) -> Strategy:
-    """Chosen once per Accelerator. FSDP or DeepSpeed asked for in a single process train unsharded, with a note."""
-    if fsdp_plugin is not None:
+def select_strategy(state: ProcessState, precision: Precision, handlers: Handlers, backend: Backend | None = None,
+                    gradient_state: GradientState | None = None, split_batches: bool = False) -> Strategy:
+    """Chosen once per Accelerator, from `backend` (`config.backend.choose_backend`, with its options resolved) and
+    the world size. FSDP or DeepSpeed asked for in a single process train unsharded, with a note."""
+    backend = backend or Backend(DATA_PARALLEL)
+    if backend.fsdp is not None:
         if state.distributed:
-            return FSDPStrategy(state, precision, handlers, fsdp_plugin)
-        fsdp_plugin.resolved()  # still report a bad option
+            return FSDPStrategy(state, precision, handlers, backend.fsdp)
         note("FSDP asked for in a single process: training unsharded (sharded checkpoints still load)")
-    if deepspeed_plugin is not None:
+    if backend.deepspeed is not None:
         if state.distributed:
-            return DeepSpeedStrategy(state, precision, handlers, deepspeed_plugin, gradient_state, split_batches)
-        config = deepspeed_plugin.config()  # still report a bad option
+            return DeepSpeedStrategy(state, precision, handlers, backend.deepspeed, gradient_state, split_batches)
+        config = backend.deepspeed.config()  # still report a bad option
         unused = [f"{key} ({config[key].get('type', '?')})" for key in ("optimizer", "scheduler")
                   if isinstance(config.get(key), dict)]
         note("DeepSpeed asked for in a single process: training without it (ZeRO has nothing to partition)"

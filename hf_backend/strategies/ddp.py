@@ -27,7 +27,7 @@ _WRAPPERS = {Hook.FP16: default_hooks.fp16_compress_wrapper, Hook.BF16: default_
 class DDPStrategy(Strategy):
     @property
     def distributed_type(self) -> DistributedType:  # type: ignore[override]
-        return DistributedType.MULTI_GPU if self.state.device.type == "cuda" else DistributedType.MULTI_CPU
+        return self.state.distributed_type  # MULTI_GPU or MULTI_CPU, as the process state decides
 
     def setup_model(self, model: torch.nn.Module, device_placement: bool = True,
                     evaluation_mode: bool = False) -> torch.nn.Module:

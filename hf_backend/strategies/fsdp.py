@@ -9,7 +9,6 @@ SHARDED_STATE_DICT writes DCP directories (each rank its shards); FULL_STATE_DIC
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -19,7 +18,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from ..config.plugins import FullyShardedDataParallelPlugin
+from ..config.environment import set_ram_efficient_loading_variables
+from ..config.plugins import FsdpOptions, FullyShardedDataParallelPlugin
 from ..errors import HfBackendError
 from ..log import note
 from ..options import Handlers
@@ -32,16 +32,15 @@ class FSDPStrategy(Strategy):
     distributed_type = DistributedType.FSDP
 
     def __init__(self, state: ProcessState, precision: Precision, handlers: Handlers,
-                 plugin: FullyShardedDataParallelPlugin) -> None:
+                 fsdp: FsdpOptions | FullyShardedDataParallelPlugin) -> None:
+        """`fsdp`: the options `config.backend.choose_backend` resolved (a plugin, ours or Accelerate's, is resolved
+        here)."""
         super().__init__(state, precision, handlers)
-        self.options = plugin.resolved()
-        self.plugin = plugin.canonical(self.options)
+        resolved = FsdpOptions.of(fsdp)
+        self.options, self.plugin = resolved.section, resolved.plugin
         self.sharded_checkpoints = self.options.fsdp_state_dict_type != "FULL_STATE_DICT"
         if self.options.fsdp_cpu_ram_efficient_loading:
-            # transformers' from_pretrained builds the model on the meta device on ranks other than local rank 0
-            # when it sees these (the variables Accelerate sets for the same purpose).
-            os.environ.setdefault("ACCELERATE_USE_FSDP", "true")
-            os.environ.setdefault("FSDP_CPU_RAM_EFFICIENT_LOADING", "true")
+            set_ram_efficient_loading_variables()
         self._new_params: dict[int, torch.nn.Parameter] = {}  # id(parameter before sharding) -> sharded one
         if self.options.fsdp_backward_prefetch != "BACKWARD_PRE":
             note(f"fsdp backward_prefetch={self.options.fsdp_backward_prefetch}: FSDP2 always prefetches the next "

@@ -25,11 +25,11 @@ import torch
 import transformers
 
 from ..config import environment as env
-from ..config.arguments import deepspeed_config_from_argument, fsdp_plugin_from_arguments
+from ..config.arguments import deepspeed_config_from_argument, fsdp_options_from_arguments
+from ..config.backend import TRAINING_ARGUMENTS, choose_backend
 from ..config.loader import ConfigError
-from ..config.plugins import DeepSpeedPlugin, FullyShardedDataParallelPlugin
+from ..config.plugins import DeepSpeedPlugin
 from ..errors import HfBackendError
-from ..log import note
 from ..state import get_process_state, process_state_is_set_up
 
 
@@ -39,35 +39,25 @@ class TrainingArguments(transformers.TrainingArguments):
         if self.parallelism_config is not None:
             raise ConfigError("parallelism_config: tensor, context and sequence parallelism are not supported by "
                               "hf_backend; drop it and shard with FSDP (fsdp=...) or DeepSpeed ZeRO-3")
-        self._choose_backend()
+        # fsdp / fsdp_config / deepspeed given here win (and are read below, once transformers has parsed them);
+        # without them the launcher's FSDP or DeepSpeed options, read by choose_backend, apply.
+        wants_fsdp = bool(self.fsdp) or self.fsdp_config not in (None, {})
+        self._backend = choose_backend(True if wants_fsdp else None, self.deepspeed or None,
+                                       caller=TRAINING_ARGUMENTS)
         if self.push_to_hub:
             _check_hub_reachable()
         if (self.bf16 or self.bf16_full_eval) and not self.use_cpu and not torch.cuda.is_available():
             self.use_cpu = True  # the CPU is the device anyway; transformers would ask for use_cpu=True to allow bf16
         # transformers would turn `deepspeed` into Accelerate's DeepSpeedPlugin; it is read after the rest, below.
-        deepspeed, self.deepspeed = self.deepspeed, None
+        deepspeed = self._backend.deepspeed if self._backend.deepspeed is not None else self.deepspeed
+        self.deepspeed = None
         super().__post_init__()
         self.deepspeed_plugin = self._deepspeed_plugin(deepspeed) if deepspeed else None
         if deepspeed and not isinstance(deepspeed, (str, os.PathLike, dict)):
             deepspeed = self.hf_deepspeed_config.config  # a plugin object is kept as its (serializable) config
         self.deepspeed = deepspeed
         if not (self.fp16 or self.bf16) and "ACCELERATE_MIXED_PRECISION" not in os.environ:
-            self.mixed_precision = env.resolve("mixed_precision", None, env.MIXED_PRECISION, str, "no")
-
-    def _choose_backend(self) -> None:
-        wants_fsdp = bool(self.fsdp) or self.fsdp_config not in (None, {})
-        if wants_fsdp and self.deepspeed:
-            raise ConfigError("TrainingArguments: fsdp and deepspeed are both set; keep one of them")
-        launch = env.read_launch_config()
-        kind = launch.distributed_type if launch is not None else None
-        if wants_fsdp or self.deepspeed:
-            chosen = "FSDP" if wants_fsdp else "DEEPSPEED"
-            if kind in ("FSDP", "DEEPSPEED") and kind != chosen:
-                note(f"TrainingArguments ask for {chosen}; the launcher's distributed_type {kind} is not used")
-        elif kind == "FSDP":
-            self.fsdp_config = FullyShardedDataParallelPlugin.from_section(launch.fsdp)
-        elif kind == "DEEPSPEED":
-            self.deepspeed = DeepSpeedPlugin.from_section(launch.deepspeed)
+            self.mixed_precision = env.resolve("mixed_precision")
 
     @cached_property
     def _setup_devices(self) -> torch.device:
@@ -81,7 +71,7 @@ class TrainingArguments(transformers.TrainingArguments):
                 "AcceleratorConfig requires a pre-configured `AcceleratorState` or `PartialState` to be defined "
                 "before calling `TrainingArguments`; create an hf_backend Accelerator or PartialState first, or drop "
                 "use_configured_state")
-        cpu = env.resolve("cpu", True if self.use_cpu else None, env.USE_CPU, env.parse_bool, False)
+        cpu = env.resolve("cpu", True if self.use_cpu else None)
         timeout = datetime.timedelta(seconds=self.ddp_timeout) if self.ddp_timeout else None
         # Read by transformers through the attribute names of Accelerate's PartialState, which ProcessState shares.
         self.distributed_state = get_process_state(cpu=cpu, timeout=timeout, backend=self.ddp_backend)
@@ -89,12 +79,14 @@ class TrainingArguments(transformers.TrainingArguments):
         return self.distributed_state.device
 
     def _process_fsdp_args(self) -> None:
-        """Called by transformers' __post_init__: the plugin goes to `fsdp_plugin`, `fsdp_config` becomes the options
-        in effect (a plain dict), and transformers' own plugin arguments stay None (its Accelerate path is unused)."""
-        self.fsdp_plugin = fsdp_plugin_from_arguments(self.fsdp, self.fsdp_config)
-        if self.fsdp_plugin is None:
+        """Called by transformers' __post_init__: the options (the launcher's, or these arguments' read now) give
+        `fsdp_plugin` (the canonical plugin, which the Trainer hands to the Accelerator) and `fsdp_config` (the options
+        in effect, a plain dict); transformers' own plugin arguments stay None (its Accelerate path is unused)."""
+        options = self._backend.fsdp or fsdp_options_from_arguments(self.fsdp, self.fsdp_config)
+        self.fsdp_plugin = options.plugin if options is not None else None
+        if options is None:
             return None
-        self.fsdp_config = dataclasses.asdict(self.fsdp_plugin.resolved())
+        self.fsdp_config = dataclasses.asdict(options.section)
         # transformers' Trainer refuses FSDP in one process; the engine trains unsharded there, with a note.
         self.fsdp = self.world_size > 1
         return None

@@ -1,0 +1,160 @@
+"""The backend is chosen in one place (config/backend.py) and its FSDP options are resolved once on the way from
+TrainingArguments to the strategy; launcher settings are read through one table; MULTI_CPU/MULTI_GPU comes from the
+process state."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from test_config import DOCS_FSDP_YAML
+
+from hf_backend import DeepSpeedPlugin, FullyShardedDataParallelPlugin, HfBackendError, log
+from hf_backend.config import backend as backend_module
+from hf_backend.config import environment as env
+from hf_backend.config.backend import ACCELERATOR, TRAINING_ARGUMENTS, choose_backend
+from hf_backend.config.loader import validate
+from hf_backend.config.plugins import FsdpOptions
+from hf_backend.enums import DistributedType
+from hf_backend.options import Handlers
+from hf_backend.precision import Precision
+from hf_backend.state import ProcessState
+from hf_backend.strategies import DDPStrategy, FSDPStrategy, select_strategy
+
+TWO_CPU = ProcessState(torch.device("cpu"), 2, 0, 0, 2, "gloo")
+
+
+def _launched(kind: str, **sections) -> object:
+    return validate({"distributed_type": kind, **sections})
+
+
+@pytest.fixture(autouse=True)
+def own_notes(monkeypatch) -> None:
+    """Notes are said once per process: these tests' own must not hide them from tests that assert on them."""
+    monkeypatch.setattr(log, "_said", set())
+
+
+@pytest.fixture
+def loading_variables(monkeypatch) -> None:
+    """The variables FSDP's cpu_ram_efficient_loading sets, unset now and after the test (processes that tests
+    start inherit os.environ)."""
+    for name in ("ACCELERATE_USE_FSDP", "FSDP_CPU_RAM_EFFICIENT_LOADING"):
+        monkeypatch.setenv(name, "")  # recorded, so the undo removes what the test's code sets
+        monkeypatch.delenv(name)
+
+
+@pytest.fixture
+def resolutions(monkeypatch) -> list[FullyShardedDataParallelPlugin]:
+    """Every FullyShardedDataParallelPlugin.resolved() call, by plugin."""
+    calls: list[FullyShardedDataParallelPlugin] = []
+    original = FullyShardedDataParallelPlugin.resolved
+
+    def counting(self):
+        calls.append(self)
+        return original(self)
+
+    monkeypatch.setattr(FullyShardedDataParallelPlugin, "resolved", counting)
+    return calls
+
+
+def test_explicit_arguments_win_then_the_launcher_then_plain_data_parallelism(monkeypatch):
+    notes: list[str] = []
+    monkeypatch.setattr(backend_module, "note", notes.append)
+    deepspeed_launch = _launched("DEEPSPEED", deepspeed_config={"zero_stage": 3})
+    chosen = choose_backend(FullyShardedDataParallelPlugin(sharding_strategy="SHARD_GRAD_OP"), None, deepspeed_launch)
+    assert chosen.kind == "FSDP" and chosen.deepspeed is None
+    assert chosen.fsdp.section.fsdp_sharding_strategy == "SHARD_GRAD_OP" and chosen.fsdp.plugin.fsdp_version == 2
+    assert notes == []  # the Accelerator overrides the launcher silently, as before
+    chosen = choose_backend(True, None, deepspeed_launch, TRAINING_ARGUMENTS)
+    assert (chosen.kind, chosen.fsdp, chosen.deepspeed) == ("FSDP", None, None)  # TrainingArguments read their own
+    assert notes == ["TrainingArguments ask for FSDP; the launcher's distributed_type DEEPSPEED is not used"]
+
+    launched = choose_backend(launch_config=deepspeed_launch)
+    assert launched.kind == "DEEPSPEED" and launched.deepspeed.config()["zero_optimization"]["stage"] == 3
+    fsdp_launch = _launched("FSDP", fsdp_config={"fsdp_state_dict_type": "SHARDED_STATE_DICT"})
+    for caller in (ACCELERATOR, TRAINING_ARGUMENTS):  # the launcher's options are read here for both callers
+        options = choose_backend(launch_config=fsdp_launch, caller=caller).fsdp
+        assert options.section.fsdp_state_dict_type == "SHARDED_STATE_DICT"
+    assert choose_backend(launch_config=_launched("MULTI_CPU")).kind == "DATA_PARALLEL"
+    assert choose_backend(launch_config=None) == backend_module.Backend("DATA_PARALLEL")
+
+
+def test_both_backends_asked_for_is_each_callers_one_line_error():
+    with pytest.raises(HfBackendError, match=r"^Accelerator\(\): pass fsdp_plugin or deepspeed_plugin, not both$"):
+        choose_backend(FullyShardedDataParallelPlugin(), DeepSpeedPlugin(), None)
+    with pytest.raises(HfBackendError, match="^TrainingArguments: fsdp and deepspeed are both set; keep one of them$"):
+        choose_backend(True, {"zero_optimization": {}}, None, TRAINING_ARGUMENTS)
+
+
+def test_the_launcher_environment_is_read_when_no_launch_config_is_passed(monkeypatch):
+    monkeypatch.setenv(env.DISTRIBUTED_TYPE, "FSDP")
+    monkeypatch.setenv(env.FSDP_CONFIG, json.dumps({"fsdp_transformer_layer_cls_to_wrap": "BertLayer"}))
+    assert choose_backend().fsdp.section.fsdp_transformer_layer_cls_to_wrap == "BertLayer"
+
+
+def test_the_docs_yaml_is_resolved_once_from_training_arguments_to_the_strategy(tmp_path, resolutions,
+                                                                               loading_variables):
+    pytest.importorskip("transformers")
+    from hf_backend import TrainingArguments
+
+    config = tmp_path / "fsdp.yaml"
+    config.write_text(DOCS_FSDP_YAML)
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), report_to="none", fsdp_config=str(config))
+    assert len(resolutions) == 1
+    # What the Trainer does: Accelerator(fsdp_plugin=args.fsdp_plugin) chooses, then selects the strategy.
+    chosen = choose_backend(args.fsdp_plugin, None, None)
+    strategy = select_strategy(TWO_CPU, Precision("no", TWO_CPU.device), Handlers(), chosen)
+    assert len(resolutions) == 1, "resolved again after TrainingArguments"
+    assert isinstance(strategy, FSDPStrategy) and strategy.plugin is args.fsdp_plugin
+    assert strategy.options is chosen.fsdp.section and strategy.options.fsdp_state_dict_type == "SHARDED_STATE_DICT"
+    assert args.fsdp_config == {key: getattr(strategy.options, key) for key in args.fsdp_config}
+
+
+def test_a_plugin_changed_after_resolution_is_resolved_anew(resolutions):
+    options = FsdpOptions.of(FullyShardedDataParallelPlugin(sharding_strategy="SHARD_GRAD_OP"))
+    assert FsdpOptions.of(options.plugin) is options and len(resolutions) == 1
+    options.plugin.activation_checkpointing = True
+    again = FsdpOptions.of(options.plugin)
+    assert again is not options and again.section.fsdp_activation_checkpointing and len(resolutions) == 2
+
+
+def test_one_process_reports_fsdp_without_resolving_again(resolutions):
+    one = ProcessState(torch.device("cpu"), 1, 0, 0, 1, None)
+    chosen = choose_backend(FullyShardedDataParallelPlugin(), None, None)
+    strategy = select_strategy(one, Precision("no", one.device), Handlers(), chosen)
+    assert strategy.distributed_type is DistributedType.NO and len(resolutions) == 1
+
+
+def test_ddp_takes_multi_cpu_or_multi_gpu_from_the_process_state():
+    for device, kind in (("cpu", DistributedType.MULTI_CPU), ("cuda", DistributedType.MULTI_GPU)):
+        state = ProcessState(torch.device(device, 0) if device == "cuda" else torch.device(device), 2, 0, 0, 2, None)
+        strategy = DDPStrategy(state, Precision("no", torch.device("cpu")), Handlers())
+        assert strategy.distributed_type is state.distributed_type is kind
+
+
+def test_each_launcher_setting_has_one_definition(monkeypatch):
+    monkeypatch.delenv(env.MIXED_PRECISION, raising=False)
+    monkeypatch.setenv(env.USE_CPU, "yes")
+    monkeypatch.setenv(env.GRADIENT_ACCUMULATION_STEPS, "3")
+    assert env.resolve("cpu") is True and env.resolve("gradient_accumulation_steps") == 3
+    assert env.resolve("mixed_precision") == "no" and env.resolve("gradient_accumulation_steps", 2) == 2
+    monkeypatch.setenv(env.USE_CPU, "maybe")
+    with pytest.raises(HfBackendError, match="HF_BACKEND_USE_CPU='maybe' is not valid for cpu"):
+        env.resolve("cpu")
+
+
+def test_a_deepspeed_config_file_is_json_whatever_its_name(tmp_path):
+    path = tmp_path / "ds_config"
+    path.write_text(json.dumps({"optimizer": {"params": {"lr": 1e-5}}}))  # YAML would read 1e-05 as a string
+    assert DeepSpeedPlugin(hf_ds_config=str(path)).config()["optimizer"]["params"]["lr"] == 1e-5
+    with pytest.raises(HfBackendError, match=r"DeepSpeedPlugin\(hf_ds_config='.*nowhere.json'\): no such file"):
+        DeepSpeedPlugin(hf_ds_config=str(tmp_path / "nowhere.json")).config()
+
+
+def test_cpu_ram_efficient_loading_sets_transformers_variables_keeping_a_launchers(loading_variables, monkeypatch):
+    monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "false")  # as a launcher or the user left it
+    FSDPStrategy(TWO_CPU, Precision("no", TWO_CPU.device), Handlers(),
+                 FullyShardedDataParallelPlugin(cpu_ram_efficient_loading=True))
+    assert os.environ["ACCELERATE_USE_FSDP"] == "true" and os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] == "false"
