@@ -206,7 +206,7 @@ class Accelerator(ProcessView, compat.AccelerateMembers):
         if len(placement) != len(args):
             raise HfBackendError(f"prepare(): device_placement has {len(placement)} entries for {len(args)} objects")
         args = tuple(as_placeholder(obj) for obj in args)
-        self.strategy.bind([obj for obj in args if not _is_prepared(obj)])
+        self.strategy.on_prepare([obj for obj in args if not _is_prepared(obj)])
         result = list(args)
         passes = (
             (torch.nn.Module, lambda obj, p: self.prepare_model(obj, device_placement=p)),
@@ -397,7 +397,8 @@ class Accelerator(ProcessView, compat.AccelerateMembers):
         output_dir = output_dir if output_dir is not None else checkpoint.automatic_dir(config)
         objects = checkpoint.apply_save_hooks(self._save_state_pre_hooks.values(), self._objects, output_dir,
                                               functools.partial(self.get_state_dict, unwrap=False))
-        target = self.checkpoint_io.save(output_dir, objects, safe_serialization=safe_serialization)
+        target = self.checkpoint_io.save(output_dir, objects, safe_serialization=safe_serialization,
+                                         on_each_node=config.save_on_each_node)
         if automatic:
             config.iteration += 1
             if config.total_limit is not None and self.is_main_process:

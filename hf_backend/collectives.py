@@ -5,47 +5,17 @@ Every function is a cheap identity in a single process, so training scripts call
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .errors import HfBackendError
+from .nested import leaves, recursively_apply
 
 
 def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def recursively_apply(fn: Callable[[torch.Tensor], Any], data: Any) -> Any:
-    """Apply `fn` to every tensor inside `data`, rebuilding the containers around the results."""
-    if isinstance(data, torch.Tensor):
-        return fn(data)
-    if isinstance(data, Mapping):
-        items = {k: recursively_apply(fn, v) for k, v in data.items()}
-        try:
-            return type(data)(**items) if hasattr(data, "to_tuple") else type(data)(items)
-        except TypeError:
-            return items
-    if isinstance(data, (list, tuple)):
-        values = [recursively_apply(fn, v) for v in data]
-        if hasattr(data, "_fields"):  # namedtuple
-            return type(data)(*values)
-        return type(data)(values)
-    return data
-
-
-def send_to_device(data: Any, device: torch.device | str, non_blocking: bool = False) -> Any:
-    """Move every tensor in `data` to `device`; objects with their own `.to` (BatchEncoding) are moved as a whole."""
-    if isinstance(data, torch.Tensor):
-        return data.to(device, non_blocking=non_blocking)
-    if hasattr(data, "to") and not isinstance(data, (Mapping, list, tuple)):
-        try:
-            return data.to(device, non_blocking=non_blocking)
-        except TypeError:
-            return data.to(device)
-    return recursively_apply(lambda t: t.to(device, non_blocking=non_blocking), data)
 
 
 def _all_gather_cat(tensor: torch.Tensor) -> torch.Tensor:
@@ -157,34 +127,6 @@ def gather_uneven(data: Any) -> Any:
         return torch.cat([chunk[:n] for chunk, n in zip(chunks, sizes)])
 
     return recursively_apply(_gather, data)
-
-
-def split_between(inputs: Any, num_processes: int, process_index: int, apply_padding: bool = False) -> Any:
-    """This process's contiguous part of a list, tuple, tensor or dict of them (the first parts are one longer)."""
-    if isinstance(inputs, Mapping):
-        return type(inputs)({k: split_between(v, num_processes, process_index, apply_padding)
-                             for k, v in inputs.items()})
-    length = len(inputs)
-    per, extra = divmod(length, num_processes)
-    start = process_index * per + min(process_index, extra)
-    end = start + per + (1 if process_index < extra else 0)
-    part = inputs[start:end]
-    if apply_padding and extra and process_index >= extra and length:
-        last = inputs[-1:]
-        part = torch.cat([part, last]) if isinstance(part, torch.Tensor) else part + type(part)(last)
-    return part
-
-
-
-def leaves(data: Any) -> Iterator[Any]:
-    if isinstance(data, Mapping):
-        for value in data.values():
-            yield from leaves(value)
-    elif isinstance(data, (list, tuple)):
-        for value in data:
-            yield from leaves(value)
-    else:
-        yield data
 
 
 def gather_for_metrics(input_data: Any, gradient_state: Any, use_gather_object: bool = False) -> Any:

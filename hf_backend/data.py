@@ -27,9 +27,10 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from .collectives import broadcast_object_list, leaves, send_to_device
+from .collectives import broadcast_object_list
 from .errors import HfBackendError
 from .gradient_state import GradientState
+from .nested import leaves, send_to_device
 
 # DataLoader arguments carried over from the user's loader to the prepared one.
 _LOADER_ATTRS = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context",

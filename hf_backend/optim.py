@@ -45,10 +45,12 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self.optimizer.add_param_group(param_group)
 
     def state_dict(self) -> dict[str, Any]:
-        return self.optimizer.state_dict()
+        """The optimizer's state; empty when an engine steps it (DeepSpeed: its own checkpoint holds the state)."""
+        return {} if self.stepped_by_engine else self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state_dict)
+        if not self.stepped_by_engine:
+            self.optimizer.load_state_dict(state_dict)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.gradient_state.sync_gradients and not self.stepped_by_engine:

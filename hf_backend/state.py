@@ -132,7 +132,7 @@ class ProcessView:
 
     @contextlib.contextmanager
     def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:
-        from .collectives import split_between
+        from .nested import split_between
 
         yield split_between(inputs, self.num_processes, self.process_index, apply_padding)
 

@@ -17,15 +17,7 @@ import torch
 
 from . import availability, compat
 from .availability import compare_versions, is_torch_version
-from .collectives import (
-    broadcast,
-    broadcast_object_list,
-    gather,
-    gather_object,
-    pad_across_processes,
-    recursively_apply,
-    send_to_device,
-)
+from .collectives import broadcast, broadcast_object_list, gather, gather_object, pad_across_processes
 from .collectives import reduce as _reduce
 from .config.plugins import DeepSpeedPlugin, FullyShardedDataParallelPlugin
 from .enums import (
@@ -42,6 +34,7 @@ from .enums import (
 )
 from .errors import HfBackendError
 from .memory import find_executable_batch_size, release_memory
+from .nested import recursively_apply, send_to_device
 from .optim import DummyOptim, DummyScheduler
 from .options import (
     AutocastKwargs,
@@ -101,7 +94,7 @@ def find_batch_size(data: Any) -> int:
 
 
 def _leaves(data: Any) -> Iterator[Any]:
-    from .collectives import leaves
+    from .nested import leaves
 
     return leaves(data)
 

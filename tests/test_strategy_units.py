@@ -60,7 +60,7 @@ def prepare(strategy, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-    strategy.bind([model, optimizer])
+    strategy.on_prepare([model, optimizer])
     model = strategy.setup_model(model)
     optimizer = strategy.setup_optimizer(optimizer)
     return model, optimizer, PreparedObjects(models=[model], optimizers=[optimizer])

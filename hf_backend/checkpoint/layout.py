@@ -5,7 +5,7 @@ A state checkpoint (`save_state`; object i > 0 of a kind gets an `_i` suffix):
     hf_backend_checkpoint.json   what was saved: format version, counts, world size, accumulation step, iteration
     model.safetensors            full weights (sharded with an index JSON when large), or
     model_dcp/                   each process's shards (torch.distributed.checkpoint), or
-    model_deepspeed/             DeepSpeed's own checkpoint of model and optimizer (with its `latest` file)
+    model_deepspeed/  latest     DeepSpeed's own checkpoint of model and optimizer, and its `latest` tag file
     optimizer.bin | optimizer_dcp/
     scheduler.bin  dataloader.bin  custom_checkpoint_0.pkl  scaler.pt
     rng_state_{rank}.pt          python, numpy, torch (and CUDA) generator states of each process
@@ -33,6 +33,7 @@ RAY_MODEL_DIR = "model"  # where ray_train.report puts `save_model`'s output in 
 TRAINER_STATE = "trainer_state.json"
 TRAINER_OPTIMIZER = "optimizer.pt"
 TRAINER_SCHEDULER = "scheduler.pt"
+TRAINER_ARGUMENTS = "training_args.bin"
 TRAINER_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 _AUTOMATIC = re.compile(r"^checkpoint_(\d+)$")
@@ -102,11 +103,11 @@ def previous_dir(target: Path) -> Path:
     return target.with_name(target.name + PREVIOUS_SUFFIX)
 
 
-def holds_engine_state(directory: Path) -> bool:
+def holds_engine_state(directory: str | Path) -> bool:
     """A directory hf_backend wrote its state into (a `save_state` checkpoint, or the engine's part of a Trainer's)."""
     return (Path(directory) / METADATA).is_file()
 
 
-def holds_trainer_optimizer(directory: Path) -> bool:
+def holds_trainer_optimizer(directory: str | Path) -> bool:
     """transformers' own optimizer and scheduler files (either Trainer writes them outside FSDP and DeepSpeed)."""
     return (Path(directory) / TRAINER_OPTIMIZER).is_file() and (Path(directory) / TRAINER_SCHEDULER).is_file()

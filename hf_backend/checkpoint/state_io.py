@@ -13,7 +13,7 @@ import json
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -22,7 +22,6 @@ from ..errors import HfBackendError
 from ..precision import Precision
 from ..prepared import PreparedObjects
 from ..state import ProcessState
-from ..strategies.base import Strategy, is_compiled_module
 from . import layout
 from .directories import staged_write
 from .files import (
@@ -35,6 +34,9 @@ from .files import (
     tied_weight_keys,
     write_weights,
 )
+
+if TYPE_CHECKING:  # strategies are not imported at run time: checkpoint/ loads without FSDP and DeepSpeed
+    from ..strategies.base import Strategy
 
 
 class CheckpointIO:
@@ -56,19 +58,26 @@ class CheckpointIO:
 
     # -- whole checkpoints ---------------------------------------------------------------------------------------------
     def save(self, target: str | os.PathLike, objects: PreparedObjects | None = None, *,
-             safe_serialization: bool = True) -> Path:
-        """`write` into a new directory `target`, staged so that it appears complete or not at all."""
+             safe_serialization: bool = True, on_each_node: bool = False) -> Path:
+        """`write` into a new directory `target`, staged so that it appears complete or not at all.
+        `on_each_node` (ProjectConfiguration.save_on_each_node) is only meaningful on one node."""
+        self.check_on_each_node(on_each_node, "save_state")
         target = Path(target)
         staged_write(target, self.process, lambda directory: self.write(directory, objects,
                                                                         safe_serialization=safe_serialization))
         return target
 
     def write(self, directory: str | os.PathLike, objects: PreparedObjects | None = None, *, rng: bool = True,
-              scaler: bool = True, extra: dict[str, Any] | None = None, safe_serialization: bool = True) -> None:
+              scaler: bool = True, extra: dict[str, Any] | None = None, safe_serialization: bool = True,
+              on_each_node: bool = False) -> None:
         """Write `objects` (default: everything prepared and registered) into the existing `directory`, unstaged;
         `rng` / `scaler`: also this process's random states / the fp16 loss scaler (hf_backend.Trainer leaves both to
-        transformers); `extra` replaces the facade's counters in the metadata."""
+        transformers); `extra` replaces the facade's counters in the metadata. `on_each_node`: the files the main
+        process writes are written by each node's local main process (nodes without a shared filesystem); models
+        and optimizers cannot be, their states are gathered to (or coordinated by) global rank 0."""
         directory, objects = Path(directory), objects if objects is not None else self.prepared
+        if objects.models or objects.optimizers:
+            self.check_on_each_node(on_each_node, "save_on_each_node with models or optimizers")
         if rng:
             torch.save(capture_rng(), directory / layout.rng_file(self.process.process_index))
         for i, model in enumerate(objects.models):
@@ -76,7 +85,7 @@ class CheckpointIO:
         if not self.strategy.native_checkpoints:  # DeepSpeed's engine wrote its optimizer with the model
             for i, optimizer in enumerate(objects.optimizers):
                 self.save_optimizer(optimizer, directory, layout.optimizer_stem(i))
-        if not self.process.is_main_process:
+        if not (self.process.is_local_main_process if on_each_node else self.process.is_main_process):
             return
         for i, scheduler in enumerate(objects.schedulers):
             torch.save(scheduler.state_dict(), directory / layout.scheduler_file(i))
@@ -209,13 +218,20 @@ class CheckpointIO:
         if hasattr(config, "save_pretrained"):
             config.save_pretrained(directory)
 
+    def check_on_each_node(self, on_each_node: bool, what: str) -> None:
+        """Refuse node-local checkpoints where they cannot work: a job of several nodes, for `what`."""
+        if on_each_node and self.process.num_processes > self.process.local_num_processes:
+            raise HfBackendError(f"{what} across {self.process.num_processes // self.process.local_num_processes} "
+                                 "nodes: checkpoints need a filesystem every node shares; put the output directory "
+                                 "there and set save_on_each_node=False")
+
     def _optimizer_and_model(self, optimizer: Any) -> tuple[torch.optim.Optimizer, torch.nn.Module]:
         """The torch optimizer inside a prepared one, and the prepared model whose parameters it updates."""
         inner = getattr(optimizer, "optimizer", optimizer)
         ids = {id(p) for group in inner.param_groups for p in group["params"]}
         for model in self.prepared.models:
             if any(id(p) in ids for p in model.parameters()):
-                return inner, model._orig_mod if is_compiled_module(model) else model
+                return inner, getattr(model, "_orig_mod", model)  # inside a torch.compile wrapper
         raise HfBackendError("an optimizer's parameters belong to no prepared model; prepare the model with it")
 
 

@@ -51,7 +51,7 @@ class FsdpSection:
                                       aliases=("fsdp_backward_prefetch_policy",))
     fsdp_forward_prefetch: bool = key(False, "prefetch the next unit's parameters in forward")
     fsdp_state_dict_type: str = key("FULL_STATE_DICT", "checkpoint format of save_state",
-                                    choices=("FULL_STATE_DICT", "SHARDED_STATE_DICT", "LOCAL_STATE_DICT"),
+                                    choices=("FULL_STATE_DICT", "SHARDED_STATE_DICT"),  # FSDP2 has no local one
                                     question="State dict type")
     fsdp_cpu_ram_efficient_loading: bool = key(False, "only rank 0 materializes pretrained weights")
     fsdp_sync_module_states: bool = key(True, "broadcast rank 0's weights at wrap time")

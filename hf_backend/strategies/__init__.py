@@ -15,26 +15,26 @@ from .fsdp import FSDPStrategy
 from .single import SingleDeviceStrategy
 
 
-def select_strategy(state: ProcessState, precision: Precision, handlers: Handlers, backend: Backend | None = None,
+def select_strategy(process: ProcessState, precision: Precision, handlers: Handlers, backend: Backend | None = None,
                     gradient_state: GradientState | None = None, split_batches: bool = False) -> Strategy:
     """Chosen once per Accelerator, from `backend` (`config.backend.choose_backend`, with its options resolved) and
     the world size. FSDP or DeepSpeed asked for in a single process train unsharded, with a note."""
     backend = backend or Backend(DATA_PARALLEL)
     if backend.fsdp is not None:
-        if state.distributed:
-            return FSDPStrategy(state, precision, handlers, backend.fsdp)
+        if process.distributed:
+            return FSDPStrategy(process, precision, handlers, backend.fsdp)
         note("FSDP asked for in a single process: training unsharded (sharded checkpoints still load)")
     if backend.deepspeed is not None:
-        if state.distributed:
-            return DeepSpeedStrategy(state, precision, handlers, backend.deepspeed, gradient_state, split_batches)
+        if process.distributed:
+            return DeepSpeedStrategy(process, precision, handlers, backend.deepspeed, gradient_state, split_batches)
         config = backend.deepspeed.config()  # still report a bad option
         unused = [f"{key} ({config[key].get('type', '?')})" for key in ("optimizer", "scheduler")
                   if isinstance(config.get(key), dict)]
         note("DeepSpeed asked for in a single process: training without it (ZeRO has nothing to partition)"
              + (f"; the config's {' and '.join(unused)} sections are not used: the script's (or the Trainer's) "
                 "optimizer and scheduler train" if unused else ""))
-    cls = DDPStrategy if state.distributed else SingleDeviceStrategy
-    return cls(state, precision, handlers)
+    cls = DDPStrategy if process.distributed else SingleDeviceStrategy
+    return cls(process, precision, handlers)
 
 
 __all__ = ["DDPStrategy", "DeepSpeedStrategy", "FSDPStrategy", "SingleDeviceStrategy", "Strategy", "select_strategy"]

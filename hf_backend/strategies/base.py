@@ -61,8 +61,8 @@ class Strategy:
     distributed_type = DistributedType.NO
     plugin: Any = None  # the FSDP / DeepSpeed plugin in effect, as `accelerator.state` shows it
 
-    def __init__(self, state: ProcessState, precision: Precision, handlers: Handlers) -> None:
-        self.state = state
+    def __init__(self, process: ProcessState, precision: Precision, handlers: Handlers) -> None:
+        self.process = process
         self.precision = precision
         self.handlers = handlers
 
@@ -70,7 +70,7 @@ class Strategy:
     def setup_model(self, model: torch.nn.Module, device_placement: bool = True,
                     evaluation_mode: bool = False) -> torch.nn.Module:
         if device_placement:
-            model = model.to(self.state.device)
+            model = model.to(self.process.device)
         self.precision.wrap_forward(model)
         return model
 
@@ -105,7 +105,7 @@ class Strategy:
         `step()` / `zero_grad()` calls are no-ops (DeepSpeed's engine does)."""
         return False
 
-    def bind(self, objects: list[Any]) -> None:
+    def on_prepare(self, objects: list[Any]) -> None:
         """Called by `prepare` with everything passed in one call, before any of it is prepared (DeepSpeed builds
         its engine from the model, optimizer and loader together)."""
 
@@ -122,7 +122,7 @@ class Strategy:
 
     def join(self, joinables: list) -> contextlib.AbstractContextManager:
         """Context for processes whose loaders run out at different steps. One process has nothing to join."""
-        if not self.state.distributed:
+        if not self.process.distributed:
             note("join_uneven_inputs in a single process: nothing to join")
             return contextlib.nullcontext()
         return Join(joinables)

@@ -27,7 +27,7 @@ _WRAPPERS = {Hook.FP16: default_hooks.fp16_compress_wrapper, Hook.BF16: default_
 class DDPStrategy(Strategy):
     @property
     def distributed_type(self) -> DistributedType:  # type: ignore[override]
-        return self.state.distributed_type  # MULTI_GPU or MULTI_CPU, as the process state decides
+        return self.process.distributed_type  # MULTI_GPU or MULTI_CPU, as the process state decides
 
     def setup_model(self, model: torch.nn.Module, device_placement: bool = True,
                     evaluation_mode: bool = False) -> torch.nn.Module:
@@ -35,7 +35,7 @@ class DDPStrategy(Strategy):
         if evaluation_mode or not any(p.requires_grad for p in model.parameters()):
             return model  # nothing to synchronize (a model only evaluated, or frozen)
         hook = communication_hook(self.handlers.ddp)  # a bad option fails before any collective
-        device_ids = [self.state.device.index] if self.state.device.type == "cuda" else None
+        device_ids = [self.process.device.index] if self.process.device.type == "cuda" else None
         # DDP broadcasts rank 0's parameters and buffers at construction: ranks that seeded differently agree.
         ddp = DistributedDataParallel(model, device_ids=device_ids, **self.handlers.ddp.ddp_kwargs())
         if hook is not None:

@@ -44,16 +44,16 @@ _FP16_MESSAGE = {  # by whether the device is the CPU
 class DeepSpeedStrategy(Strategy):
     distributed_type = DistributedType.DEEPSPEED
 
-    def __init__(self, state: ProcessState, precision: Precision, handlers: Handlers, plugin: DeepSpeedPlugin,
+    def __init__(self, process: ProcessState, precision: Precision, handlers: Handlers, plugin: DeepSpeedPlugin,
                  gradient_state: GradientState, split_batches: bool = False) -> None:
-        super().__init__(state, precision, handlers)
+        super().__init__(process, precision, handlers)
         try:
             import deepspeed  # noqa: F401
         except ImportError:
             raise HfBackendError("DeepSpeed was asked for but is not installed: DS_BUILD_OPS=0 pip install deepspeed "
                                  "(or pip install 'hf-backend[deepspeed]')") from None
         if precision.mode == "fp16":
-            raise HfBackendError(_FP16_MESSAGE[state.device.type == "cpu"])
+            raise HfBackendError(_FP16_MESSAGE[process.device.type == "cpu"])
         self.config = plugin.config()
         self.plugin = dataclasses.replace(plugin, zero_stage=self.zero_stage)
         self.gradient_state = gradient_state
@@ -69,7 +69,7 @@ class DeepSpeedStrategy(Strategy):
         return int(self.config["zero_optimization"]["stage"])
 
     # -- building the engine -----------------------------------------------------------------------------------------
-    def bind(self, objects: list[Any]) -> None:
+    def on_prepare(self, objects: list[Any]) -> None:
         models = [o for o in objects if isinstance(o, torch.nn.Module)]
         if not models:
             return
@@ -172,11 +172,11 @@ class DeepSpeedStrategy(Strategy):
             if batch is None:
                 raise HfBackendError('DeepSpeed config: train_micro_batch_size_per_gpu is "auto"; pass the training '
                                      "DataLoader to the same prepare() call as the model, or give a number")
-            config["train_micro_batch_size_per_gpu"] = batch // self.state.num_processes if self.split_batches \
+            config["train_micro_batch_size_per_gpu"] = batch // self.process.num_processes if self.split_batches \
                 else batch
         micro = config["train_micro_batch_size_per_gpu"]
         if config.get("train_batch_size", "auto") == "auto":
-            config["train_batch_size"] = micro * steps * self.state.num_processes
+            config["train_batch_size"] = micro * steps * self.process.num_processes
         if config.get("gradient_clipping") == "auto":
             # transformers resolves it from max_grad_norm, whose default is 1.0; the engine has no such setting.
             config["gradient_clipping"] = 1.0
@@ -187,7 +187,7 @@ class DeepSpeedStrategy(Strategy):
             if section.get("enabled", "auto") == "auto":
                 section["enabled"] = wanted
         if config["fp16"]["enabled"]:
-            raise HfBackendError("DeepSpeed config: fp16.enabled: " + _FP16_MESSAGE[self.state.device.type == "cpu"])
+            raise HfBackendError("DeepSpeed config: fp16.enabled: " + _FP16_MESSAGE[self.process.device.type == "cpu"])
         zero = config["zero_optimization"]
         for key, rule in _BUCKETS.items():
             if zero.get(key) == "auto":
@@ -273,10 +273,12 @@ class DeepSpeedStrategy(Strategy):
     native_checkpoints = True  # the engine's checkpoint holds the (partitioned) optimizer state with the model
 
     def model_state_dict(self, model: torch.nn.Module, sharded: bool = False) -> dict[str, torch.Tensor]:
-        """Full weights; under ZeRO-3 gathered (16-bit when training in bf16) onto rank 0, other ranks get {}."""
+        """Full weights; under ZeRO-3 gathered (16-bit when training in bf16) onto rank 0, other ranks get {}. Read
+        from the engine given (still there after `free_memory`), else this strategy's."""
+        engine = model if hasattr(model, "_zero3_consolidated_16bit_state_dict") else self.engine
         if self.zero_stage == 3:
-            return self.engine._zero3_consolidated_16bit_state_dict() or {}
-        return self.engine.module.state_dict()
+            return engine._zero3_consolidated_16bit_state_dict() or {}
+        return engine.module.state_dict()
 
     def save_native(self, directory: Path, tag: str) -> None:
         self.engine.save_checkpoint(str(directory), tag=tag)

@@ -31,11 +31,11 @@ from .base import Strategy
 class FSDPStrategy(Strategy):
     distributed_type = DistributedType.FSDP
 
-    def __init__(self, state: ProcessState, precision: Precision, handlers: Handlers,
+    def __init__(self, process: ProcessState, precision: Precision, handlers: Handlers,
                  fsdp: FsdpOptions | FullyShardedDataParallelPlugin) -> None:
         """`fsdp`: the options `config.backend.choose_backend` resolved (a plugin, ours or Accelerate's, is resolved
         here)."""
-        super().__init__(state, precision, handlers)
+        super().__init__(process, precision, handlers)
         resolved = FsdpOptions.of(fsdp)
         self.options, self.plugin = resolved.section, resolved.plugin
         self.sharded_checkpoints = self.options.fsdp_state_dict_type != "FULL_STATE_DICT"
@@ -54,7 +54,7 @@ class FSDPStrategy(Strategy):
             return model
         before = list(model.parameters())  # what an optimizer built before prepare holds; mapped to the shards below
         efficient = self.options.fsdp_cpu_ram_efficient_loading
-        main = self.state.is_main_process
+        main = self.process.is_main_process
         on_meta = any(p.is_meta for p in model.parameters())
         if on_meta and (main or not efficient):
             raise HfBackendError("prepare(): the model is on the meta device; build it with real weights on rank 0 "
@@ -82,19 +82,19 @@ class FSDPStrategy(Strategy):
         return model
 
     def _receive_rank0_weights(self, model: torch.nn.Module, full: dict[str, torch.Tensor]) -> None:
-        if not self.state.is_main_process:
-            model.to_empty(device=self.state.device)
+        if not self.process.is_main_process:
+            model.to_empty(device=self.process.device)
         set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
         for buffer in model.buffers():  # not sharded, and non-persistent ones are in no state dict
             torch.distributed.broadcast(buffer, src=0)
 
     def _mesh(self) -> Any:
-        device, world = self.state.device.type, self.state.num_processes
+        device, world = self.process.device.type, self.process.num_processes
         strategy = self.options.fsdp_sharding_strategy
         if strategy == "NO_SHARD":
             return init_device_mesh(device, (world, 1), mesh_dim_names=("replicate", "shard"))
         if strategy in ("HYBRID_SHARD", "HYBRID_SHARD_ZERO2"):
-            local = self.state.local_num_processes
+            local = self.process.local_num_processes
             return init_device_mesh(device, (world // local, local), mesh_dim_names=("replicate", "shard"))
         return init_device_mesh(device, (world,))
 
@@ -139,6 +139,10 @@ class FSDPStrategy(Strategy):
                                  "and prepare it together with the model")
         for group in optimizer.param_groups:
             group["params"] = [self._new_params.get(id(p), p) for p in group["params"]]
+        if any(not isinstance(p, DTensor) for group in optimizer.param_groups for p in group["params"]):
+            raise HfBackendError("prepare(): the optimizer holds parameters of a model that is not sharded (built "
+                                 "before a prepare that free_memory has since forgotten?); create the optimizer from "
+                                 "the prepared model's parameters, or prepare model and optimizer in one call")
         return optimizer
 
     # -- training step -----------------------------------------------------------------------------------------------

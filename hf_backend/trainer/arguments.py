@@ -3,8 +3,8 @@
 What differs from transformers.TrainingArguments:
 - processes and device come from hf_backend's process state (never Accelerate's `PartialState`);
 - `fsdp_config` also takes the YAML that `hf-backend config` / `accelerate config` write and plugin objects, and
-  `deepspeed` takes a DeepSpeedPlugin (see config/arguments.py); with neither set, the FSDP or DeepSpeed choice of
-  `hf-backend launch` applies, and so does its mixed precision;
+  `deepspeed` takes a DeepSpeedPlugin (see config/training_arguments.py); with neither set, the FSDP or DeepSpeed
+  choice of `hf-backend launch` applies, and so does its mixed precision;
 - contradictions (fsdp and deepspeed both set, a bad option) and `push_to_hub` without a reachable Hub fail here,
   at construction, in one line;
 - `bf16=True` on a machine without a GPU trains in bf16 on the CPU (transformers demands `use_cpu=True`).
@@ -25,10 +25,10 @@ import torch
 import transformers
 
 from ..config import environment as env
-from ..config.arguments import deepspeed_config_from_argument, fsdp_options_from_arguments
 from ..config.backend import TRAINING_ARGUMENTS, choose_backend
 from ..config.loader import ConfigError
 from ..config.plugins import DeepSpeedPlugin
+from ..config.training_arguments import deepspeed_config_from_argument, fsdp_options_from_arguments
 from ..errors import HfBackendError
 from ..state import get_process_state, process_state_is_set_up
 

@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 import transformers
-from transformers.trainer import TRAINING_ARGS_NAME
 
 from .. import checkpoint
 from ..accelerator import Accelerator
@@ -139,6 +138,8 @@ class Trainer(transformers.Trainer):
             raise HfBackendError(f"fsdp_config activation_checkpointing and the "
                                  f"{compat.ACTIVATION_CHECKPOINTING_ARGUMENT} argument are both set; keep FSDP's "
                                  "(fsdp_config) under FSDP")
+        if self._engine_writes_optimizer():  # before training, not at the first save
+            self.accelerator.checkpoint_io.check_on_each_node(args.save_on_each_node, "save_on_each_node under FSDP")
         if args.save_only_model and self._sharded_weights():
             raise HfBackendError("save_only_model does not go with FSDP's SHARDED_STATE_DICT; use FULL_STATE_DICT")
         if args.save_only_model and args.load_best_model_at_end and (self.is_deepspeed_enabled or
@@ -230,21 +231,22 @@ class Trainer(transformers.Trainer):
             config.save_pretrained(output_dir)
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
-        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+        torch.save(self.args, os.path.join(output_dir, checkpoint.layout.TRAINER_ARGUMENTS))
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if not self._engine_writes_optimizer():  # transformers' optimizer.pt / scheduler.pt, or DeepSpeed's checkpoint
             super()._save_optimizer_and_scheduler(output_dir)
         os.makedirs(output_dir, exist_ok=True)
-        self.accelerator.checkpoint_io.write(output_dir, self._training_state(self._engine_writes_optimizer()),
-                                             rng=False, scaler=False, extra={"written_by": "hf_backend.Trainer"})
+        self.accelerator.checkpoint_io.write(output_dir, self._engine_objects(self._engine_writes_optimizer()),
+                                             rng=False, scaler=False, extra={"written_by": "hf_backend.Trainer"},
+                                             on_each_node=self.args.save_on_each_node)
 
     def _engine_writes_optimizer(self) -> bool:
         """FSDP's optimizer state is sharded: the engine writes it (and the scheduler beside it). Elsewhere
         transformers' own files are written, which transformers.Trainer resumes from too."""
         return self.is_fsdp_enabled and not self.is_deepspeed_enabled
 
-    def _training_state(self, optimizer_and_scheduler: bool) -> PreparedObjects:
+    def _engine_objects(self, optimizer_and_scheduler: bool) -> PreparedObjects:
         """The train loader position, and the optimizer and scheduler when the engine keeps them; the Trainer itself
         writes the weights, RNG and scaler files."""
         loaders = [self._train_loader] if self._train_loader is not None else []
@@ -266,7 +268,7 @@ class Trainer(transformers.Trainer):
         # `optimizer.bin` / `scheduler.bin` in one process and under DDP too.
         engine_files = ours and not self.is_deepspeed_enabled and not transformers_files
         if ours:
-            io.read(checkpoint_dir, self._training_state(engine_files), rng=False, scaler=False)
+            io.read(checkpoint_dir, self._engine_objects(engine_files), rng=False, scaler=False)
             if self.args.ignore_data_skip and self._train_loader is not None:
                 self._train_loader.skip_first_batches(0)  # the resumed epoch from its first batch, as transformers
 
