@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader
 from torch.utils.hooks import RemovableHandle
 
-from . import checkpoint, collectives, compat
+from . import checkpoint, checks, collectives, compat
 from .config import environment as env
 from .config.backend import choose_backend
 from .data import PreparedDataLoader, prepare_dataloader, skip_first_batches
@@ -78,6 +78,12 @@ class Accelerator(ProcessView, compat.AccelerateMembers):
         deepspeed_plugin = compat.check_accelerator_arguments(other, deepspeed_plugin)
         loader_options = {k: other.pop(k) for k in ("dispatch_batches", "use_seedable_sampler") if k in other}
 
+        checks.flag(device_placement, "device_placement"), checks.flag(cpu, "cpu", optional=True)
+        checks.flag(split_batches, "split_batches", optional=True), checks.flag(even_batches, "even_batches", True)
+        checks.flag(step_scheduler_with_optimizer, "step_scheduler_with_optimizer")
+        if kwargs_handlers is not None and not isinstance(kwargs_handlers, (list, tuple)):
+            raise HfBackendError(f"kwargs_handlers={checks.show(kwargs_handlers)} must be a list of handlers, e.g. "
+                                 "[DistributedDataParallelKwargs(...)]")
         self.handlers = Handlers()
         for handler in kwargs_handlers or []:
             slot = _HANDLER_SLOTS.get(type(handler))
@@ -100,8 +106,7 @@ class Accelerator(ProcessView, compat.AccelerateMembers):
         if gradient_accumulation_plugin is None:
             steps = env.resolve("gradient_accumulation_steps", gradient_accumulation_steps)
             gradient_accumulation_plugin = GradientAccumulationPlugin(num_steps=steps)
-        if int(gradient_accumulation_plugin.num_steps) < 1:
-            raise HfBackendError(f"gradient_accumulation_steps={gradient_accumulation_plugin.num_steps} must be >= 1")
+        checks.whole(gradient_accumulation_plugin.num_steps, "gradient_accumulation_steps", minimum=1)
         self.gradient_state = GradientState(gradient_accumulation_plugin)
 
         overrides = {k: v for k, v in (("split_batches", split_batches), ("even_batches", even_batches),
@@ -163,9 +168,7 @@ class Accelerator(ProcessView, compat.AccelerateMembers):
     @gradient_accumulation_steps.setter
     def gradient_accumulation_steps(self, steps: int) -> None:
         """Scripts that pick the accumulation after `find_executable_batch_size` set it here, as in Accelerate."""
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise HfBackendError(f"gradient_accumulation_steps={steps!r} must be an integer >= 1")
-        self.gradient_state.num_steps = steps
+        self.gradient_state.num_steps = checks.whole(steps, "gradient_accumulation_steps", minimum=1)
 
     @property
     def sync_gradients(self) -> bool:
@@ -277,6 +280,9 @@ class Accelerator(ProcessView, compat.AccelerateMembers):
         if not self._objects.models:
             raise HfBackendError("backward() before prepare(): call model, optimizer, ... = accelerator.prepare(...) "
                                  "first")
+        if not isinstance(loss, torch.Tensor):
+            raise HfBackendError(f"backward(loss={checks.show(loss)}): pass the loss tensor (e.g. outputs.loss), not "
+                                 f"a {type(loss).__name__}")
         self.strategy.backward(loss, self.gradient_state.num_steps, self.sync_gradients, **kwargs)
 
     def _do_sync(self) -> None:
@@ -293,6 +299,8 @@ class Accelerator(ProcessView, compat.AccelerateMembers):
         """One micro step: optimizers step only every `gradient_accumulation_steps` micro steps and at the end of the
         dataloader; in between, gradients are not all-reduced, unless `sync_each_batch` asks for it (it saves memory
         under FSDP, at the cost of a reduction every micro step)."""
+        if not all(isinstance(m, torch.nn.Module) for m in models):
+            raise HfBackendError(f"accumulate({', '.join(checks.show(m) for m in models)}): pass the prepared models")
         self._do_sync()
         if self.sync_gradients or not models or (self.use_distributed and self.gradient_state.sync_each_batch):
             yield
@@ -318,12 +326,14 @@ class Accelerator(ProcessView, compat.AccelerateMembers):
                         norm_type: float = 2.0) -> torch.Tensor | None:
         """Clip the synchronized gradients; returns their total norm. On a non-sync micro step it does nothing and
         returns None: clipping a partial sum is never what accumulation means."""
+        checks.number(max_norm, "clip_grad_norm_ max_norm", positive=True)
         if not self.sync_gradients:
             return None
         self.unscale_gradients()
         return self.strategy.clip_grad_norm_(parameters, max_norm, norm_type)
 
     def clip_grad_value_(self, parameters: Iterable[torch.nn.Parameter], clip_value: float) -> None:
+        checks.number(clip_value, "clip_grad_value_ clip_value", positive=True)
         if not self.sync_gradients:
             return
         self.unscale_gradients()

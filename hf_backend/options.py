@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from . import checks
 from .enums import DDPCommunicationHookType
 from .errors import HfBackendError
 
@@ -25,6 +26,15 @@ class ProjectConfiguration:
     total_limit: int | None = None
     iteration: int = 0
     save_on_each_node: bool = False
+
+    def __post_init__(self) -> None:
+        self.project_dir = checks.path(self.project_dir, "ProjectConfiguration.project_dir")
+        self.logging_dir = checks.path(self.logging_dir, "ProjectConfiguration.logging_dir")
+        checks.flag(self.automatic_checkpoint_naming, "ProjectConfiguration.automatic_checkpoint_naming")
+        checks.flag(self.save_on_each_node, "ProjectConfiguration.save_on_each_node")
+        checks.whole(self.total_limit, "ProjectConfiguration.total_limit", minimum=1, optional=True,
+                     fix="; None keeps every checkpoint")
+        checks.whole(self.iteration, "ProjectConfiguration.iteration")
 
     def set_directories(self, project_dir: str | None = None) -> None:
         self.project_dir = project_dir
@@ -56,6 +66,12 @@ class DataLoaderConfiguration:
     data_seed: int | None = None
     non_blocking: bool = False
     use_stateful_dataloader: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("split_batches", "even_batches", "use_seedable_sampler", "non_blocking",
+                     "use_stateful_dataloader", "dispatch_batches"):
+            checks.flag(getattr(self, name), f"DataLoaderConfiguration.{name}", optional=name == "dispatch_batches")
+        checks.whole(self.data_seed, "DataLoaderConfiguration.data_seed", maximum=2**64 - 1, optional=True)
 
 
 @dataclass

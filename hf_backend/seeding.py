@@ -20,6 +20,8 @@ def set_seed(seed: int, device_specific: bool = False, deterministic: bool = Fal
         from .state import get_process_state
 
         seed += get_process_state().process_index
+    if not 0 <= seed < 2**32:  # numpy's range
+        raise HfBackendError(f"set_seed: seed={seed} must be from 0 to 2**32 - 1")
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)

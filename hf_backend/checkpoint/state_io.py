@@ -63,6 +63,9 @@ class CheckpointIO:
         `on_each_node` (ProjectConfiguration.save_on_each_node) is only meaningful on one node."""
         self.check_on_each_node(on_each_node, "save_state")
         target = Path(target)
+        if target.exists() and not target.is_dir():
+            raise HfBackendError(f"save_state: {target} is a file, not a checkpoint directory; pass a directory (the "
+                                 "file is left as it is)")
         staged_write(target, self.process, lambda directory: self.write(directory, objects,
                                                                         safe_serialization=safe_serialization))
         return target

@@ -9,6 +9,7 @@ later (`ProcessState.distributed_type`), as it does whether FSDP or DeepSpeed as
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,6 +61,8 @@ def choose_backend(fsdp: Any = None, deepspeed: Any = None, launch_config: Any =
     if launch_config is _FROM_ENVIRONMENT:
         launch_config = read_launch_config()
     launched = launch_config.distributed_type if launch_config is not None else None
+    if caller.reads_arguments:
+        _refuse_paths(fsdp, deepspeed)
     if fsdp is not None or deepspeed is not None:
         chosen = FSDP if fsdp is not None else DEEPSPEED
         if caller.overrides_launcher and launched in (FSDP, DEEPSPEED) and launched != chosen:
@@ -74,3 +77,13 @@ def choose_backend(fsdp: Any = None, deepspeed: Any = None, launch_config: Any =
     if launched == DEEPSPEED:
         return Backend(DEEPSPEED, deepspeed=DeepSpeedPlugin.from_section(launch_config.deepspeed))
     return Backend(DATA_PARALLEL)
+
+
+def _refuse_paths(fsdp: Any, deepspeed: Any) -> None:
+    """A config file given where a plugin object is expected would otherwise be read as a plugin with no fields."""
+    if isinstance(fsdp, (str, os.PathLike)):
+        raise ConfigError(f"Accelerator(fsdp_plugin={str(fsdp)!r}): pass a FullyShardedDataParallelPlugin(...); a "
+                          "config file goes to `hf-backend launch --config_file` or TrainingArguments(fsdp_config=...)")
+    if isinstance(deepspeed, (str, os.PathLike)):
+        raise ConfigError(f"Accelerator(deepspeed_plugin={str(deepspeed)!r}): pass DeepSpeedPlugin(hf_ds_config="
+                          f"{str(deepspeed)!r}) for a DeepSpeed JSON, or launch with `hf-backend launch --config_file`")

@@ -24,6 +24,7 @@ from urllib.parse import urlparse
 import torch
 import transformers
 
+from .. import checks
 from ..config import environment as env
 from ..config.backend import TRAINING_ARGUMENTS, choose_backend
 from ..config.loader import ConfigError
@@ -36,6 +37,8 @@ from ..state import get_process_state, process_state_is_set_up
 @dataclass
 class TrainingArguments(transformers.TrainingArguments):
     def __post_init__(self) -> None:
+        for name in ("gradient_accumulation_steps", "per_device_train_batch_size", "per_device_eval_batch_size"):
+            checks.whole(getattr(self, name), f"TrainingArguments.{name}", minimum=1)
         if self.parallelism_config is not None:
             raise ConfigError("parallelism_config: tensor, context and sequence parallelism are not supported by "
                               "hf_backend; drop it and shard with FSDP (fsdp=...) or DeepSpeed ZeRO-3")
