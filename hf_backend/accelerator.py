@@ -424,7 +424,8 @@ class Accelerator(ProcessView, compat.AccelerateMembers):
         """Restore what `save_state` wrote. The next pass over each prepared dataloader continues with the batch after
         the last one seen, in the same order: no manual skipping."""
         config = self.project_configuration
-        input_dir = input_dir if input_dir is not None else checkpoint.latest_automatic_dir(config)
+        input_dir = input_dir if input_dir is not None else checkpoint.latest_automatic_dir(
+            config, checkpoint.read_metadata)
         objects = checkpoint.apply_load_hooks(self._load_state_pre_hooks.values(), self._objects, input_dir)
         meta = self.checkpoint_io.read(input_dir, objects,
                                        models_taken_by_hooks=len(objects.models) < len(self._objects.models))

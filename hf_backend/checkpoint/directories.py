@@ -4,6 +4,7 @@ Trainer's checkpoints is the newest complete one."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -16,14 +17,16 @@ from ..state import ProcessState
 from . import layout
 
 
-def staged_write(target: Path, process: ProcessState, write: Callable[[Path], None]) -> None:
-    """Run `write(staging_dir)` on every process, then move the staging dir to `target` in one rename.
+def staged_write(target: Path, process: ProcessState, write: Callable[[Path], None],
+                 seal: Callable[[Path], None]) -> None:
+    """Run `write(staging_dir)` on every process, then `seal(staging_dir)` on the main one, then move the staging dir
+    to `target` in one rename.
 
-    When the processes name different directories (each its own, as Accelerate allows), each process stages and
-    renames its own, holding its part of the checkpoint."""
+    When the processes name different directories (each its own, as Accelerate allows), each process stages, seals
+    and renames its own, holding its part of the checkpoint."""
     own = process.distributed and len(set(gather_object(str(target.resolve())))) > 1
     if own:
-        staged_write(target, dataclasses.replace(process, num_processes=1, process_index=0), write)
+        staged_write(target, dataclasses.replace(process, num_processes=1, process_index=0), write, seal)
         process.wait_for_everyone()
         return
     staging = layout.staging_dir(target)
@@ -34,6 +37,7 @@ def staged_write(target: Path, process: ProcessState, write: Callable[[Path], No
     write(staging)
     process.wait_for_everyone()
     if process.is_main_process:
+        seal(staging)
         previous = layout.previous_dir(target)
         if target.exists():
             shutil.rmtree(previous, ignore_errors=True)
@@ -54,13 +58,29 @@ def automatic_dir(config: Any) -> Path:
     return layout.automatic_dir(config.project_dir, config.iteration)
 
 
-def latest_automatic_dir(config: Any) -> Path:
-    """What `load_state()` without a directory reads: the newest automatic checkpoint."""
+def latest_automatic_dir(config: Any, usable: Callable[[Path], None]) -> Path:
+    """What `load_state()` without a directory reads: the newest automatic checkpoint that `usable` accepts (it
+    raises HfBackendError for one that is damaged or incomplete, which is passed over with a note)."""
     found = layout.automatic_dirs(config.project_dir) if config.project_dir else []
-    if not found:
-        raise HfBackendError(f"load_state(): no checkpoint under {config.project_dir}/checkpoints; pass the "
-                             "directory save_state wrote")
-    return found[-1]
+    for path in reversed(found):
+        try:
+            usable(path)
+            return path
+        except HfBackendError as err:
+            note(f"passing over {path}: {err}")
+    where = f"{config.project_dir}/checkpoints"
+    raise HfBackendError(f"load_state(): no {'usable ' if found else ''}checkpoint under {where}; pass the "
+                         "directory save_state wrote")
+
+
+def interrupted_overwrite(source: Path) -> Path:
+    """`source`, or the complete checkpoint an overwriting save of it left in `source.previous` when it was killed
+    between its two renames."""
+    previous = layout.previous_dir(source)
+    if not source.exists() and (previous / layout.METADATA).is_file():
+        note(f"{source} is missing but {previous} holds the checkpoint an interrupted save was replacing; loading it")
+        return previous
+    return source
 
 
 def rotate(project_dir: str, total_limit: int) -> None:
@@ -70,13 +90,20 @@ def rotate(project_dir: str, total_limit: int) -> None:
 
 
 def last_complete_trainer_checkpoint(output_dir: str) -> Path | None:
-    """The newest `checkpoint-{step}` in `output_dir` whose save finished (`trainer_state.json` is written last);
-    newer, interrupted ones are passed over with a note. None when there is none."""
+    """The newest `checkpoint-{step}` in `output_dir` whose save finished (`trainer_state.json` is written last, and
+    must read as JSON); newer, interrupted or damaged ones are passed over with a note. None when there is none."""
     root = Path(output_dir)
     found = sorted(((int(m.group(1)), p) for p in (root.iterdir() if root.is_dir() else [])
                     if p.is_dir() and (m := layout.TRAINER_CHECKPOINT.match(p.name))), reverse=True)
     for _, path in found:
-        if (path / layout.TRAINER_STATE).is_file():
+        state = path / layout.TRAINER_STATE
+        if not state.is_file():
+            note(f"{path} is incomplete (its save was interrupted: no {layout.TRAINER_STATE}); resuming from an older "
+                 "one")
+            continue
+        try:
+            json.loads(state.read_text())
             return path
-        note(f"{path} is incomplete (its save was interrupted: no {layout.TRAINER_STATE}); resuming from an older one")
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            note(f"{state} is damaged ({type(err).__name__}); resuming from an older checkpoint")
     return None

@@ -22,8 +22,8 @@ from ..errors import HfBackendError
 from ..precision import Precision
 from ..prepared import PreparedObjects
 from ..state import ProcessState
-from . import layout
-from .directories import staged_write
+from . import layout, manifest
+from .directories import interrupted_overwrite, staged_write
 from .files import (
     capture_rng,
     check_loaded,
@@ -67,7 +67,8 @@ class CheckpointIO:
             raise HfBackendError(f"save_state: {target} is a file, not a checkpoint directory; pass a directory (the "
                                  "file is left as it is)")
         staged_write(target, self.process, lambda directory: self.write(directory, objects,
-                                                                        safe_serialization=safe_serialization))
+                                                                        safe_serialization=safe_serialization),
+                     manifest.seal)
         return target
 
     def write(self, directory: str | os.PathLike, objects: PreparedObjects | None = None, *, rng: bool = True,
@@ -109,7 +110,7 @@ class CheckpointIO:
         """Restore `objects` (default: everything prepared and registered) from `directory`; returns its metadata.
         `models_taken_by_hooks`: load-state hooks load some models themselves, so fewer models than the checkpoint
         holds are read (in order, as Accelerate does)."""
-        directory, objects = Path(directory), objects if objects is not None else self.prepared
+        directory, objects = interrupted_overwrite(Path(directory)), objects if objects is not None else self.prepared
         meta = read_metadata(directory)
         for kind, saved in meta["counts"].items():
             have = len(getattr(objects, kind))
@@ -238,7 +239,8 @@ class CheckpointIO:
         raise HfBackendError("an optimizer's parameters belong to no prepared model; prepare the model with it")
 
 
-def read_metadata(source: str | os.PathLike) -> dict[str, Any]:
+def read_metadata(source: str | os.PathLike, checksums: bool = True) -> dict[str, Any]:
+    """The checkpoint's metadata, once its format version and manifest check out (`checksums`: hash every file)."""
     source = Path(source)
     if not source.is_dir():
         raise HfBackendError(f"load_state: no checkpoint directory at {source}; pass the directory save_state wrote")
@@ -255,6 +257,8 @@ def read_metadata(source: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= layout.FORMAT_VERSION:
         raise HfBackendError(f"load_state: {meta_path} has format_version {version!r}; this hf_backend reads versions "
                              f"1 to {layout.FORMAT_VERSION}: load it with the hf_backend that wrote it, or upgrade")
+    if "files" in meta:  # written by save_state; checkpoints of earlier versions (and the Trainer's part) have none
+        manifest.verify(source, meta["files"], checksums)
     return meta
 
 
