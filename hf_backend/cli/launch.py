@@ -8,6 +8,7 @@ variables, which `Accelerator()` reads (an explicit `Accelerator(...)` argument 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from typing import Any
@@ -127,6 +128,7 @@ def process_environment(config: LaunchConfig, args: argparse.Namespace, path: st
 
 
 def run_launch(args: argparse.Namespace) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
@@ -134,12 +136,41 @@ def run_launch(args: argparse.Namespace) -> int:
     if not args.module and not os.path.isfile(args.training_script):
         raise ConfigError(f"launch: no script at {args.training_script}; pass a path, or -m for a module")
     os.environ.update(process_environment(config, args, path))
+    quiet = _QuietStop()
+    for name in _STOP_LOGGERS:
+        logging.getLogger(name).addFilter(quiet)
     try:
         run(get_args_parser().parse_args(torchrun_arguments(config, args)))
     except ChildFailedError as err:
         print(f"hf-backend launch: {describe_failure(err)}", file=sys.stderr)
         return 1
+    except SignalException as stop:
+        # The agent has already stopped the workers (SIGTERM, then SIGKILL after its shutdown timeout).
+        print(f"hf-backend launch: stopped by {stop.sigval.name}; workers stopped", file=sys.stderr)
+        return 128 + int(stop.sigval)
+    finally:
+        for name in _STOP_LOGGERS:
+            logging.getLogger(name).removeFilter(quiet)
     return 0
+
+
+# torch elastic logs a stop by a signal in several lines; the launcher says it in one.
+_STOP_LOGGERS = ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api")
+
+
+class _QuietStop(logging.Filter):
+    """Drops the agent's "Received SIGTERM death signal" and, after it, its "Sending process N closing signal" lines;
+    anything else (a worker that would not stop, an error) still shows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stopping = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if str(record.msg).startswith("Received %s death signal"):
+            self.stopping = True
+            return False
+        return not (self.stopping and str(record.msg).startswith("Sending process %s closing signal"))
 
 
 def describe_failure(err: Any) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import runpy
+import signal
 import sys
 import time
 import traceback
@@ -41,6 +42,8 @@ def main() -> None:
         if stop.code not in (0, None):
             _record(stop)
         raise
+    except KeyboardInterrupt:  # the launcher passes on its SIGINT to stop the workers; it says so in one line
+        sys.exit(128 + signal.SIGINT)
     except BaseException as error:
         _record(error)
         raise
