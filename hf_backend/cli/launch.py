@@ -110,7 +110,8 @@ def torchrun_arguments(config: LaunchConfig, args: argparse.Namespace) -> list[s
             out += [f"--rdzv_backend={config.rdzv_backend}", f"--rdzv_endpoint={address}:{port}",
                     "--rdzv_id=hf-backend"]
     target = ["--module", args.training_script] if args.module else [args.training_script]
-    return [*out, "-m", "hf_backend.cli.worker", *target, *args.training_script_args]
+    # The agent runs in this process, so it is every worker's parent: the worker dies with it (worker.py).
+    return [*out, "-m", "hf_backend.cli.worker", "--parent", str(os.getpid()), *target, *args.training_script_args]
 
 
 def process_environment(config: LaunchConfig, args: argparse.Namespace, path: str | None) -> dict[str, str]:
