@@ -175,7 +175,7 @@ class _QuietStop(logging.Filter):
 
 
 def describe_failure(err: Any) -> str:
-    """One line: which rank failed first, how, and the last line of its error."""
+    """One line: which rank failed first, how, and its error's message (all its lines, joined and bounded)."""
     rank, failure = min(err.failures.items(), key=lambda item: _failure_time(item[1]))
     if failure.exitcode < 0:
         how = f"was killed by {failure.signal_name()}"
@@ -184,14 +184,22 @@ def describe_failure(err: Any) -> str:
     message = failure.message
     if isinstance(message, dict):
         message = message.get("message", "")
-    lines = [line.strip() for line in str(message or "").splitlines() if line.strip()]
-    detail = f": {lines[-1]}" if lines and failure.exitcode >= 0 else ""
+    text = one_line(str(message or ""))
+    detail = f": {text}" if text and failure.exitcode >= 0 else ""
     return f"rank {rank} (local rank {failure.local_rank}) {how}{detail}; the other workers were stopped"
 
 
+def one_line(message: str, limit: int = 300) -> str:
+    """A multi-line message on one line, bounded: a pydantic error's key is on its second line, a URL on its last."""
+    text = " | ".join(line.strip() for line in message.splitlines() if line.strip())
+    return text if len(text) <= limit else text[:limit - 3].rstrip() + "..."
+
+
 def _failure_time(failure: Any) -> float:
-    """When the worker failed: the exact time our worker recorded, else torch's whole seconds; no record, last."""
-    message = failure.error_file_data.get("message") if isinstance(failure.error_file_data, dict) else None
-    if isinstance(message, dict) and "time" in message.get("extraInfo", {}):
-        return float(message["extraInfo"]["time"])
-    return float(failure.timestamp or 0) if failure.error_file_data.get("message") else float("inf")
+    """When the worker failed: the exact time our worker recorded, else the whole seconds of torch's record; no record
+    (a worker killed by the launcher, whose "timestamp" is merely when torch looked), last."""
+    data = failure.error_file_data if isinstance(failure.error_file_data, dict) else {}
+    message = data.get("message")
+    if isinstance(message, dict):
+        return float(message.get("extraInfo", {}).get("time", failure.timestamp))
+    return float(failure.timestamp) if "timestamp" in data else float("inf")
