@@ -177,15 +177,18 @@ class _QuietStop(logging.Filter):
 def describe_failure(err: Any) -> str:
     """One line: which rank failed first, how, and its error's message (all its lines, joined and bounded)."""
     rank, failure = min(err.failures.items(), key=lambda item: _failure_time(item[1]))
-    if failure.exitcode < 0:
-        how = f"was killed by {failure.signal_name()}"
-    else:
+    recorded = _failure_time(failure) != float("inf")
+    if failure.exitcode >= 0:
         how = f"exited with code {failure.exitcode}"
+    elif recorded:  # it raised, then the launcher stopped it before it had exited
+        how = "failed"
+    else:
+        how = f"was killed by {failure.signal_name()}"
     message = failure.message
     if isinstance(message, dict):
         message = message.get("message", "")
     text = one_line(str(message or ""))
-    detail = f": {text}" if text and failure.exitcode >= 0 else ""
+    detail = f": {text}" if text and (recorded or failure.exitcode >= 0) else ""
     return f"rank {rank} (local rank {failure.local_rank}) {how}{detail}; the other workers were stopped"
 
 
