@@ -8,6 +8,7 @@ variables, which `Accelerator()` reads (an explicit `Accelerator(...)` argument 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from typing import Any
@@ -109,7 +110,8 @@ def torchrun_arguments(config: LaunchConfig, args: argparse.Namespace) -> list[s
             out += [f"--rdzv_backend={config.rdzv_backend}", f"--rdzv_endpoint={address}:{port}",
                     "--rdzv_id=hf-backend"]
     target = ["--module", args.training_script] if args.module else [args.training_script]
-    return [*out, "-m", "hf_backend.cli.worker", *target, *args.training_script_args]
+    # The agent runs in this process, so it is every worker's parent: the worker dies with it (worker.py).
+    return [*out, "-m", "hf_backend.cli.worker", "--parent", str(os.getpid()), *target, *args.training_script_args]
 
 
 def process_environment(config: LaunchConfig, args: argparse.Namespace, path: str | None) -> dict[str, str]:
@@ -127,6 +129,7 @@ def process_environment(config: LaunchConfig, args: argparse.Namespace, path: st
 
 
 def run_launch(args: argparse.Namespace) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
@@ -134,32 +137,72 @@ def run_launch(args: argparse.Namespace) -> int:
     if not args.module and not os.path.isfile(args.training_script):
         raise ConfigError(f"launch: no script at {args.training_script}; pass a path, or -m for a module")
     os.environ.update(process_environment(config, args, path))
+    quiet = _QuietStop()
+    for name in _STOP_LOGGERS:
+        logging.getLogger(name).addFilter(quiet)
     try:
         run(get_args_parser().parse_args(torchrun_arguments(config, args)))
     except ChildFailedError as err:
         print(f"hf-backend launch: {describe_failure(err)}", file=sys.stderr)
         return 1
+    except SignalException as stop:
+        # The agent has already stopped the workers (SIGTERM, then SIGKILL after its shutdown timeout).
+        print(f"hf-backend launch: stopped by {stop.sigval.name}; workers stopped", file=sys.stderr)
+        return 128 + int(stop.sigval)
+    finally:
+        for name in _STOP_LOGGERS:
+            logging.getLogger(name).removeFilter(quiet)
     return 0
 
 
+# torch elastic logs a stop by a signal in several lines; the launcher says it in one.
+_STOP_LOGGERS = ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api")
+
+
+class _QuietStop(logging.Filter):
+    """Drops the agent's "Received SIGTERM death signal" and, after it, its "Sending process N closing signal" lines;
+    anything else (a worker that would not stop, an error) still shows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stopping = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if str(record.msg).startswith("Received %s death signal"):
+            self.stopping = True
+            return False
+        return not (self.stopping and str(record.msg).startswith("Sending process %s closing signal"))
+
+
 def describe_failure(err: Any) -> str:
-    """One line: which rank failed first, how, and the last line of its error."""
+    """One line: which rank failed first, how, and its error's message (all its lines, joined and bounded)."""
     rank, failure = min(err.failures.items(), key=lambda item: _failure_time(item[1]))
-    if failure.exitcode < 0:
-        how = f"was killed by {failure.signal_name()}"
-    else:
+    recorded = _failure_time(failure) != float("inf")
+    if failure.exitcode >= 0:
         how = f"exited with code {failure.exitcode}"
+    elif recorded:  # it raised, then the launcher stopped it before it had exited
+        how = "failed"
+    else:
+        how = f"was killed by {failure.signal_name()}"
     message = failure.message
     if isinstance(message, dict):
         message = message.get("message", "")
-    lines = [line.strip() for line in str(message or "").splitlines() if line.strip()]
-    detail = f": {lines[-1]}" if lines and failure.exitcode >= 0 else ""
+    text = one_line(str(message or ""))
+    detail = f": {text}" if text and (recorded or failure.exitcode >= 0) else ""
     return f"rank {rank} (local rank {failure.local_rank}) {how}{detail}; the other workers were stopped"
 
 
+def one_line(message: str, limit: int = 300) -> str:
+    """A multi-line message on one line, bounded: a pydantic error's key is on its second line, a URL on its last."""
+    text = " | ".join(line.strip() for line in message.splitlines() if line.strip())
+    return text if len(text) <= limit else text[:limit - 3].rstrip() + "..."
+
+
 def _failure_time(failure: Any) -> float:
-    """When the worker failed: the exact time our worker recorded, else torch's whole seconds; no record, last."""
-    message = failure.error_file_data.get("message") if isinstance(failure.error_file_data, dict) else None
-    if isinstance(message, dict) and "time" in message.get("extraInfo", {}):
-        return float(message["extraInfo"]["time"])
-    return float(failure.timestamp or 0) if failure.error_file_data.get("message") else float("inf")
+    """When the worker failed: the exact time our worker recorded, else the whole seconds of torch's record; no record
+    (a worker killed by the launcher, whose "timestamp" is merely when torch looked), last."""
+    data = failure.error_file_data if isinstance(failure.error_file_data, dict) else {}
+    message = data.get("message")
+    if isinstance(message, dict):
+        return float(message.get("extraInfo", {}).get("time", failure.timestamp))
+    return float(failure.timestamp) if "timestamp" in data else float("inf")

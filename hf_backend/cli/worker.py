@@ -2,6 +2,9 @@
 
 An exception is written to the error file torch elastic gives each worker (its format, plus the exact time), so the
 launcher can name the rank that failed first, and its error, instead of a rank that only lost its peer.
+
+A worker dies with its launcher (`--parent PID`, the launcher's pid): if the launcher is SIGKILLed it cannot stop its
+workers, so each asks the kernel for a SIGKILL when its parent dies (Linux), or polls its parent (elsewhere).
 """
 
 from __future__ import annotations
@@ -9,9 +12,13 @@ from __future__ import annotations
 import json
 import os
 import runpy
+import signal
 import sys
+import threading
 import time
 import traceback
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def _record(error: BaseException) -> None:
@@ -26,8 +33,42 @@ def _record(error: BaseException) -> None:
         json.dump(data, f)
 
 
+def die_with_parent(parent: int) -> None:
+    """SIGKILL this process when `parent` exits: a parent-death signal on Linux, a watchdog thread elsewhere."""
+    if sys.platform.startswith("linux") and _set_parent_death_signal(signal.SIGKILL):
+        if os.getppid() != parent:  # it died before the signal was set
+            _kill_self()
+        return
+    threading.Thread(target=_watch_parent, args=(parent,), name="hf-backend-parent-watchdog", daemon=True).start()
+
+
+def _set_parent_death_signal(sig: int) -> bool:
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    _kill_self()
+
+
+def _kill_self() -> None:
+    if hasattr(signal, "SIGKILL"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    os._exit(1)
+
+
 def main() -> None:
     argv = sys.argv[1:]
+    if argv[:1] == ["--parent"]:
+        die_with_parent(int(argv[1]))
+        argv = argv[2:]
     try:
         if argv and argv[0] == "--module":
             sys.argv = [argv[1], *argv[2:]]
@@ -41,6 +82,8 @@ def main() -> None:
         if stop.code not in (0, None):
             _record(stop)
         raise
+    except KeyboardInterrupt:  # the launcher passes on its SIGINT to stop the workers; it says so in one line
+        sys.exit(128 + signal.SIGINT)
     except BaseException as error:
         _record(error)
         raise
