@@ -3,8 +3,8 @@
 Every problem is one `ConfigError` line naming the file, the key and the fix: an unknown key (with the closest valid
 one), a bad value (with the allowed values), malformed YAML/JSON (with the line). Nothing is silently ignored: keys
 that exist in Accelerate but mean nothing here are accepted with one note listing them. No file can crash or stall
-the loader: size, depth and value count are bounded, YAML aliases and repeated keys refused, and an error quotes at
-most 60 characters of a value.
+the loader: size, depth and value count are bounded, YAML aliases and repeated keys refused, every number has a range
+and an error quotes at most 60 characters of a value.
 """
 
 from __future__ import annotations
@@ -359,6 +359,8 @@ def coerce(value: Any, f: dataclasses.Field, where: str) -> Any:
         raise ConfigError(f"{where}={_show(value)} is not one of {', '.join(map(str, meta['choices']))}")
     if meta["minimum"] is not None and result < meta["minimum"]:
         raise ConfigError(f"{where}={_show(value)} must be at least {meta['minimum']}")
+    if meta["maximum"] is not None and result > meta["maximum"]:
+        raise ConfigError(f"{where}={_show(value)} must be at most {meta['maximum']}")
     return result
 
 
@@ -452,8 +454,6 @@ def _check_together(config: LaunchConfig, source: str) -> None:
                           f"num_machines={config.num_machines}")
     if config.num_machines > 1 and not config.main_process_ip:
         raise ConfigError(f"{source}: num_machines={config.num_machines} needs main_process_ip (machine 0's address)")
-    if config.main_process_port is not None and config.main_process_port > 65535:
-        raise ConfigError(f"{source}: main_process_port={config.main_process_port} is not a port (1-65535)")
     for section, kind in (("fsdp_config", "FSDP"), ("deepspeed_config", "DEEPSPEED")):
         if getattr(config, section) and config.distributed_type != kind:
             note(f"{source}: {section} is not used because distributed_type is {config.distributed_type}")
