@@ -269,6 +269,7 @@ def load_config(path: str | os.PathLike) -> LaunchConfig:
 
 def validate(raw: dict[str, Any], source: str = "<config>") -> LaunchConfig:
     """Check and normalize a raw mapping into a LaunchConfig."""
+    _refuse_deepspeed_keys(raw, source)
     values, unused = _check_keys(raw, LaunchConfig, source, prefix="")
     for section, model in SECTIONS.items():
         if section in values:
@@ -323,6 +324,26 @@ def _check_keys(raw: dict, model: type, source: str, prefix: str) -> tuple[dict[
         if f.metadata["unused"]:
             unused.append(prefix + name)
     return values, unused
+
+
+# Top-level keys of DeepSpeed's own JSON config (Accelerate's DeepSpeed templates have them) that are never keys
+# of an accelerate config's top level.
+_DEEPSPEED_KEYS = ("zero_optimization", "train_micro_batch_size_per_gpu", "train_batch_size", "fp16", "bf16",
+                   "optimizer", "scheduler", "steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer",
+                   "activation_checkpointing", "flops_profiler", "amp")
+
+
+def _refuse_deepspeed_keys(raw: dict, source: str) -> None:
+    """A DeepSpeed config given where an accelerate config belongs (or its keys pasted into one): say where it goes."""
+    found = [k for k in _DEEPSPEED_KEYS if k in raw]
+    if not found:
+        return
+    if "distributed_type" not in raw and "compute_environment" not in raw:
+        raise ConfigError(f"{source} looks like a DeepSpeed config ({', '.join(found[:4])}); pass it as "
+                          "deepspeed_config_file: under deepspeed_config in an accelerate config, or to "
+                          "`hf-backend launch --deepspeed_config_file`")
+    raise ConfigError(f"{source}: '{found[0]}' is a key of DeepSpeed's own JSON config, not of an accelerate config; "
+                      "put DeepSpeed settings in a JSON file named by deepspeed_config.deepspeed_config_file")
 
 
 def coerce(value: Any, f: dataclasses.Field, where: str) -> Any:
