@@ -354,7 +354,10 @@ def test_the_command_line_answers_an_alias_bomb_with_one_line_and_exit_2(tmp_pat
     ("c.json", '{"tpu_env": ' + "[" * 50_000 + "]" * 50_000 + "}", "c.json: nested more than 32 levels deep"),
     ("c.yaml", "tpu_env: [" + "1, " * 10_000 + "1]", "c.yaml: line 1: more than 10,000 values"),
     ("c.yaml", "tpu_env: [" + "1, " * 400_000 + "1]", "c.yaml: is 1.1 MiB, larger than the 1 MiB a config file"),
-    ("c.yaml", "num_processes: 1" + "0" * 5000, "c.yaml: line 1: a number 5,001 characters long ('1000"),
+    ("c.yaml", "num_processes: 1" + "0" * 1000, "c.yaml: line 1: a number 1,001 characters long ('1000"),
+    ("c.yaml", "num_processes: 1" + "0" * 5000, "c.yaml: num_processes='10000"),  # a string to YAML: no regexes
+    ("c.yaml", "".join(f"%TAG !t{i}! tag:x{i}:\n" for i in range(40_000)) + "---\na: 1\n",
+     "c.yaml: more than 8 lines start with % (YAML directives); a config file needs none"),
     ("c.json", '{"num_processes": 1' + "0" * 5000 + "}", "c.json: a number 5,001 characters long"),
     ("c.yaml", "main_process_ip: 2001-13-45\n", "c.yaml: line 1: '2001-13-45' is not a valid timestamp (month"),
     ("c.yaml", "use_cpu: !!bool maybe\n", "c.yaml: line 1: 'maybe' is not a valid bool"),

@@ -22,7 +22,7 @@ import yaml
 from yaml.composer import Composer
 from yaml.constructor import SafeConstructor
 from yaml.events import AliasEvent, MappingStartEvent, SequenceStartEvent
-from yaml.nodes import MappingNode, Node
+from yaml.nodes import MappingNode, Node, ScalarNode
 from yaml.parser import Parser
 from yaml.reader import Reader
 from yaml.resolver import Resolver
@@ -63,8 +63,9 @@ def read_mapping(path: str | os.PathLike, json_only: bool = False) -> dict[str, 
     try:
         with path.open("rb") as handle:
             data = handle.read(MAX_BYTES + 1)
+            size = max(os.fstat(handle.fileno()).st_size, len(data)) / (1 << 20)
         if len(data) > MAX_BYTES:
-            raise ConfigError(f"{path}: is {_size(path)}, larger than the {MAX_BYTES >> 20} MiB a config file may be; "
+            raise ConfigError(f"{path}: is {size:.1f} MiB, larger than the {MAX_BYTES >> 20} MiB a config file may be; "
                               "check that this is the config file you meant")
         text = data.decode("utf-8-sig")
     except (OSError, UnicodeDecodeError) as err:
@@ -75,13 +76,6 @@ def read_mapping(path: str | os.PathLike, json_only: bool = False) -> dict[str, 
     if not isinstance(parsed, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of keys to values, not a {type(parsed).__name__}")
     return parsed
-
-
-def _size(path: Path) -> str:
-    try:
-        return f"{path.stat().st_size / (1 << 20):.1f} MiB"
-    except OSError:
-        return f"more than {MAX_BYTES >> 20} MiB"
 
 
 class _Refused(yaml.YAMLError):
@@ -129,17 +123,17 @@ def _json_number(kind: type) -> Any:
 
 
 def _check_shape(data: Any, path: Path) -> None:
-    """MAX_DEPTH and MAX_VALUES, walked without recursion."""
-    stack, count = [(data, 1)], 0
+    """MAX_DEPTH and MAX_VALUES, walked without recursion (and without looking past the first MAX_VALUES)."""
+    stack, count = ([(data, 1)] if isinstance(data, (dict, list)) else []), 1
     while stack:
         value, depth = stack.pop()
-        count += 1
+        if depth > MAX_DEPTH:
+            raise ConfigError(f"{path}: {_TOO_DEEP}")
+        items = value.values() if isinstance(value, dict) else value
+        count += len(items)
         if count > MAX_VALUES:
             raise ConfigError(f"{path}: {_TOO_MANY}")
-        if isinstance(value, (dict, list)):
-            if depth > MAX_DEPTH:
-                raise ConfigError(f"{path}: {_TOO_DEEP}")
-            stack.extend((item, depth + 1) for item in (value.values() if isinstance(value, dict) else value))
+        stack.extend((item, depth + 1) for item in items if isinstance(item, (dict, list)))
 
 
 def _parse_yaml(text: str, path: Path) -> Any:
@@ -147,6 +141,8 @@ def _parse_yaml(text: str, path: Path) -> Any:
     if bad:
         line = text.count("\n", 0, bad.start()) + 1
         raise ConfigError(f"{path}: line {line}: character U+{ord(bad.group()):04X} is not allowed in YAML; remove it")
+    if text.count("\n%") + text.startswith("%") > 8:  # libyaml checks %TAG lines against each other: slow
+        raise ConfigError(f"{path}: more than 8 lines start with % (YAML directives); a config file needs none")
     loader = _LOADER(text)
     try:
         return loader.get_single_data()
@@ -219,7 +215,7 @@ class _StrictConstructor(SafeConstructor):
         return super().construct_mapping(node, deep)
 
     def construct_number(self, node: Node) -> Any:
-        if len(str(node.value)) > MAX_NUMBER_CHARS:
+        if len(node.value) > MAX_NUMBER_CHARS:
             raise _Refused(node.start_mark.line + 1, f"a number {len(node.value):,} characters long "
                                                      f"({_show(node.value)}); numbers in a config file have at "
                                                      f"most {MAX_NUMBER_CHARS}")
@@ -251,6 +247,11 @@ def _strict_loader(events: type) -> type:
             _StrictComposer.__init__(self)
             _StrictConstructor.__init__(self)
             Resolver.__init__(self)
+
+        def resolve(self, kind: type, value: Any, implicit: Any) -> str:
+            if kind is ScalarNode and implicit[0] and len(value) > 4096:  # no number, date or bool is this long:
+                return self.DEFAULT_SCALAR_TAG  # a string, without the implicit types' regexes (slow on 1 MiB)
+            return super().resolve(kind, value, implicit)
 
     return StrictLoader
 
