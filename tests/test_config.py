@@ -63,6 +63,9 @@ def test_transformers_style_keys_without_prefix_and_json(tmp_path):
     ("mixed_precision: fp8\n", "c.yaml: mixed_precision='fp8' is not one of no, fp16, bf16"),
     ("num_processes: two\n", "c.yaml: num_processes='two' is not valid; use a whole number"),
     ("num_processes: 0\n", "c.yaml: num_processes=0 must be at least 1"),
+    ("num_processes: 1000000000000000000000000000000\n",
+     "c.yaml: num_processes=1000000000000000000000000000000 must be at most 1048576"),
+    ("main_process_port: 70000\n", "c.yaml: main_process_port=70000 must be at most 65535"),
     ("use_cpu: maybe\n", "c.yaml: use_cpu='maybe' is not valid; use true or false"),
     ("fsdp_config:\n  fsdp_sharding_strategy: 9\n", "c.yaml: fsdp_config.fsdp_sharding_strategy=9 is not one of 1, 2"),
     ("mixed_precision: [bf16\n", "c.yaml: line 2: malformed YAML"),
@@ -133,7 +136,7 @@ _TYPES = {"bool": bool, "int": int, "float": float, "str": str, "dict": dict, "l
 
 def _assert_valid(config: LaunchConfig) -> None:
     """What a config that loaded promises: each value (sections included) of its key's type, among its choices and
-    not below its minimum, and the keys that must agree agree."""
+    within its minimum and maximum, and the keys that must agree agree."""
     for model, values in ((LaunchConfig, dataclasses.asdict(config)), (FsdpSection, config.fsdp_config),
                           (DeepSpeedSection, config.deepspeed_config)):
         fields = fields_of(model)
@@ -147,6 +150,7 @@ def _assert_valid(config: LaunchConfig) -> None:
             assert isinstance(value, kind) and (kind is bool or not isinstance(value, bool)), f"{name}={value!r}"
             assert meta["choices"] is None or value in meta["choices"], f"{name}={value!r}"
             assert meta["minimum"] is None or value >= meta["minimum"], f"{name}={value!r}"
+            assert meta.get("maximum") is None or value <= meta["maximum"], f"{name}={value!r}"
     assert config.machine_rank < config.num_machines and config.num_processes % config.num_machines == 0
     assert config.num_machines == 1 or config.main_process_ip
     assert config.main_process_port is None or config.main_process_port <= 65535

@@ -2,7 +2,9 @@
 
 Every problem is one `ConfigError` line naming the file, the key and the fix: an unknown key (with the closest valid
 one), a bad value (with the allowed values), malformed YAML/JSON (with the line). Nothing is silently ignored: keys
-that exist in Accelerate but mean nothing here are accepted with one note listing them.
+that exist in Accelerate but mean nothing here are accepted with one note listing them. No file can crash or stall
+the loader: size, depth and value count are bounded, YAML aliases and repeated keys refused, every number has a range
+and an error quotes at most 60 characters of a value.
 """
 
 from __future__ import annotations
@@ -12,10 +14,19 @@ import difflib
 import json
 import math
 import os
+import reprlib
 from pathlib import Path
 from typing import Any
 
 import yaml
+from yaml.composer import Composer
+from yaml.constructor import SafeConstructor
+from yaml.events import AliasEvent, MappingStartEvent, SequenceStartEvent
+from yaml.nodes import MappingNode, Node, ScalarNode
+from yaml.parser import Parser
+from yaml.reader import Reader
+from yaml.resolver import Resolver
+from yaml.scanner import Scanner
 
 from ..errors import HfBackendError
 from ..log import note
@@ -33,34 +44,224 @@ def default_config_path() -> Path:
     return Path(hf_home) / "hf_backend" / "default_config.yaml"
 
 
+# What a config file may be: Accelerate's files are about 1 KB and DeepSpeed's a few KB, nested 3-4 levels with a
+# few dozen values. The limits leave two orders of magnitude above that and keep the worst file parsing in well
+# under a second: the size is checked before parsing, depth and count while the document is composed.
+MAX_BYTES = 1 << 20  # 1 MiB
+MAX_DEPTH = 32  # mappings and lists inside each other
+MAX_VALUES = 10_000  # keys, values and list items, all together
+MAX_NUMBER_CHARS = 64  # a longer number is a mistake (and Python's int() is slow on, then refuses, huge ones)
+
+
 def read_mapping(path: str | os.PathLike, json_only: bool = False) -> dict[str, Any]:
     """The raw key/value mapping of a YAML or JSON file (JSON is read by its extension, or always with `json_only`:
-    DeepSpeed's configs are JSON whatever their name; YAML otherwise)."""
+    DeepSpeed's configs are JSON whatever their name; YAML otherwise). Files are at most MAX_BYTES, nested at most
+    MAX_DEPTH deep with at most MAX_VALUES values; YAML anchors/aliases and repeated keys are refused."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: no such config file; create one with `hf-backend config` or fix the path")
     try:
-        text = path.read_text(encoding="utf-8")
+        with path.open("rb") as handle:
+            data = handle.read(MAX_BYTES + 1)
+            size = max(os.fstat(handle.fileno()).st_size, len(data)) / (1 << 20)
+        if len(data) > MAX_BYTES:
+            raise ConfigError(f"{path}: is {size:.1f} MiB, larger than the {MAX_BYTES >> 20} MiB a config file may be; "
+                              "check that this is the config file you meant")
+        text = data.decode("utf-8-sig")
     except (OSError, UnicodeDecodeError) as err:
         raise ConfigError(f"{path}: cannot be read ({type(err).__name__}); pass a UTF-8 YAML or JSON file") from None
-    if json_only or path.suffix.lower() == ".json":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise ConfigError(f"{path}: line {err.lineno}: malformed JSON ({err.msg})") from None
-    else:
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as err:
-            mark = getattr(err, "problem_mark", None)
-            where = f"line {mark.line + 1}: " if mark is not None else ""
-            problem = str(getattr(err, "problem", None) or "not YAML").replace("\n", " ")
-            raise ConfigError(f"{path}: {where}malformed YAML ({problem})") from None
-    if data is None:
+    parsed = _parse_json(text, path) if json_only or path.suffix.lower() == ".json" else _parse_yaml(text, path)
+    if parsed is None:
         return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of keys to values, not a {type(data).__name__}")
+    if not isinstance(parsed, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of keys to values, not a {type(parsed).__name__}")
+    return parsed
+
+
+class _Refused(yaml.YAMLError):
+    """A file this loader refuses (too deep, too many values, an alias, a repeated key), with its line if known."""
+
+    def __init__(self, line: int | None, problem: str) -> None:
+        super().__init__(problem)
+        self.line, self.problem = line, problem
+
+
+_TOO_DEEP = f"nested more than {MAX_DEPTH} levels deep; a config file needs 3 or 4"
+_TOO_MANY = f"more than {MAX_VALUES:,} values; a config file has a few dozen"
+
+
+def _parse_json(text: str, path: Path) -> Any:
+    try:
+        data = json.loads(text, object_pairs_hook=_json_object, parse_int=_json_number(int),
+                          parse_float=_json_number(float))
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{path}: line {err.lineno}: malformed JSON ({err.msg})") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: {_TOO_DEEP}") from None
+    except _Refused as err:
+        raise ConfigError(f"{path}: {err.problem}") from None
+    _check_shape(data, path)
     return data
+
+
+def _json_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) < len(pairs):
+        seen: set[str] = set()
+        twice = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise _Refused(None, f"key {_show(twice)} appears twice in one object; keep one of them")
+    return out
+
+
+def _json_number(kind: type) -> Any:
+    def parse(text: str) -> Any:
+        if len(text) > MAX_NUMBER_CHARS:
+            raise _Refused(None, f"a number {len(text):,} characters long ({_show(text)}); numbers in a config "
+                                 f"file have at most {MAX_NUMBER_CHARS}")
+        return kind(text)
+    return parse
+
+
+def _check_shape(data: Any, path: Path) -> None:
+    """MAX_DEPTH and MAX_VALUES, walked without recursion (and without looking past the first MAX_VALUES)."""
+    stack, count = ([(data, 1)] if isinstance(data, (dict, list)) else []), 1
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise ConfigError(f"{path}: {_TOO_DEEP}")
+        items = value.values() if isinstance(value, dict) else value
+        count += len(items)
+        if count > MAX_VALUES:
+            raise ConfigError(f"{path}: {_TOO_MANY}")
+        stack.extend((item, depth + 1) for item in items if isinstance(item, (dict, list)))
+
+
+def _parse_yaml(text: str, path: Path) -> Any:
+    bad = Reader.NON_PRINTABLE.search(text)
+    if bad:
+        line = text.count("\n", 0, bad.start()) + 1
+        raise ConfigError(f"{path}: line {line}: character U+{ord(bad.group()):04X} is not allowed in YAML; remove it")
+    if text.count("\n%") + text.startswith("%") > 8:  # libyaml checks %TAG lines against each other: slow
+        raise ConfigError(f"{path}: more than 8 lines start with % (YAML directives); a config file needs none")
+    loader = _LOADER(text)
+    try:
+        return loader.get_single_data()
+    except _Refused as err:
+        raise ConfigError(f"{path}: line {err.line}: {err.problem}") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"line {mark.line + 1}: " if mark is not None else ""
+        problem = str(getattr(err, "problem", None) or "not YAML").replace("\n", " ")
+        raise ConfigError(f"{path}: {where}malformed YAML ({problem[:80]})") from None
+    finally:
+        loader.dispose()
+
+
+class _StrictComposer(Composer):
+    """Builds the node tree from parser events, refusing anchors and aliases (no expansion bombs; Accelerate never
+    writes them) and counting depth and values as it goes, so a deep or huge document stops early."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.depth = self.values = 0
+
+    def compose_node(self, parent: Node | None, index: Any) -> Node:
+        event = self.peek_event()
+        line = event.start_mark.line + 1
+        if isinstance(event, AliasEvent) or getattr(event, "anchor", None) is not None:
+            raise _Refused(line, "YAML aliases (&anchor / *alias) are not allowed in a config file; "
+                                 "write the value out")
+        self.values += 1
+        if self.values > MAX_VALUES:
+            raise _Refused(line, _TOO_MANY)
+        if not isinstance(event, (SequenceStartEvent, MappingStartEvent)):
+            return super().compose_node(parent, index)
+        self.depth += 1
+        if self.depth > MAX_DEPTH:
+            raise _Refused(line, _TOO_DEEP)
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
+
+class _StrictConstructor(SafeConstructor):
+    """SafeConstructor that refuses repeated keys and overlong numbers, and turns a scalar that does not convert
+    (`2001-13-45`, `!!int x`) into an error with its line instead of a traceback."""
+
+    def construct_object(self, node: Node, deep: bool = False) -> Any:
+        try:
+            return super().construct_object(node, deep)
+        except (ValueError, LookupError, OverflowError, TypeError) as err:
+            why = f" ({str(err)[:80]})".replace("\n", " ") if isinstance(err, ValueError) else ""
+            raise _Refused(node.start_mark.line + 1, f"{_show(node.value)} is not a valid "
+                                                     f"{node.tag.rsplit(':', 1)[-1]}{why}") from None
+
+    def construct_mapping(self, node: Node, deep: bool = False) -> dict:
+        if isinstance(node, MappingNode):
+            lines: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                try:
+                    first = lines.get(key)
+                except TypeError:
+                    continue  # an unhashable key: SafeConstructor refuses it
+                if first is not None:
+                    raise _Refused(line, f"key {_show(key)} appears twice (first on line {first}); keep one of them")
+                lines[key] = line
+        return super().construct_mapping(node, deep)
+
+    def construct_number(self, node: Node) -> Any:
+        if len(node.value) > MAX_NUMBER_CHARS:
+            raise _Refused(node.start_mark.line + 1, f"a number {len(node.value):,} characters long "
+                                                     f"({_show(node.value)}); numbers in a config file have at "
+                                                     f"most {MAX_NUMBER_CHARS}")
+        kind = node.tag.rsplit(":", 1)[-1]
+        return SafeConstructor.construct_yaml_int(self, node) if kind == "int" else \
+            SafeConstructor.construct_yaml_float(self, node)
+
+
+_StrictConstructor.add_constructor("tag:yaml.org,2002:int", _StrictConstructor.construct_number)
+_StrictConstructor.add_constructor("tag:yaml.org,2002:float", _StrictConstructor.construct_number)
+
+
+class _PyEvents(Reader, Scanner, Parser):
+    """PyYAML's pure-Python parser, used only where libyaml (the C parser, 5-10x faster) is not installed."""
+
+    def __init__(self, stream: str) -> None:
+        Reader.__init__(self, stream)
+        Scanner.__init__(self)
+        Parser.__init__(self)
+
+
+def _strict_loader(events: type) -> type:
+    """A YAML loader: `events` (libyaml's CParser or _PyEvents) parses; the strict composer and constructor build
+    (libyaml's own composer cannot be limited; parsing is where its speed is)."""
+
+    class StrictLoader(_StrictComposer, events, _StrictConstructor, Resolver):
+        def __init__(self, stream: str) -> None:
+            events.__init__(self, stream)
+            _StrictComposer.__init__(self)
+            _StrictConstructor.__init__(self)
+            Resolver.__init__(self)
+
+        def resolve(self, kind: type, value: Any, implicit: Any) -> str:
+            if kind is ScalarNode and implicit[0] and len(value) > 4096:  # no number, date or bool is this long:
+                return self.DEFAULT_SCALAR_TAG  # a string, without the implicit types' regexes (slow on 1 MiB)
+            return super().resolve(kind, value, implicit)
+
+    return StrictLoader
+
+
+try:
+    from yaml.cyaml import CParser as _CEvents
+except ImportError:  # PyYAML built without libyaml
+    _CEvents = None
+
+_LOADER = _strict_loader(_CEvents or _PyEvents)
 
 
 def load_config(path: str | os.PathLike) -> LaunchConfig:
@@ -69,6 +270,7 @@ def load_config(path: str | os.PathLike) -> LaunchConfig:
 
 def validate(raw: dict[str, Any], source: str = "<config>") -> LaunchConfig:
     """Check and normalize a raw mapping into a LaunchConfig."""
+    _refuse_deepspeed_keys(raw, source)
     values, unused = _check_keys(raw, LaunchConfig, source, prefix="")
     for section, model in SECTIONS.items():
         if section in values:
@@ -110,9 +312,12 @@ def _check_keys(raw: dict, model: type, source: str, prefix: str) -> tuple[dict[
                               "keys are strings such as mixed_precision")
         name = raw_key if raw_key in fields else aliases.get(raw_key)
         if name is None:
-            close = difflib.get_close_matches(raw_key, list(fields) + list(aliases), n=1, cutoff=0.6)
+            shown = _show(prefix + raw_key) if len(raw_key) > 60 or not raw_key.isprintable() else \
+                f"'{prefix}{raw_key}'"
+            close = difflib.get_close_matches(raw_key, list(fields) + list(aliases), n=1, cutoff=0.6) \
+                if len(raw_key) <= 60 else []
             hint = f"did you mean '{prefix}{close[0]}'?" if close else "see docs/config.md for the valid keys"
-            raise ConfigError(f"{source}: unknown key '{prefix}{raw_key}'; {hint}")
+            raise ConfigError(f"{source}: unknown key {shown}; {hint}")
         if name in values:
             raise ConfigError(f"{source}: '{prefix}{raw_key}' repeats '{prefix}{name}'; keep one of them")
         f = fields[name]
@@ -120,6 +325,26 @@ def _check_keys(raw: dict, model: type, source: str, prefix: str) -> tuple[dict[
         if f.metadata["unused"]:
             unused.append(prefix + name)
     return values, unused
+
+
+# Top-level keys of DeepSpeed's own JSON config (Accelerate's DeepSpeed templates have them) that are never keys
+# of an accelerate config's top level.
+_DEEPSPEED_KEYS = ("zero_optimization", "train_micro_batch_size_per_gpu", "train_batch_size", "fp16", "bf16",
+                   "optimizer", "scheduler", "steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer",
+                   "activation_checkpointing", "flops_profiler", "amp")
+
+
+def _refuse_deepspeed_keys(raw: dict, source: str) -> None:
+    """A DeepSpeed config given where an accelerate config belongs (or its keys pasted into one): say where it goes."""
+    found = [k for k in _DEEPSPEED_KEYS if k in raw]
+    if not found:
+        return
+    if "distributed_type" not in raw and "compute_environment" not in raw:
+        raise ConfigError(f"{source} looks like a DeepSpeed config ({', '.join(found[:4])}); pass it as "
+                          "deepspeed_config_file: under deepspeed_config in an accelerate config, or to "
+                          "`hf-backend launch --deepspeed_config_file`")
+    raise ConfigError(f"{source}: '{found[0]}' is a key of DeepSpeed's own JSON config, not of an accelerate config; "
+                      "put DeepSpeed settings in a JSON file named by deepspeed_config.deepspeed_config_file")
 
 
 def coerce(value: Any, f: dataclasses.Field, where: str) -> Any:
@@ -138,7 +363,7 @@ def coerce(value: Any, f: dataclasses.Field, where: str) -> Any:
         raise ConfigError(f"{where} is empty; give it a value (default {_show(default)})")
     if meta["int_choices"] and isinstance(value, int) and not isinstance(value, bool):
         if value not in meta["int_choices"]:
-            raise ConfigError(f"{where}={value} is not one of {', '.join(map(str, meta['int_choices']))} "
+            raise ConfigError(f"{where}={_show(value)} is not one of {', '.join(map(str, meta['int_choices']))} "
                               f"or {', '.join(meta['choices'])}")
         return meta["int_choices"][value]
     if kind is bool:
@@ -156,6 +381,8 @@ def coerce(value: Any, f: dataclasses.Field, where: str) -> Any:
         raise ConfigError(f"{where}={_show(value)} is not one of {', '.join(map(str, meta['choices']))}")
     if meta["minimum"] is not None and result < meta["minimum"]:
         raise ConfigError(f"{where}={_show(value)} must be at least {meta['minimum']}")
+    if meta["maximum"] is not None and result > meta["maximum"]:
+        raise ConfigError(f"{where}={_show(value)} must be at most {meta['maximum']}")
     return result
 
 
@@ -214,8 +441,30 @@ def _allowed(choices: tuple | None, kind: type) -> str:
     return {bool: "true or false", int: "a whole number", float: "a number"}.get(kind, "a string")
 
 
+class _BoundedRepr(reprlib.Repr):
+    """repr() that looks at a bounded part of a value: the first items of a container, 2 levels deep, the start of
+    a string, and the size (not the digits) of a huge integer, so no value makes an error message slow or long."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel, self.maxstring, self.maxother = 2, 60, 60
+        self.maxlist = self.maxtuple = self.maxdict = self.maxset = self.maxfrozenset = 4
+
+    def repr_str(self, x: str, level: int) -> str:
+        return repr(x[:self.maxstring]) + ("..." if len(x) > self.maxstring else "")
+
+    def repr_int(self, x: int, level: int) -> str:
+        if x.bit_length() > 128:
+            return f"<a {int(x.bit_length() * math.log10(2)) + 1}-digit integer>"
+        return repr(x)
+
+
+_REPR = _BoundedRepr()
+
+
 def _show(value: Any) -> str:
-    text = repr(value)
+    """A value as an error message quotes it: its repr, at most 60 characters."""
+    text = _REPR.repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
 
@@ -227,8 +476,6 @@ def _check_together(config: LaunchConfig, source: str) -> None:
                           f"num_machines={config.num_machines}")
     if config.num_machines > 1 and not config.main_process_ip:
         raise ConfigError(f"{source}: num_machines={config.num_machines} needs main_process_ip (machine 0's address)")
-    if config.main_process_port is not None and config.main_process_port > 65535:
-        raise ConfigError(f"{source}: main_process_port={config.main_process_port} is not a port (1-65535)")
     for section, kind in (("fsdp_config", "FSDP"), ("deepspeed_config", "DEEPSPEED")):
         if getattr(config, section) and config.distributed_type != kind:
             note(f"{source}: {section} is not used because distributed_type is {config.distributed_type}")

@@ -2,8 +2,9 @@
 
 It reads the files `accelerate config` writes (same key names, same layout) and is the one source for validation,
 `hf-backend config` questions, and the generated reference in docs/config.md. Each field's metadata says:
-help (one line), choices (canonical spellings), minimum, unused (accepted from Accelerate, means nothing here),
-aliases (older or prefix-less spellings), question (asked by the interactive `hf-backend config`).
+help (one line), choices (canonical spellings), minimum and maximum (every number has a range), unused (accepted
+from Accelerate, means nothing here), aliases (older or prefix-less spellings), question (asked by the interactive
+`hf-backend config`).
 """
 
 from __future__ import annotations
@@ -14,13 +15,17 @@ from typing import Any
 
 DISTRIBUTED_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU", "FSDP", "DEEPSPEED")
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
+# Ranges far above any real job (the largest runs have ~10^5 accelerators), there to refuse typos and overflows.
+MAX_PROCESSES = 1 << 20
+MAX_MACHINES = 1 << 16
+MAX_ACCUMULATION = 1_000_000
 
 
 def key(default: Any, help: str, *, choices: tuple | None = None, minimum: float | None = None,
-        unused: bool = False, aliases: tuple[str, ...] = (), question: str | None = None,
-        int_choices: dict[int, str] | None = None) -> Any:
-    meta = {"help": help, "choices": choices, "minimum": minimum, "unused": unused, "aliases": aliases,
-            "question": question, "int_choices": int_choices}
+        maximum: float | None = None, unused: bool = False, aliases: tuple[str, ...] = (),
+        question: str | None = None, int_choices: dict[int, str] | None = None) -> Any:
+    meta = {"help": help, "choices": choices, "minimum": minimum, "maximum": maximum, "unused": unused,
+            "aliases": aliases, "question": question, "int_choices": int_choices}
     if isinstance(default, (dict, list)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -45,7 +50,8 @@ class FsdpSection:
     fsdp_transformer_layer_cls_to_wrap: str | None = key(
         None, "comma-separated block class names to wrap (default: the model's _no_split_modules)",
         question="Transformer layer class names to wrap (empty: the model's own)")
-    fsdp_min_num_params: int = key(100_000_000, "smallest module size wrapped by SIZE_BASED_WRAP", minimum=0)
+    fsdp_min_num_params: int = key(100_000_000, "smallest module size wrapped by SIZE_BASED_WRAP", minimum=0,
+                                   maximum=10**15)
     fsdp_backward_prefetch: str = key("BACKWARD_PRE", "prefetch of the next unit's parameters in backward",
                                       choices=("BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"),
                                       aliases=("fsdp_backward_prefetch_policy",))
@@ -64,8 +70,8 @@ class DeepSpeedSection:
     """`deepspeed_config:`, read by the DeepSpeed strategy."""
 
     zero_stage: int = key(2, "ZeRO stage", choices=(0, 1, 2, 3), question="ZeRO stage")
-    gradient_accumulation_steps: int = key(1, "micro steps per optimizer step", minimum=1)
-    gradient_clipping: float = key(1.0, "max gradient norm", minimum=0)
+    gradient_accumulation_steps: int = key(1, "micro steps per optimizer step", minimum=1, maximum=MAX_ACCUMULATION)
+    gradient_clipping: float = key(1.0, "max gradient norm", minimum=0, maximum=1_000_000)
     offload_optimizer_device: str = key("none", "where optimizer state lives", choices=("none", "cpu", "nvme"),
                                         question="Offload optimizer state to")
     offload_param_device: str = key("none", "where parameters live (ZeRO-3)", choices=("none", "cpu", "nvme"))
@@ -91,19 +97,19 @@ class LaunchConfig:
                                 question="Distributed type")
     mixed_precision: str = key("no", "autocast dtype", choices=("no", "fp16", "bf16"), question="Mixed precision")
     use_cpu: bool = key(False, "train on the CPU even when a GPU is there", question="Train on the CPU only")
-    num_processes: int = key(1, "processes in total, across all machines", minimum=1,
+    num_processes: int = key(1, "processes in total, across all machines", minimum=1, maximum=MAX_PROCESSES,
                              question="How many processes in total")
-    num_machines: int = key(1, "machines taking part", minimum=1, question="How many machines")
-    machine_rank: int = key(0, "this machine's index, 0 on the main machine", minimum=0,
+    num_machines: int = key(1, "machines taking part", minimum=1, maximum=MAX_MACHINES, question="How many machines")
+    machine_rank: int = key(0, "this machine's index, 0 on the main machine", minimum=0, maximum=MAX_MACHINES - 1,
                             question="Rank of this machine")
     main_process_ip: str | None = key(None, "address of machine 0 (needed with more than one machine)",
                                       question="IP address of machine 0")
     main_process_port: int | None = key(None, "port on machine 0 (free port chosen on one machine when unset)",
-                                        minimum=1, question="Port on machine 0")
+                                        minimum=1, maximum=65535, question="Port on machine 0")
     rdzv_backend: str = key("static", "torch elastic rendezvous", choices=("static", "c10d", "etcd", "etcd-v2"))
     same_network: bool = key(True, "machines share a network (informational)")
     gpu_ids: str | None = key(None, "GPUs to use, 'all' or a comma-separated list (sets CUDA_VISIBLE_DEVICES)")
-    gradient_accumulation_steps: int = key(1, "micro steps per optimizer step", minimum=1)
+    gradient_accumulation_steps: int = key(1, "micro steps per optimizer step", minimum=1, maximum=MAX_ACCUMULATION)
     debug: bool = key(False, "TORCH_DISTRIBUTED_DEBUG=DETAIL in every process")
     main_training_function: str = key("main", "used by notebook launchers; accepted", unused=True)
     downcast_bf16: str = key("no", "XLA/TPU only", choices=("no", "yes", "first"), unused=True)
