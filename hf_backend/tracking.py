@@ -15,10 +15,11 @@ import importlib.util
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from . import checks
 from .enums import LoggerType
 from .errors import HfBackendError
 from .log import note, warn
@@ -333,6 +334,11 @@ class Tracking:
         """Build and start the trackers (`project_name` names each one's run or project) and store `config`."""
         if self._started:
             raise HfBackendError("init_trackers was already called; call end_training() before starting another run")
+        if not isinstance(project_name, str) or not project_name:
+            raise HfBackendError(f"init_trackers(project_name={checks.show(project_name)}): give the run a name (a "
+                                 "non-empty string)")
+        if config is not None and not isinstance(config, Mapping):
+            raise HfBackendError(f"init_trackers(config={checks.show(config)}): pass a dict of hyperparameters")
         init_kwargs = self._by_tracker(init_kwargs, "init_kwargs")
         trackers: list[GeneralTracker] = []
         for spec in self._specs:
@@ -353,6 +359,10 @@ class Tracking:
 
     def log(self, values: dict, step: int | None = None, log_kwargs: dict | None = None) -> None:
         """Log `values` to every tracker running on this process (a no-op on the others)."""
+        if not isinstance(values, Mapping):
+            raise HfBackendError(f"log(values={checks.show(values)}): pass a dict of names to values, e.g. "
+                                 "{'loss': 0.5}")
+        checks.whole(step, "log step", optional=True)
         if not self._started:
             if not self._specs:
                 note("accelerator.log(...) logs nothing: no tracker was asked for (Accelerator(log_with=...))")

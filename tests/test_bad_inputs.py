@@ -80,6 +80,10 @@ def test_bad_arguments_of_a_prepared_accelerator(prepared, tmp_path):
         (lambda: accelerator.accumulate("model").__enter__(), "accumulate('model'): pass the prepared models"),
         (lambda: setattr(accelerator, "gradient_accumulation_steps", 0),
          "gradient_accumulation_steps=0 must be an integer >= 1"),
+        (lambda: accelerator.init_trackers(1), "init_trackers(project_name=1): give the run a name (a non-empty "
+                                               "string)"),
+        (lambda: accelerator.log("loss"), "log(values='loss'): pass a dict of names to values, e.g. {'loss': 0.5}"),
+        (lambda: accelerator.log({"loss": 1.0}, step=1.5), "log step=1.5 must be an integer >= 0"),
     ]
     for call, expected in cases:
         with pytest.raises(HfBackendError) as caught:
