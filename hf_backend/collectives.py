@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .checks import show
 from .errors import HfBackendError
 from .nested import leaves, recursively_apply
 
@@ -34,6 +35,10 @@ def gather(data: Any) -> Any:
 
     Shapes must match across processes: use `pad_across_processes` first when they do not.
     """
+    for leaf in leaves(data):
+        if not isinstance(leaf, torch.Tensor):
+            raise HfBackendError(f"gather: {type(leaf).__name__} {show(leaf)} is not a tensor; gather tensors (or "
+                                 "nested lists / dicts of them), and Python objects with gather_object")
     if world_size() == 1:
         return recursively_apply(lambda t: t[None] if t.ndim == 0 else t, data)
     return recursively_apply(_all_gather_cat, data)

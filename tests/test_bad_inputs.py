@@ -84,6 +84,8 @@ def test_bad_arguments_of_a_prepared_accelerator(prepared, tmp_path):
                                                "string)"),
         (lambda: accelerator.log("loss"), "log(values='loss'): pass a dict of names to values, e.g. {'loss': 0.5}"),
         (lambda: accelerator.log({"loss": 1.0}, step=1.5), "log step=1.5 must be an integer >= 0"),
+        (lambda: accelerator.gather("x"), "gather: str 'x' is not a tensor; gather tensors (or nested lists / dicts of "
+                                          "them), and Python objects with gather_object"),
     ]
     for call, expected in cases:
         with pytest.raises(HfBackendError) as caught:
