@@ -4,11 +4,13 @@ BERT-shaped loop's arguments, the GLUE recipes' smoke-run data, and the Transfor
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import warm_processes
@@ -119,3 +121,33 @@ def recipe_args(tiny, out: Path) -> list[str]:
     model_dir, data_dir = tiny
     return ["--task", "mrpc", "--model", str(model_dir), "--data_dir", str(data_dir), "--output_dir", str(out),
             "--epochs", "2", "--batch_size", "8", "--max_length", "32", "--logging_steps", "2"]
+
+
+# -- config files (tests/test_config.py, tests/test_config_fuzz.py) ---------------------------------------------------
+_TYPES = {"bool": bool, "int": int, "float": float, "str": str, "dict": dict, "list": list}
+
+
+
+
+def assert_valid_config(config: Any) -> None:
+    """What a config that loaded promises: each value (sections included) of its key's type, among its choices and
+    within its minimum and maximum, and the keys that must agree agree."""
+    from hf_backend.config.schema import DeepSpeedSection, FsdpSection, LaunchConfig, fields_of
+
+    for model, values in ((LaunchConfig, dataclasses.asdict(config)), (FsdpSection, config.fsdp_config),
+                          (DeepSpeedSection, config.deepspeed_config)):
+        fields = fields_of(model)
+        assert set(values) <= set(fields), f"{model.__name__}: unknown keys {set(values) - set(fields)}"
+        for name, value in values.items():
+            meta, annotation = fields[name].metadata, str(fields[name].type)
+            if value is None:
+                assert annotation.endswith("| None"), f"{name}=None"
+                continue
+            kind = _TYPES[annotation.split(" | ")[0]]
+            assert isinstance(value, kind) and (kind is bool or not isinstance(value, bool)), f"{name}={value!r}"
+            assert meta["choices"] is None or value in meta["choices"], f"{name}={value!r}"
+            assert meta["minimum"] is None or value >= meta["minimum"], f"{name}={value!r}"
+            assert meta.get("maximum") is None or value <= meta["maximum"], f"{name}={value!r}"
+    assert config.machine_rank < config.num_machines and config.num_processes % config.num_machines == 0
+    assert config.num_machines == 1 or config.main_process_ip
+    assert config.main_process_port is None or config.main_process_port <= 65535

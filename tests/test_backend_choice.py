@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from test_config import DOCS_FSDP_YAML
+from helpers import DOCS_FSDP_YAML
 
 from hf_backend import DeepSpeedPlugin, FullyShardedDataParallelPlugin, HfBackendError, log
 from hf_backend.config import backend as backend_module
@@ -158,3 +158,18 @@ def test_cpu_ram_efficient_loading_sets_transformers_variables_keeping_a_launche
     FSDPStrategy(TWO_CPU, Precision("no", TWO_CPU.device), Handlers(),
                  FullyShardedDataParallelPlugin(cpu_ram_efficient_loading=True))
     assert os.environ["ACCELERATE_USE_FSDP"] == "true" and os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] == "false"
+
+
+def test_a_config_files_fsdp_section_sets_only_the_keys_it_gives(tmp_path):
+    """SHARD_GRAD_OP without a reshard key keeps parameters after forward, from a config file as from a dict; and
+    transformers' fsdp words fill what the file leaves out instead of contradicting its defaults."""
+    launched = _launched("FSDP", fsdp_config={"fsdp_sharding_strategy": "SHARD_GRAD_OP"})
+    options = choose_backend(launch_config=launched).fsdp.section
+    assert options.fsdp_sharding_strategy == "SHARD_GRAD_OP" and options.fsdp_reshard_after_forward is False
+    pytest.importorskip("transformers")
+    from hf_backend import TrainingArguments
+
+    path = tmp_path / "fsdp.yaml"
+    path.write_text("distributed_type: FSDP\nfsdp_config:\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n")
+    args = TrainingArguments(output_dir=str(tmp_path), fsdp="shard_grad_op", fsdp_config=str(path))
+    assert args.fsdp_plugin.sharding_strategy == "SHARD_GRAD_OP" and args.fsdp_plugin.reshard_after_forward is False

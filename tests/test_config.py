@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 import yaml
-from helpers import DOCS_FSDP_YAML
+from helpers import DOCS_FSDP_YAML, assert_valid_config
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -16,7 +15,6 @@ from hf_backend.cli.launch import effective_config
 from hf_backend.cli.main import build_parser
 from hf_backend.config import reference
 from hf_backend.config.loader import ConfigError, load_config, validate, write_config
-from hf_backend.config.schema import DeepSpeedSection, FsdpSection, LaunchConfig, fields_of
 
 
 def _write(tmp_path: Path, text: str, name: str = "c.yaml") -> Path:
@@ -127,33 +125,8 @@ def test_mutated_config_files_load_or_fail_with_one_config_error_line(tmp_path, 
     except ConfigError as err:
         assert "\n" not in str(err) and str(path) in str(err)
     else:
-        _assert_valid(config)
+        assert_valid_config(config)
         assert load_config(write_config(config, tmp_path / "again.yaml")) == config
-
-
-_TYPES = {"bool": bool, "int": int, "float": float, "str": str, "dict": dict, "list": list}
-
-
-def _assert_valid(config: LaunchConfig) -> None:
-    """What a config that loaded promises: each value (sections included) of its key's type, among its choices and
-    within its minimum and maximum, and the keys that must agree agree."""
-    for model, values in ((LaunchConfig, dataclasses.asdict(config)), (FsdpSection, config.fsdp_config),
-                          (DeepSpeedSection, config.deepspeed_config)):
-        fields = fields_of(model)
-        assert set(values) <= set(fields), f"{model.__name__}: unknown keys {set(values) - set(fields)}"
-        for name, value in values.items():
-            meta, annotation = fields[name].metadata, str(fields[name].type)
-            if value is None:
-                assert annotation.endswith("| None"), f"{name}=None"
-                continue
-            kind = _TYPES[annotation.split(" | ")[0]]
-            assert isinstance(value, kind) and (kind is bool or not isinstance(value, bool)), f"{name}={value!r}"
-            assert meta["choices"] is None or value in meta["choices"], f"{name}={value!r}"
-            assert meta["minimum"] is None or value >= meta["minimum"], f"{name}={value!r}"
-            assert meta.get("maximum") is None or value <= meta["maximum"], f"{name}={value!r}"
-    assert config.machine_rank < config.num_machines and config.num_processes % config.num_machines == 0
-    assert config.num_machines == 1 or config.main_process_ip
-    assert config.main_process_port is None or config.main_process_port <= 65535
 
 
 def _launch_args(*argv: str):

@@ -19,8 +19,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import DOCS_FSDP_YAML, cli
-from test_config import _assert_valid
+from helpers import DOCS_FSDP_YAML, assert_valid_config, cli
 
 from hf_backend.cli.main import main
 from hf_backend.config import loader
@@ -315,7 +314,7 @@ def answer(case: Case, path: Path) -> tuple[str, str, float]:
         return "silent", out.getvalue()[:300], seconds
     config = load_config(path)
     try:
-        _assert_valid(config)
+        assert_valid_config(config)
         assert load_config(write_config(config, path.with_name("again" + path.suffix))) == config
     except AssertionError as wrong:
         return "silent", str(wrong), seconds

@@ -73,7 +73,9 @@ def choose_backend(fsdp: Any = None, deepspeed: Any = None, launch_config: Any =
             return Backend(FSDP, fsdp=FsdpOptions.of(fsdp))
         return Backend(DEEPSPEED, deepspeed=DeepSpeedPlugin.from_object(deepspeed))
     if launched == FSDP:
-        return Backend(FSDP, fsdp=FsdpOptions.of(FullyShardedDataParallelPlugin.from_section(launch_config.fsdp)))
+        # only the keys the file gave: the rest follow from them (SHARD_GRAD_OP keeps parameters after forward)
+        plugin = FullyShardedDataParallelPlugin.from_section(launch_config.fsdp, set(launch_config.fsdp_config))
+        return Backend(FSDP, fsdp=FsdpOptions.of(plugin))
     if launched == DEEPSPEED:
         return Backend(DEEPSPEED, deepspeed=DeepSpeedPlugin.from_section(launch_config.deepspeed))
     return Backend(DATA_PARALLEL)

@@ -45,7 +45,7 @@ def fsdp_options_from_arguments(fsdp: Any, fsdp_config: Any) -> FsdpOptions | No
             source = str(fsdp_config)
             raw = read_mapping(fsdp_config)
         if "fsdp_config" in raw or "distributed_type" in raw:
-            plugin = FullyShardedDataParallelPlugin.from_section(_from_launch_config(raw, source))
+            plugin = FullyShardedDataParallelPlugin.from_section(*_from_launch_config(raw, source))
         else:
             flat, extras = _split_flat(raw, source)
             section, given = validate_section(flat, FsdpSection, source)
@@ -99,7 +99,8 @@ def _split_flat(raw: Any, source: str) -> tuple[dict[str, Any], dict[str, Any]]:
     return flat, extras
 
 
-def _from_launch_config(raw: dict[str, Any], source: str) -> FsdpSection:
+def _from_launch_config(raw: dict[str, Any], source: str) -> tuple[FsdpSection, set[str]]:
+    """The FSDP section of a launch config file, and the keys it gives (the others keep their derived defaults)."""
     config = validate(raw, source=source)
     if config.distributed_type != "FSDP":
         raise ConfigError(f"{source} sets distributed_type: {config.distributed_type}, not FSDP; pass an FSDP config "
@@ -110,7 +111,7 @@ def _from_launch_config(raw: dict[str, Any], source: str) -> FsdpSection:
     if launch_only:
         note(f"fsdp_config={source}: its FSDP section is used here; {', '.join(launch_only)} take effect when the file "
              "is given to `hf-backend launch --config_file`")
-    return config.fsdp
+    return config.fsdp, set(config.fsdp_config)
 
 
 def deepspeed_config_from_argument(deepspeed: Any) -> dict[str, Any]:
