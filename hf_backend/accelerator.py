@@ -78,8 +78,9 @@ class Accelerator(ProcessView, compat.AccelerateMembers):
         deepspeed_plugin = compat.check_accelerator_arguments(other, deepspeed_plugin)
         loader_options = {k: other.pop(k) for k in ("dispatch_batches", "use_seedable_sampler") if k in other}
 
-        checks.flag(device_placement, "device_placement"), checks.flag(cpu, "cpu", optional=True)
-        checks.flag(split_batches, "split_batches", optional=True), checks.flag(even_batches, "even_batches", True)
+        for name, flag in (("cpu", cpu), ("split_batches", split_batches), ("even_batches", even_batches)):
+            checks.flag(flag, name, optional=True)  # None: the launcher's or the default
+        checks.flag(device_placement, "device_placement")
         checks.flag(step_scheduler_with_optimizer, "step_scheduler_with_optimizer")
         if kwargs_handlers is not None and not isinstance(kwargs_handlers, (list, tuple)):
             raise HfBackendError(f"kwargs_handlers={checks.show(kwargs_handlers)} must be a list of handlers, e.g. "
@@ -424,10 +425,10 @@ class Accelerator(ProcessView, compat.AccelerateMembers):
         """Restore what `save_state` wrote. The next pass over each prepared dataloader continues with the batch after
         the last one seen, in the same order: no manual skipping."""
         config = self.project_configuration
-        input_dir = input_dir if input_dir is not None else checkpoint.latest_automatic_dir(
-            config, checkpoint.read_metadata)
+        chosen = input_dir is None  # the newest usable automatic checkpoint: verified while choosing it
+        input_dir = checkpoint.latest_automatic_dir(config, checkpoint.read_metadata) if chosen else input_dir
         objects = checkpoint.apply_load_hooks(self._load_state_pre_hooks.values(), self._objects, input_dir)
-        meta = self.checkpoint_io.read(input_dir, objects,
+        meta = self.checkpoint_io.read(input_dir, objects, checksums=not chosen,
                                        models_taken_by_hooks=len(objects.models) < len(self._objects.models))
         saved_world = meta["num_processes"]
         if saved_world != self.num_processes:

@@ -4,16 +4,40 @@ than a traceback or a silently wrong run."""
 
 from __future__ import annotations
 
+import math
 import numbers
 import os
+import reprlib
 from typing import Any
 
 from .errors import HfBackendError
 
 
+class _BoundedRepr(reprlib.Repr):
+    """repr() that looks at a bounded part of a value: the first items of a container, 2 levels deep, the start of
+    a string, and the size (not the digits) of a huge integer, so no value makes an error message slow or long."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel, self.maxstring, self.maxother = 2, 60, 60
+        self.maxlist = self.maxtuple = self.maxdict = self.maxset = self.maxfrozenset = 4
+
+    def repr_str(self, x: str, level: int) -> str:
+        return repr(x[:self.maxstring]) + ("..." if len(x) > self.maxstring else "")
+
+    def repr_int(self, x: int, level: int) -> str:
+        if x.bit_length() > 128:
+            return f"<a {int(x.bit_length() * math.log10(2)) + 1}-digit integer>"
+        return repr(x)
+
+
+_REPR = _BoundedRepr()
+
+
 def show(value: Any) -> str:
-    """A bounded repr: a huge value never floods a message."""
-    text = repr(value)
+    """A value as an error message quotes it: a bounded repr, at most 60 characters (a huge value never makes a
+    message slow or long)."""
+    text = _REPR.repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
 

@@ -21,6 +21,7 @@ import pytest
 import yaml
 from helpers import DOCS_FSDP_YAML, assert_valid_config, cli
 
+from hf_backend.checks import show
 from hf_backend.cli.main import main
 from hf_backend.config import loader
 from hf_backend.config.loader import ConfigError, load_config, write_config
@@ -405,6 +406,6 @@ def test_an_error_quotes_a_bounded_prefix_of_any_value():
     start = time.perf_counter()
     long = "y" * 10**7
     for value in (10**100_000, [[list(range(10**5))] * 10**3] * 10**3, long, {i: long for i in range(10**4)}):
-        assert len(loader._show(value)) <= 60
-    assert loader._show(10**100_000) == "<a 100001-digit integer>"
+        assert len(show(value)) <= 60
+    assert show(10**100_000) == "<a 100001-digit integer>"
     assert time.perf_counter() - start < TIME_BOUND

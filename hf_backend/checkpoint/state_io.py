@@ -106,12 +106,13 @@ class CheckpointIO:
         (directory / layout.METADATA).write_text(json.dumps(meta, indent=2))
 
     def read(self, directory: str | os.PathLike, objects: PreparedObjects | None = None, *, rng: bool = True,
-             scaler: bool = True, models_taken_by_hooks: bool = False) -> dict[str, Any]:
+             scaler: bool = True, checksums: bool = True, models_taken_by_hooks: bool = False) -> dict[str, Any]:
         """Restore `objects` (default: everything prepared and registered) from `directory`; returns its metadata.
+        `checksums=False`: the manifest's sizes only (the caller has just verified the checksums).
         `models_taken_by_hooks`: load-state hooks load some models themselves, so fewer models than the checkpoint
         holds are read (in order, as Accelerate does)."""
         directory, objects = interrupted_overwrite(Path(directory)), objects if objects is not None else self.prepared
-        meta = read_metadata(directory)
+        meta = read_metadata(directory, checksums)
         for kind, saved in meta["counts"].items():
             have = len(getattr(objects, kind))
             if saved != have and not (kind == "models" and models_taken_by_hooks and have < saved):

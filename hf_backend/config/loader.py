@@ -14,7 +14,6 @@ import difflib
 import json
 import math
 import os
-import reprlib
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ from yaml.reader import Reader
 from yaml.resolver import Resolver
 from yaml.scanner import Scanner
 
+from ..checks import show
 from ..errors import HfBackendError
 from ..log import note
 from .schema import SECTIONS, LaunchConfig, default_of, fields_of
@@ -109,14 +109,14 @@ def _json_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     if len(out) < len(pairs):
         seen: set[str] = set()
         twice = next(k for k, _ in pairs if k in seen or seen.add(k))
-        raise _Refused(None, f"key {_show(twice)} appears twice in one object; keep one of them")
+        raise _Refused(None, f"key {show(twice)} appears twice in one object; keep one of them")
     return out
 
 
 def _json_number(kind: type) -> Any:
     def parse(text: str) -> Any:
         if len(text) > MAX_NUMBER_CHARS:
-            raise _Refused(None, f"a number {len(text):,} characters long ({_show(text)}); numbers in a config "
+            raise _Refused(None, f"a number {len(text):,} characters long ({show(text)}); numbers in a config "
                                  f"file have at most {MAX_NUMBER_CHARS}")
         return kind(text)
     return parse
@@ -194,7 +194,7 @@ class _StrictConstructor(SafeConstructor):
             return super().construct_object(node, deep)
         except (ValueError, LookupError, OverflowError, TypeError) as err:
             why = f" ({str(err)[:80]})".replace("\n", " ") if isinstance(err, ValueError) else ""
-            raise _Refused(node.start_mark.line + 1, f"{_show(node.value)} is not a valid "
+            raise _Refused(node.start_mark.line + 1, f"{show(node.value)} is not a valid "
                                                      f"{node.tag.rsplit(':', 1)[-1]}{why}") from None
 
     def construct_mapping(self, node: Node, deep: bool = False) -> dict:
@@ -210,14 +210,14 @@ class _StrictConstructor(SafeConstructor):
                 except TypeError:
                     continue  # an unhashable key: SafeConstructor refuses it
                 if first is not None:
-                    raise _Refused(line, f"key {_show(key)} appears twice (first on line {first}); keep one of them")
+                    raise _Refused(line, f"key {show(key)} appears twice (first on line {first}); keep one of them")
                 lines[key] = line
         return super().construct_mapping(node, deep)
 
     def construct_number(self, node: Node) -> Any:
         if len(node.value) > MAX_NUMBER_CHARS:
             raise _Refused(node.start_mark.line + 1, f"a number {len(node.value):,} characters long "
-                                                     f"({_show(node.value)}); numbers in a config file have at "
+                                                     f"({show(node.value)}); numbers in a config file have at "
                                                      f"most {MAX_NUMBER_CHARS}")
         kind = node.tag.rsplit(":", 1)[-1]
         return SafeConstructor.construct_yaml_int(self, node) if kind == "int" else \
@@ -277,7 +277,7 @@ def validate(raw: dict[str, Any], source: str = "<config>") -> LaunchConfig:
             if values[section] is None:
                 values[section] = {}
             if not isinstance(values[section], dict):
-                raise ConfigError(f"{source}: {section} must be a mapping, got {_show(values[section])}")
+                raise ConfigError(f"{source}: {section} must be a mapping, got {show(values[section])}")
             values[section], more = _check_keys(values[section], model, source, prefix=section + ".")
             unused += more
     config = LaunchConfig(**values)
@@ -308,11 +308,11 @@ def _check_keys(raw: dict, model: type, source: str, prefix: str) -> tuple[dict[
     unused: list[str] = []
     for raw_key, value in raw.items():
         if not isinstance(raw_key, str):
-            raise ConfigError(f"{source}: key {_show(raw_key)} in {prefix or 'the top level'} is not a name; "
+            raise ConfigError(f"{source}: key {show(raw_key)} in {prefix or 'the top level'} is not a name; "
                               "keys are strings such as mixed_precision")
         name = raw_key if raw_key in fields else aliases.get(raw_key)
         if name is None:
-            shown = _show(prefix + raw_key) if len(raw_key) > 60 or not raw_key.isprintable() else \
+            shown = show(prefix + raw_key) if len(raw_key) > 60 or not raw_key.isprintable() else \
                 f"'{prefix}{raw_key}'"
             close = difflib.get_close_matches(raw_key, list(fields) + list(aliases), n=1, cutoff=0.6) \
                 if len(raw_key) <= 60 else []
@@ -355,15 +355,15 @@ def coerce(value: Any, f: dataclasses.Field, where: str) -> Any:
         if value is None:
             return type(default)()
         if not isinstance(value, kind):
-            raise ConfigError(f"{where}={_show(value)} must be a {kind.__name__}")
+            raise ConfigError(f"{where}={show(value)} must be a {kind.__name__}")
         return value
     if value is None:
         if default is None:
             return None
-        raise ConfigError(f"{where} is empty; give it a value (default {_show(default)})")
+        raise ConfigError(f"{where} is empty; give it a value (default {show(default)})")
     if meta["int_choices"] and isinstance(value, int) and not isinstance(value, bool):
         if value not in meta["int_choices"]:
-            raise ConfigError(f"{where}={_show(value)} is not one of {', '.join(map(str, meta['int_choices']))} "
+            raise ConfigError(f"{where}={show(value)} is not one of {', '.join(map(str, meta['int_choices']))} "
                               f"or {', '.join(meta['choices'])}")
         return meta["int_choices"][value]
     if kind is bool:
@@ -376,13 +376,13 @@ def coerce(value: Any, f: dataclasses.Field, where: str) -> Any:
         result = _as_str(value, meta["choices"])
     if result is None:
         allowed = _allowed(meta["choices"], kind)
-        raise ConfigError(f"{where}={_show(value)} is not valid; use {allowed}")
+        raise ConfigError(f"{where}={show(value)} is not valid; use {allowed}")
     if meta["choices"] is not None and result not in meta["choices"]:
-        raise ConfigError(f"{where}={_show(value)} is not one of {', '.join(map(str, meta['choices']))}")
+        raise ConfigError(f"{where}={show(value)} is not one of {', '.join(map(str, meta['choices']))}")
     if meta["minimum"] is not None and result < meta["minimum"]:
-        raise ConfigError(f"{where}={_show(value)} must be at least {meta['minimum']}")
+        raise ConfigError(f"{where}={show(value)} must be at least {meta['minimum']}")
     if meta["maximum"] is not None and result > meta["maximum"]:
-        raise ConfigError(f"{where}={_show(value)} must be at most {meta['maximum']}")
+        raise ConfigError(f"{where}={show(value)} must be at most {meta['maximum']}")
     return result
 
 
@@ -439,33 +439,6 @@ def _allowed(choices: tuple | None, kind: type) -> str:
     if choices:
         return "one of " + ", ".join(map(str, choices))
     return {bool: "true or false", int: "a whole number", float: "a number"}.get(kind, "a string")
-
-
-class _BoundedRepr(reprlib.Repr):
-    """repr() that looks at a bounded part of a value: the first items of a container, 2 levels deep, the start of
-    a string, and the size (not the digits) of a huge integer, so no value makes an error message slow or long."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.maxlevel, self.maxstring, self.maxother = 2, 60, 60
-        self.maxlist = self.maxtuple = self.maxdict = self.maxset = self.maxfrozenset = 4
-
-    def repr_str(self, x: str, level: int) -> str:
-        return repr(x[:self.maxstring]) + ("..." if len(x) > self.maxstring else "")
-
-    def repr_int(self, x: int, level: int) -> str:
-        if x.bit_length() > 128:
-            return f"<a {int(x.bit_length() * math.log10(2)) + 1}-digit integer>"
-        return repr(x)
-
-
-_REPR = _BoundedRepr()
-
-
-def _show(value: Any) -> str:
-    """A value as an error message quotes it: its repr, at most 60 characters."""
-    text = _REPR.repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _check_together(config: LaunchConfig, source: str) -> None:
