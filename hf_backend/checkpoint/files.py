@@ -1,5 +1,6 @@
 """How bytes are written and read: safetensors weights (sharded with an index when large), torch files read with
-`weights_only=True`, and the random generators' states."""
+`weights_only=True` (safe_load.py: no code in a file runs, a refusal is one line), and the random generators'
+states."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from huggingface_hub import save_torch_state_dict
 from safetensors.torch import load_file as load_safetensors
 
 from ..errors import HfBackendError
+from .safe_load import torch_load
 
 
 # -- weights ---------------------------------------------------------------------------------------------------------
@@ -49,7 +51,7 @@ def read_weights(directory: str | os.PathLike, filename_stem: str = "model") -> 
         path = directory / name
         if not path.is_file():
             raise HfBackendError(f"{path} is missing; the checkpoint is incomplete, use another one")
-        state.update(load_safetensors(path) if ext == ".safetensors" else torch.load(path, weights_only=True))
+        state.update(load_safetensors(path) if ext == ".safetensors" else torch_load(path))
     return state
 
 
@@ -94,15 +96,14 @@ def save_object(obj: Any, f: str | os.PathLike, safe_serialization: bool = False
 
 def load_file(path: Path) -> Any:
     """A torch file of plain data (state dicts): no pickled code runs."""
-    if not path.is_file():
-        raise HfBackendError(f"load_state: {path} is missing; the checkpoint is incomplete, use another one")
-    return torch.load(path, map_location="cpu", weights_only=True)
+    return torch_load(path)
 
 
 def load_custom_object(path: Path) -> Any:
-    """A registered object's state: any picklable value, so it is unpickled in full (only load checkpoints you
-    trust)."""
-    return torch.load(path, weights_only=False)
+    """A registered object's state, as plain data like every other file: a state holding other types (a class of
+    the user's, a numpy array) loads once the user allows them with `torch.serialization.add_safe_globals`, which
+    the refusal says."""
+    return torch_load(path)
 
 
 # -- random generators ------------------------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from .files import (
     tied_weight_keys,
     write_weights,
 )
+from .safe_load import check_dcp, dcp_load
 
 if TYPE_CHECKING:  # strategies are not imported at run time: checkpoint/ loads without FSDP and DeepSpeed
     from ..strategies.base import Strategy
@@ -101,7 +102,8 @@ class CheckpointIO:
         if grad_scaler is not None:
             torch.save(grad_scaler.state_dict(), directory / layout.SCALER)
         meta = {"format_version": layout.FORMAT_VERSION, "num_processes": self.process.num_processes,
-                "counts": objects.counts(), "scaler": grad_scaler is not None,
+                "strategy": str(self.strategy.distributed_type.value), "counts": objects.counts(),
+                "scaler": grad_scaler is not None,
                 **(self.progress() if extra is None else extra)}
         (directory / layout.METADATA).write_text(json.dumps(meta, indent=2))
 
@@ -119,24 +121,50 @@ class CheckpointIO:
                 raise HfBackendError(
                     f"load_state: {directory} holds {saved} {kind} but {have} are prepared/registered; prepare and "
                     "register the same objects, in the same order, as the run that saved it")
+        files = self._read_files(directory, objects, meta, rng, scaler)
         for i, model in enumerate(objects.models):
             self.load_weights(model, directory, layout.model_stem(i))
         if not self.strategy.native_checkpoints:
             for i, optimizer in enumerate(objects.optimizers):
-                self.load_optimizer(optimizer, directory, layout.optimizer_stem(i))
-        for i, scheduler in enumerate(objects.schedulers):
-            scheduler.load_state_dict(load_file(directory / layout.scheduler_file(i)))
-        for i, loader in enumerate(objects.dataloaders):
-            loader.load_state_dict(load_file(directory / layout.dataloader_file(i)))
-        for i, obj in enumerate(objects.custom):
-            obj.load_state_dict(load_custom_object(directory / layout.custom_file(i)))
-        grad_scaler = self.precision.scaler if scaler else None
-        if grad_scaler is not None and meta.get("scaler"):
-            grad_scaler.load_state_dict(load_file(directory / layout.SCALER))
-        rng_file = directory / layout.rng_file(self.process.process_index)
-        if rng and rng_file.is_file():
-            restore_rng(load_file(rng_file))
+                self.load_optimizer(optimizer, directory, layout.optimizer_stem(i), state=files["optimizers"][i])
+        for scheduler, state in zip(objects.schedulers, files["schedulers"]):
+            scheduler.load_state_dict(state)
+        for loader, state in zip(objects.dataloaders, files["dataloaders"]):
+            loader.load_state_dict(state)
+        for obj, state in zip(objects.custom, files["custom"]):
+            obj.load_state_dict(state)
+        if files["scaler"] is not None:
+            self.precision.scaler.load_state_dict(files["scaler"])
+        if files["rng"] is not None:
+            restore_rng(files["rng"])
         return meta
+
+    def _read_files(self, directory: Path, objects: PreparedObjects, meta: dict[str, Any], rng: bool,
+                    scaler: bool) -> dict[str, Any]:
+        """Every file `read` loads from, read (and refused when it holds more than plain data) before any state
+        changes; DCP directories are checked (metadata and non-tensor values) and read later, into the model."""
+        files: dict[str, Any] = {
+            "schedulers": [load_file(directory / layout.scheduler_file(i)) for i in range(len(objects.schedulers))],
+            "dataloaders": [load_file(directory / layout.dataloader_file(i)) for i in range(len(objects.dataloaders))],
+            "custom": [load_custom_object(directory / layout.custom_file(i)) for i in range(len(objects.custom))],
+            "scaler": load_file(directory / layout.SCALER)
+            if scaler and self.precision.scaler is not None and meta.get("scaler") else None,
+            "optimizers": [None] * len(objects.optimizers),
+        }
+        rng_file = directory / layout.rng_file(self.process.process_index)
+        files["rng"] = load_file(rng_file) if rng and rng_file.is_file() else None
+        if self.strategy.native_checkpoints:
+            return files
+        for i in range(len(objects.models)):
+            if holds_sharded(directory, layout.sharded_dir(layout.model_stem(i))):
+                check_dcp(directory / layout.sharded_dir(layout.model_stem(i)))
+        for i in range(len(objects.optimizers)):
+            stem = layout.optimizer_stem(i)
+            if holds_sharded(directory, layout.sharded_dir(stem)):
+                check_dcp(directory / layout.sharded_dir(stem))
+            else:
+                files["optimizers"][i] = load_file(directory / layout.full_optimizer_file(stem))
+        return files
 
     # -- one model or optimizer ----------------------------------------------------------------------------------------
     def save_weights(self, model: torch.nn.Module, directory: str | os.PathLike, stem: str = "model",
@@ -165,9 +193,9 @@ class CheckpointIO:
             self.strategy.load_native(directory, tag)
             return
         shards = directory / layout.sharded_dir(stem)
-        if shards.is_dir():
+        if holds_sharded(directory, shards.name):
             state_dict = {"model": self.strategy.model_state_dict(model, sharded=True)}
-            dcp.load(state_dict, checkpoint_id=str(shards))
+            dcp_load(state_dict, shards)
             self.strategy.load_model_state_dict(model, state_dict["model"], sharded=True)
         else:
             result = self.strategy.load_model_state_dict(model, read_weights(directory, stem))
@@ -185,19 +213,21 @@ class CheckpointIO:
             torch.save(state_dict, directory / layout.full_optimizer_file(stem))
 
     def load_optimizer(self, optimizer: Any, directory: str | os.PathLike, stem: str = "optimizer",
-                       file: str | None = None) -> None:
-        """Read the shards `<stem>_dcp/`, or the full file `file` (default `<stem>.bin`) keyed by parameter names
-        or, as torch's own `optimizer.state_dict()` (transformers' `optimizer.pt`), by position."""
+                       file: str | None = None, state: dict[str, Any] | None = None) -> None:
+        """Read the shards `<stem>_dcp/`, or the full file `file` (default `<stem>.bin`; `state`: its contents, already
+        read) keyed by parameter names or, as torch's own `optimizer.state_dict()` (transformers' `optimizer.pt`), by
+        position."""
         inner, model = self._optimizer_and_model(optimizer)
         directory = Path(directory)
         shards = directory / layout.sharded_dir(stem)
-        if shards.is_dir() and file is None:
+        if file is None and holds_sharded(directory, shards.name):
             state_dict = {"optimizer": self.strategy.optimizer_state_dict(model, inner, sharded=True)}
-            dcp.load(state_dict, checkpoint_id=str(shards))
+            dcp_load(state_dict, shards)
             self.strategy.load_optimizer_state_dict(model, inner, state_dict["optimizer"], sharded=True)
         else:
             path = directory / (file or layout.full_optimizer_file(stem))
-            state_dict = keyed_by_name(load_file(path), inner, self.strategy.unwrap_model(model), path)
+            state_dict = keyed_by_name(load_file(path) if state is None else state, inner,
+                                       self.strategy.unwrap_model(model), path)
             self.strategy.load_optimizer_state_dict(model, inner, state_dict)
 
     def read_trainer_optimizer(self, optimizer: Any, scheduler: Any, directory: str | os.PathLike) -> None:
@@ -261,6 +291,18 @@ def read_metadata(source: str | os.PathLike, checksums: bool = True) -> dict[str
     if "files" in meta:  # written by save_state; checkpoints of earlier versions (and the Trainer's part) have none
         manifest.verify(source, meta["files"], checksums)
     return meta
+
+
+def holds_sharded(directory: Path, name: str) -> bool:
+    """Whether the DCP directory `name` is part of the checkpoint: listed in its manifest when it has one (a
+    directory added after the save is never read), else present (checkpoints written before the manifest)."""
+    try:
+        files = json.loads((directory / layout.METADATA).read_text()).get("files")
+    except (OSError, ValueError, AttributeError):
+        files = None
+    if not isinstance(files, dict):
+        return (directory / name).is_dir()
+    return any(Path(f).parts[:1] == (name,) for f in files)
 
 
 def keyed_by_name(state_dict: dict[str, Any], optimizer: torch.optim.Optimizer, model: torch.nn.Module,
