@@ -1,4 +1,4 @@
-"""`hf-backend`: the command line (config, launch, env)."""
+"""`hf-backend`: the command line (config, launch, env, checkpoint)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 import hf_backend
 
 from ..errors import HfBackendError
-from . import config_cmd, env_cmd, launch
+from . import checkpoint_cmd, config_cmd, env_cmd, launch
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -18,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     config_cmd.add_parser(sub)
     launch.add_parser(sub)
     env_cmd.add_parser(sub)
+    checkpoint_cmd.add_parser(sub)
     return parser
 
 

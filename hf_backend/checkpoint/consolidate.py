@@ -1,0 +1,186 @@
+"""`hf-backend checkpoint consolidate` and `convert`, in one process without a process group.
+
+consolidate: a checkpoint's model weights, whichever form they are in (each process's DCP shards, full safetensors or
+.bin files, DeepSpeed's own files), as one safetensors model directory (sharded with an index above a size) that
+`from_pretrained` loads when a config.json goes with it.
+
+convert: a `save_state` checkpoint between its two forms, model and optimizer together: `full` (model.safetensors,
+optimizer.bin: what a run without FSDP's sharded state dicts writes) and `sharded` (model_dcp/, optimizer_dcp/). Every
+other file is copied as it is and the result gets a fresh manifest. Either form already loads under any strategy and
+world size; converting moves a checkpoint to a place without DCP, or makes one that each process reads its part of.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import HfBackendError
+from . import layout, manifest
+from .files import read_weights, write_weights
+from .safe_load import dcp_load, torch_load
+from .state_io import holds_sharded, read_metadata
+
+FORMS = ("full", "sharded")
+
+
+def model_weights(directory: str | os.PathLike, stem: str = "model", what: str = "consolidate") -> dict[str, Any]:
+    """The full weights of the checkpoint's model `stem`, read without running code from any file."""
+    directory = Path(directory)
+    if holds_sharded(directory, layout.sharded_dir(stem)):
+        return _dcp_state(directory / layout.sharded_dir(stem), "model", what)
+    if (directory / layout.native_dir(stem)).is_dir():
+        return _native(directory, layout.native_dir(stem))
+    if any(directory.glob(f"{stem}*.safetensors")) or (directory / f"{stem}.bin").is_file() \
+            or (directory / f"{stem}.bin.index.json").is_file():
+        return read_weights(directory, stem)
+    if (directory / "latest").is_file():  # a Trainer's DeepSpeed checkpoint: global_step{N}/, named by `latest`
+        return _native(directory, (directory / "latest").read_text().strip())
+    raise HfBackendError(f"{what}: {directory} holds no weights of {stem} (no {layout.sharded_dir(stem)}/, "
+                         f"{stem}.safetensors or {layout.native_dir(stem)}/); pass a checkpoint directory")
+
+
+def _dcp_state(shards: Path, key: str, what: str) -> Any:
+    state: dict[str, Any] = {}
+    with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": one process is what is meant
+        warnings.simplefilter("ignore", UserWarning)
+        dcp_load(state, shards, empty=True, what=what)
+    if key not in state:
+        raise HfBackendError(f"{what}: {shards} holds no {key} state ({sorted(state)}); pass the checkpoint's "
+                             f"{key}_dcp directory's parent")
+    return state[key]
+
+
+def _native(directory: Path, tag: str) -> dict[str, Any]:
+    try:
+        from .deepspeed_files import native_weights  # type: ignore[import-not-found]
+    except ImportError:
+        raise HfBackendError(f"consolidate: {directory / tag} is DeepSpeed's own checkpoint and this hf_backend has "
+                             "no reader for its files (hf_backend.checkpoint.deepspeed_files); upgrade hf_backend") \
+            from None
+    return native_weights(directory, tag)
+
+
+def _fresh(out: Path, what: str) -> Path:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise HfBackendError(f"{what}: {out} exists and is not an empty directory; pass a new directory")
+    staging = layout.staging_dir(out)
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
+    return staging
+
+
+def _publish(staging: Path, out: Path) -> None:
+    if out.exists():
+        out.rmdir()
+    staging.rename(out)
+
+
+def consolidate(directory: str | os.PathLike, out: str | os.PathLike, *, max_shard_size: int | str = "5GB",
+                config: str | os.PathLike | None = None, stem: str = "model") -> dict[str, Any]:
+    """Write the model's full weights as `out/model.safetensors` (or shards with an index), with config.json from
+    `config` (a file or a directory holding one) or the checkpoint's own; returns what was written."""
+    directory, out = Path(directory), Path(out)
+    if not directory.is_dir():
+        raise HfBackendError(f"consolidate: {directory} is not a directory; pass a checkpoint directory")
+    source = _config_source(directory, config)
+    weights = {k: v for k, v in model_weights(directory, stem).items() if isinstance(v, torch.Tensor)}
+    staging = _fresh(out, "consolidate")
+    try:
+        write_weights(weights, staging, filename_stem=layout.PRETRAINED_STEM, max_shard_size=max_shard_size)
+        if source is not None:  # under the name from_pretrained reads, and the generation config beside it
+            shutil.copyfile(source, staging / "config.json")
+            if (source.parent / "generation_config.json").is_file():
+                shutil.copyfile(source.parent / "generation_config.json", staging / "generation_config.json")
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    _publish(staging, out)
+    return {"out": str(out), "files": sorted(p.name for p in out.iterdir()), "tensors": len(weights),
+            "parameters": sum(v.numel() for v in weights.values()),
+            "config": str(source) if source is not None else None}
+
+
+def _config_source(directory: Path, config: str | os.PathLike | None) -> Path | None:
+    if config is None:
+        found = directory / "config.json"
+        return found if found.is_file() else None
+    path = Path(config)
+    path = path / "config.json" if path.is_dir() else path
+    if not path.is_file():
+        raise HfBackendError(f"consolidate: --config {config} is not a config.json (nor a directory holding one); "
+                             "pass the model's config.json")
+    try:
+        json.loads(path.read_text())
+    except ValueError:
+        raise HfBackendError(f"consolidate: {path} is not JSON; pass the model's config.json") from None
+    return path
+
+
+def convert(directory: str | os.PathLike, out: str | os.PathLike, to: str) -> dict[str, Any]:
+    """A copy of the `save_state` checkpoint `directory` at `out` with its models and optimizers in the form `to`
+    (`full` or `sharded`), every other file as it was, and a new manifest."""
+    directory, out = Path(directory), Path(out)
+    if to not in FORMS:
+        raise HfBackendError(f"convert: --to {to!r} is not one of {', '.join(FORMS)}")
+    meta = read_metadata(directory)  # verified: a damaged checkpoint is not converted
+    if any((directory / layout.native_dir(layout.model_stem(i))).is_dir() for i in range(meta["counts"]["models"])):
+        raise HfBackendError(f"convert: {directory} is DeepSpeed's own checkpoint, whose optimizer state only "
+                             "DeepSpeed reads; resume it under DeepSpeed, or take its weights with `consolidate`")
+    staging = _fresh(out, "convert")
+    converted: set[str] = set()
+    try:
+        for i in range(meta["counts"]["models"]):
+            stem = layout.model_stem(i)
+            converted.update(_weight_names(directory, stem))
+            _write(model_weights(directory, stem, "convert"), staging, stem, "model", to)
+        for i in range(meta["counts"]["optimizers"]):
+            stem = layout.optimizer_stem(i)
+            converted.update({layout.sharded_dir(stem), layout.full_optimizer_file(stem)})
+            shards = layout.sharded_dir(stem)
+            state = _dcp_state(directory / shards, "optimizer", "convert") if holds_sharded(directory, shards) \
+                else torch_load(directory / layout.full_optimizer_file(stem), "convert")
+            _write(state, staging, stem, "optimizer", to)
+        for path in directory.iterdir():
+            if path.name not in converted and path.name != layout.METADATA:
+                (shutil.copytree if path.is_dir() else shutil.copyfile)(path, staging / path.name)
+        meta = {k: v for k, v in meta.items() if k != "files"}
+        meta["converted_to"] = to
+        (staging / layout.METADATA).write_text(json.dumps(meta, indent=2))
+        manifest.seal(staging)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    _publish(staging, out)
+    return {"out": str(out), "form": to, "files": sorted(str(p.relative_to(out)) for p in out.rglob("*")
+                                                         if p.is_file())}
+
+
+def _weight_names(directory: Path, stem: str) -> set[str]:
+    names = {layout.sharded_dir(stem), f"{stem}.bin", f"{stem}.safetensors"}
+    names.update(p.name for p in directory.glob(f"{stem}-*-of-*.*"))
+    names.update(p.name for p in directory.glob(f"{stem}.*.index.json"))
+    return names
+
+
+def _write(state: dict[str, Any], directory: Path, stem: str, key: str, to: str) -> None:
+    if to == "sharded":
+        import torch.distributed.checkpoint as dcp
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save({key: state}, checkpoint_id=str(directory / layout.sharded_dir(stem)), no_dist=True)
+    elif key == "model":
+        write_weights(state, directory, filename_stem=stem)
+    else:
+        torch.save(state, directory / layout.full_optimizer_file(stem))
+
+
+__all__ = ["FORMS", "consolidate", "convert", "model_weights"]

@@ -1,0 +1,209 @@
+"""`hf-backend checkpoint inspect`: what a checkpoint directory holds, who wrote it, and whether it verifies.
+
+Reads only metadata, JSON, safetensors headers, DCP metadata (through safe_load), and the small scheduler and data
+loader files (`weights_only`); never the weights themselves. Works for `save_state` checkpoints (with their
+manifest), those written before the manifest existed (format 1 without "files"), and transformers' / hf_backend's
+Trainer checkpoints (`checkpoint-N/` with trainer_state.json, with or without the engine's part).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from ..errors import HfBackendError
+from . import layout
+from .safe_load import check_dcp, torch_load
+from .state_io import holds_sharded, read_metadata
+
+_KINDS = ("models", "optimizers", "schedulers", "dataloaders", "custom")
+
+
+def inspect_checkpoint(directory: str | os.PathLike) -> dict[str, Any]:
+    """A description of the checkpoint at `directory` (a JSON-able dict); `verified` and `problem` say whether every
+    file it lists is there, intact and readable without running code."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise HfBackendError(f"{directory} is not a directory; pass a checkpoint directory")
+    trainer_state = _json(directory / layout.TRAINER_STATE)
+    engine = (directory / layout.METADATA).is_file()
+    if not engine and trainer_state is None:
+        raise HfBackendError(f"{directory} is not a checkpoint (no {layout.METADATA} and no {layout.TRAINER_STATE}); "
+                             "pass a directory written by save_state or a Trainer's checkpoint-N")
+    report: dict[str, Any] = {"path": str(directory), "kind": "trainer" if trainer_state is not None else "engine",
+                              "files": _files(directory)}
+    report["total_bytes"] = sum(size for size in report["files"].values())
+    problem = None
+    try:
+        meta = read_metadata(directory, checksums=True) if engine else {}
+    except HfBackendError as err:
+        found, problem = _json(directory / layout.METADATA), str(err).replace("load_state: ", "", 1)
+        meta = found if isinstance(found, dict) else {}
+    report.update(format_version=meta.get("format_version"), num_processes=meta.get("num_processes"),
+                  counts=meta.get("counts"), manifest="files" in meta,
+                  strategy=meta.get("strategy") or _inferred_strategy(directory, trainer_state))
+    report["written_by"] = meta.get("written_by", "hf_backend.Accelerator.save_state" if engine and trainer_state
+                                    is None else "transformers.Trainer" if not engine else "hf_backend.Trainer")
+    report["progress"] = _progress(directory, meta, trainer_state)
+    report["weights"] = _weights(directory, meta)
+    if "files" in meta:
+        listed = set(meta["files"]) if isinstance(meta["files"], dict) else set()
+        report["unlisted"] = sorted(set(report["files"]) - listed - {layout.METADATA})
+    if problem is None:
+        problem = _structure_problem(directory, meta, report)
+    report["verified"], report["problem"] = problem is None, problem
+    return report
+
+
+def _json(path: Path) -> Any:
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (ValueError, OSError):
+        return {}
+
+
+def _files(directory: Path) -> dict[str, int]:
+    return {str(p.relative_to(directory)): p.stat().st_size for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def _inferred_strategy(directory: Path, trainer_state: Any) -> str:
+    """For checkpoints written before the metadata recorded the strategy: what the files say."""
+    if (directory / layout.native_dir("model")).is_dir() or (directory / "latest").is_file():
+        return "DEEPSPEED (inferred from its files)"
+    if (directory / layout.sharded_dir("model")).is_dir() or (directory / layout.sharded_dir("optimizer")).is_dir():
+        return "FSDP (inferred from its sharded files)"
+    return "not recorded (full weights: one process, DDP, or FSDP with full state dicts)"
+
+
+def _progress(directory: Path, meta: dict[str, Any], trainer_state: Any) -> dict[str, Any]:
+    progress: dict[str, Any] = {}
+    if isinstance(trainer_state, dict):
+        progress.update({k: trainer_state[k] for k in ("global_step", "epoch") if k in trainer_state})
+    progress.update({k: meta[k] for k in ("iteration", "accumulation_step") if k in meta})
+    for name, keys in ((layout.scheduler_file(0), ("last_epoch",)), (layout.dataloader_file(0), ("epoch", "steps"))):
+        if (directory / name).is_file() and (directory / name).stat().st_size < (1 << 20):
+            try:
+                state = torch_load(directory / name, "inspect")
+            except HfBackendError:
+                continue  # reported by the structure check
+            if isinstance(state, dict):
+                stem = name.split(".")[0]
+                progress.update({f"{stem}_{k}": state[k] for k in keys if isinstance(state.get(k), int)})
+    return progress
+
+
+def _weights(directory: Path, meta: dict[str, Any]) -> dict[str, Any]:
+    """How each model is stored, with its tensor and parameter counts where the headers say them."""
+    found: dict[str, Any] = {}
+    count = (meta.get("counts") or {}).get("models", 1)
+    for i in range(count if isinstance(count, int) else 1):
+        stem = layout.model_stem(i)
+        if holds_sharded(directory, layout.sharded_dir(stem)):
+            found[stem] = {"form": f"sharded (DCP, {layout.sharded_dir(stem)}/)"}
+        elif (directory / layout.native_dir(stem)).is_dir():
+            found[stem] = {"form": f"DeepSpeed's own ({layout.native_dir(stem)}/)"}
+        elif any(directory.glob(f"{stem}*.safetensors")):
+            found[stem] = {"form": "full (safetensors)", **_safetensors_counts(directory, stem)}
+        elif any(directory.glob(f"{stem}*.bin")):
+            found[stem] = {"form": "full (torch .bin)"}
+        elif any(directory.glob("global_step*")):
+            found[stem] = {"form": "DeepSpeed's own (global_step*/)"}
+    return found
+
+
+def _safetensors_counts(directory: Path, stem: str) -> dict[str, int]:
+    from safetensors import safe_open
+
+    tensors = parameters = 0
+    for path in sorted(directory.glob(f"{stem}*.safetensors")):
+        try:
+            with safe_open(str(path), "pt") as f:
+                for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    shape = f.get_slice(key).get_shape()
+                    tensors, parameters = tensors + 1, parameters + _numel(shape)
+        except Exception:  # noqa: BLE001 - a damaged header; the structure check names it
+            return {}
+    return {"tensors": tensors, "parameters": parameters}
+
+
+def _numel(shape: Any) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _structure_problem(directory: Path, meta: dict[str, Any], report: dict[str, Any]) -> str | None:
+    """What the manifest does not check, or what a checkpoint without one needs: the files its counts name are
+    there, each DCP directory's metadata and values read safely and name shard files that are there."""
+    try:
+        counts = meta.get("counts") or {}
+        for i in range(counts.get("schedulers", 0)):
+            torch_load(directory / layout.scheduler_file(i), "inspect")
+        for i in range(counts.get("dataloaders", 0)):
+            torch_load(directory / layout.dataloader_file(i), "inspect")
+        for i in range(counts.get("custom", 0)):
+            torch_load(directory / layout.custom_file(i), "inspect")
+        for i in range(counts.get("optimizers", 0)):
+            stem = layout.optimizer_stem(i)
+            full = directory / layout.full_optimizer_file(stem)
+            native = (directory / layout.native_dir(layout.model_stem(0))).is_dir()
+            if not native and not holds_sharded(directory, layout.sharded_dir(stem)) and not full.is_file():
+                return f"{full} is missing; the checkpoint is incomplete, use another one"
+        for kind, stem in (("models", layout.model_stem), ("optimizers", layout.optimizer_stem)):
+            for i in range(counts.get(kind, 0)):
+                name = layout.sharded_dir(stem(i))
+                if holds_sharded(directory, name):
+                    dcp_meta = check_dcp(directory / name, "inspect")
+                    for info in dcp_meta.storage_data.values():
+                        shard = directory / name / info.relative_path
+                        if not shard.is_file() or shard.stat().st_size < info.offset + info.length:
+                            return f"{shard} is missing or shorter than its metadata says; use another checkpoint"
+        if report["kind"] == "engine" and not report["weights"] and counts.get("models"):
+            return f"{directory} holds no weights for its {counts['models']} model(s); use another checkpoint"
+    except HfBackendError as err:
+        return str(err).replace("inspect: ", "", 1)
+    return None
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000  # type: ignore[assignment]
+    return str(n)
+
+
+def describe(report: dict[str, Any]) -> list[str]:
+    """`inspect_checkpoint`'s report as lines for a person."""
+    kind = {"engine": "hf_backend checkpoint (save_state)", "trainer": "Trainer checkpoint"}[report["kind"]]
+    lines = [f"checkpoint: {report['path']}", f"kind: {kind}, written by {report['written_by']}"
+             + (f", format {report['format_version']}" if report["format_version"] else "")]
+    lines.append(f"strategy: {report['strategy']}" + (f", {report['num_processes']} process(es)"
+                                                      if report["num_processes"] else ""))
+    if report["progress"]:
+        lines.append("progress: " + ", ".join(f"{k} {v}" for k, v in report["progress"].items()))
+    if report["counts"]:
+        lines.append("holds: " + ", ".join(f"{k} {report['counts'][k]}" for k in _KINDS if k in report["counts"]))
+    for stem, weights in report["weights"].items():
+        extra = f", {weights['tensors']} tensors, {weights['parameters']:,} parameters" if "tensors" in weights else ""
+        lines.append(f"{stem}: {weights['form']}{extra}")
+    lines.append(f"files: {len(report['files'])}, {_size(report['total_bytes'])}")
+    lines += [f"  {name}  {_size(size)}" for name, size in report["files"].items()]
+    if report.get("unlisted"):
+        lines.append(f"not in the manifest (added after the save): {', '.join(report['unlisted'])}")
+    if report["verified"]:
+        how = ("every file matches the manifest's size and SHA-256" if report["manifest"] else
+               "without checksums: it has no manifest (written before hf_backend recorded one, or by a Trainer); "
+               "the files its metadata names are there and read as plain data")
+        lines.append(f"verified: yes, {how}")
+    else:
+        lines.append(f"verified: no ({report['problem']})")
+    return lines
+
+
+__all__ = ["describe", "inspect_checkpoint"]
