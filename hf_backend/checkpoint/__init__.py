@@ -4,6 +4,9 @@
     files.py        how bytes are written and read: safetensors weights, torch files, random generator states
     directories.py  staging + rename (a save appears complete or not at all), automatic naming, rotation
     state_io.py     CheckpointIO: a set of prepared objects to files and back, the strategy saying what each state is
+    safe_load.py    every read of a torch file or a DCP directory, none of which can run code from the file
+    inspect.py      `hf-backend checkpoint inspect`: what a checkpoint holds and whether it verifies
+    consolidate.py  `hf-backend checkpoint consolidate / convert`: weights for from_pretrained, full <-> sharded
 """
 
 from __future__ import annotations

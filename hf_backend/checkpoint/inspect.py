@@ -146,8 +146,9 @@ def _structure_problem(directory: Path, meta: dict[str, Any], report: dict[str, 
             torch_load(directory / layout.scheduler_file(i), "inspect")
         for i in range(counts.get("dataloaders", 0)):
             torch_load(directory / layout.dataloader_file(i), "inspect")
-        for i in range(counts.get("custom", 0)):
-            torch_load(directory / layout.custom_file(i), "inspect")
+        for i in range(counts.get("custom", 0)):  # not read: its state may hold types only the training script allows
+            if not (directory / layout.custom_file(i)).is_file():
+                return f"{directory / layout.custom_file(i)} is missing; the checkpoint is incomplete, use another one"
         for i in range(counts.get("optimizers", 0)):
             stem = layout.optimizer_stem(i)
             full = directory / layout.full_optimizer_file(stem)
