@@ -17,12 +17,14 @@ the manifest too.
 from __future__ import annotations
 
 import collections
+import contextlib
 import enum
 import io
 import os
 import pathlib
 import pickle
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,12 +47,34 @@ def torch_load(path: str | os.PathLike, what: str = "load_state") -> Any:
     if not path.is_file():
         raise HfBackendError(f"{what}: {path} is missing; the checkpoint is incomplete, use another one")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with _numpy_arrays():
+            return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         raise refusal(path, err, what) from None
     except (RuntimeError, EOFError, ValueError) as err:
         raise HfBackendError(f"{what}: {path} cannot be read as a torch file ({_first_line(err)}); the checkpoint is "
                              "damaged, use another one") from None
+
+
+@contextlib.contextmanager
+def _numpy_arrays() -> Iterator[None]:
+    """numpy arrays and scalars allowed too, as Accelerate and transformers allow arrays (a registered object's
+    state may hold some): rebuilt from their bytes, they run nothing. Only globals not allowed already are added,
+    and removed after."""
+    import numpy as np
+
+    core = getattr(np, "_core", None) or np.core
+    wanted = [core.multiarray._reconstruct, core.multiarray.scalar, np.ndarray, np.dtype]
+    wanted += sorted({type(np.dtype(code)) for code in "?bBhHiIlLqQefdgFDG"}, key=lambda t: t.__name__)
+    have = set(torch.serialization.get_safe_globals())
+    added = [g for g in wanted if g not in have]
+    torch.serialization.add_safe_globals(added)
+    try:
+        yield
+    finally:
+        from torch import _weights_only_unpickler
+
+        _weights_only_unpickler._remove_safe_globals(added)
 
 
 def refusal(path: str | os.PathLike, err: BaseException, what: str = "load_state") -> HfBackendError:
@@ -119,7 +143,10 @@ def read_dcp_metadata(directory: str | os.PathLike, what: str = "load_state") ->
         with open(path, "rb") as f:
             meta = _MetadataUnpickler(f).load()
     except pickle.UnpicklingError as err:
-        raise refusal(path, err, what) from None
+        found = _REFUSED_GLOBAL.search(str(err))
+        held = f"a pickled {found.group(1)}" if found else "pickled data other than DCP's metadata"
+        raise HfBackendError(f"{what}: {path} holds {held}, which DCP's metadata never does, and was not loaded "
+                             "(unpickling it could run code); use another checkpoint") from None
     except (EOFError, AttributeError, TypeError, ValueError, IndexError, KeyError) as err:
         raise HfBackendError(f"{what}: {path} is not DCP metadata ({type(err).__name__}); the checkpoint is damaged, "
                              "use another one") from None
