@@ -44,6 +44,7 @@ def inspect_checkpoint(directory: str | os.PathLike) -> dict[str, Any]:
     report.update(format_version=meta.get("format_version"), num_processes=meta.get("num_processes"),
                   counts=meta.get("counts"), manifest="files" in meta,
                   strategy=meta.get("strategy") or _inferred_strategy(directory, trainer_state))
+    report["converted_to"] = meta.get("converted_to")  # `hf-backend checkpoint convert` wrote it
     report["written_by"] = meta.get("written_by", "hf_backend.Accelerator.save_state" if engine and trainer_state
                                     is None else "transformers.Trainer" if not engine else "hf_backend.Trainer")
     report["progress"] = _progress(directory, meta, trainer_state)
@@ -185,7 +186,8 @@ def describe(report: dict[str, Any]) -> list[str]:
     lines = [f"checkpoint: {report['path']}", f"kind: {kind}, written by {report['written_by']}"
              + (f", format {report['format_version']}" if report["format_version"] else "")]
     lines.append(f"strategy: {report['strategy']}" + (f", {report['num_processes']} process(es)"
-                                                      if report["num_processes"] else ""))
+                                                      if report["num_processes"] else "")
+                 + (f"; converted to {report['converted_to']} since" if report.get("converted_to") else ""))
     if report["progress"]:
         lines.append("progress: " + ", ".join(f"{k} {v}" for k, v in report["progress"].items()))
     if report["counts"]:
