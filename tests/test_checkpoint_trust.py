@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import as_ordinary_user
+from helpers import as_ordinary_user, run_report
 
 from hf_backend import Accelerator, HfBackendError, ProjectConfiguration
 from hf_backend.checkpoint import last_complete_trainer_checkpoint
@@ -224,3 +224,19 @@ def test_a_torn_trainer_state_is_passed_over(tmp_path):
     json.loads((tmp_path / "checkpoint-4" / "trainer_state.json").read_text())
     shutil.rmtree(tmp_path / "checkpoint-4")
     assert last_complete_trainer_checkpoint(str(tmp_path)) is None
+
+
+def test_a_damaged_sharded_checkpoint_is_refused_on_every_process(tmp_path):
+    """2 processes, FSDP with SHARDED_STATE_DICT: a damaged shard (or the DCP metadata, or rank 1's random state) is
+    one line naming the file on both ranks, and neither loads anything."""
+    report = run_report("damaged_shards.py", tmp_path / "report.json", ["--root", str(tmp_path / "ckpts")], nproc=2)
+    said = {"flipped bytes": r"does not match its checksum \(changed since it was written\)",
+            "truncated": r"has \d+ bytes where \d+ were written \(truncated or replaced\)", "deleted": "is missing"}
+    assert len(report) == 4
+    for kind, found in report.items():
+        expected = rf"load_state: {re.escape(found['path'])} {said[kind.split(' ', 1)[1]]}; the checkpoint is " \
+                   "damaged, use another one"
+        assert len(found["seen"]) == 2, found
+        for error, unchanged in found["seen"]:
+            assert error is not None and re.fullmatch(expected, error), (kind, error)
+            assert unchanged, kind
