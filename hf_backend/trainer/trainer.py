@@ -11,7 +11,8 @@ The training loop, logging, callbacks, evaluation and the checkpoint layout (`ou
   scheduler go through the engine (resumable under another world size). DeepSpeed keeps its own engine checkpoint
   (`global_step*/`). Every strategy adds the train loader's position and `hf_backend_checkpoint.json`, so a resumed
   run continues the exact batch order.
-- `train(resume_from_checkpoint=True)`: resumes from the newest *complete* checkpoint.
+- `_save_checkpoint` seals a manifest of every file into the checkpoint; `train(resume_from_checkpoint=...)`
+  verifies it before loading anything, and `True` resumes from the newest *complete and intact* checkpoint.
 docs/trainer.md lists the transformers internals this relies on; transformers_compat.py, what differs between the
 transformers versions it supports (5.17 to 5.23).
 """
