@@ -1,6 +1,7 @@
 """What the test modules share (imported as `helpers`; tests/conftest.py holds the fixtures): running a script in
 one process or under torchrun with 2 gloo processes and reading its JSON report, the `hf-backend` command line, the
-BERT-shaped loop's arguments, the GLUE recipes' smoke-run data, and the Transformers docs' FSDP config file."""
+BERT-shaped loop's arguments, the GLUE recipes' smoke-run data, the Transformers docs' FSDP config file, and running
+a function as an ordinary user (file permissions that hold for root too)."""
 
 from __future__ import annotations
 
