@@ -1,14 +1,18 @@
 """What the test modules share (imported as `helpers`; tests/conftest.py holds the fixtures): running a script in
 one process or under torchrun with 2 gloo processes and reading its JSON report, the `hf-backend` command line, the
-BERT-shaped loop's arguments, the GLUE recipes' smoke-run data, and the Transformers docs' FSDP config file."""
+BERT-shaped loop's arguments, the GLUE recipes' smoke-run data, the Transformers docs' FSDP config file, and running
+a function as an ordinary user (file permissions that hold for root too)."""
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 import os
+import pickle
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -151,3 +155,37 @@ def assert_valid_config(config: Any) -> None:
     assert config.machine_rank < config.num_machines and config.num_processes % config.num_machines == 0
     assert config.num_machines == 1 or config.main_process_ip
     assert config.main_process_port is None or config.main_process_port <= 65535
+
+
+# -- file permissions that hold for root too (tests/test_checkpoint_trust.py) -----------------------------------------
+CLONE_NEWUSER = 0x10000000
+
+
+def as_ordinary_user(function: Callable[[], Any]) -> Any:
+    """`function()` in a forked child whose file accesses are checked as an ordinary user's, and its result. As root,
+    where chmod blocks nothing, the child enters a new user namespace that maps no user: files owned by root are then
+    checked against their "other" permission bits (paths it uses must be world-traversable, and modules it needs
+    imported beforehand). Skips the test where the system allows no such namespace."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        os.close(read)
+        try:
+            if os.geteuid() == 0 and ctypes.CDLL(None, use_errno=True).unshare(CLONE_NEWUSER) != 0:
+                result: tuple = ("skip", f"unshare(CLONE_NEWUSER) failed (errno {ctypes.get_errno()})")
+            else:
+                result = ("ok", function())
+        except BaseException as err:  # noqa: BLE001 - reported to the parent
+            result = ("error", f"{type(err).__name__}: {err}")
+        with os.fdopen(write, "wb") as f:
+            pickle.dump(result, f)
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as f:
+        data = f.read()
+    os.waitpid(pid, 0)
+    status, value = pickle.loads(data)
+    if status == "skip":
+        pytest.skip(f"running as root and {value}: no way to make a file unreadable to this process")
+    assert status == "ok", value
+    return value

@@ -89,21 +89,28 @@ def rotate(project_dir: str, total_limit: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def last_complete_trainer_checkpoint(output_dir: str) -> Path | None:
+def last_complete_trainer_checkpoint(output_dir: str, usable: Callable[[Path], None] | None = None) -> Path | None:
     """The newest `checkpoint-{step}` in `output_dir` whose save finished (`trainer_state.json` is written last, and
-    must read as JSON); newer, interrupted or damaged ones are passed over with a note. None when there is none."""
+    must read as JSON) and that `usable` accepts (it raises HfBackendError for a damaged one); newer, interrupted or
+    damaged ones are passed over with a note. None when there is none."""
     root = Path(output_dir)
     found = sorted(((int(m.group(1)), p) for p in (root.iterdir() if root.is_dir() else [])
                     if p.is_dir() and (m := layout.TRAINER_CHECKPOINT.match(p.name))), reverse=True)
     for _, path in found:
         state = path / layout.TRAINER_STATE
-        if not state.is_file():
-            note(f"{path} is incomplete (its save was interrupted: no {layout.TRAINER_STATE}); resuming from an older "
-                 "one")
+        try:
+            if not state.is_file():
+                note(f"{path} is incomplete (its save was interrupted: no {layout.TRAINER_STATE}); resuming from an "
+                     "older one")
+                continue
+            json.loads(state.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            note(f"{state} is damaged or unreadable ({type(err).__name__}); resuming from an older checkpoint")
             continue
         try:
-            json.loads(state.read_text())
+            if usable is not None:
+                usable(path)
             return path
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-            note(f"{state} is damaged ({type(err).__name__}); resuming from an older checkpoint")
+        except HfBackendError as err:
+            note(f"passing over {path}: {err}")
     return None

@@ -38,6 +38,7 @@ TRAINER_OPTIMIZER = "optimizer.pt"
 TRAINER_SCHEDULER = "scheduler.pt"
 TRAINER_ARGUMENTS = "training_args.bin"
 TRAINER_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+TRAINER_DEEPSPEED_GLOB = "global_step*"  # DeepSpeed's engine checkpoint inside a Trainer checkpoint
 
 _AUTOMATIC = re.compile(r"^checkpoint_(\d+)$")
 

@@ -1,6 +1,8 @@
-"""The manifest a `save_state` checkpoint carries: every file with its size and SHA-256, written into the metadata
-once every process has written its part, and verified before anything is loaded. A damaged or incomplete
-checkpoint is one line naming the file and what is wrong, never weights loaded from damaged bytes."""
+"""The manifest a checkpoint carries: every file with its size and SHA-256, and a checksum of the metadata itself,
+written into the metadata once every process has written its part, and verified before anything is loaded. A
+damaged or incomplete checkpoint is one line naming the file and what is wrong, never weights loaded from damaged
+bytes. `save_state` checkpoints carry one, and so do hf_backend.Trainer's `checkpoint-{step}` directories (over
+transformers' files too)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from ..errors import HfBackendError
 from . import layout
 
 _CHUNK = 1 << 20
+SELF_CHECKSUM = "metadata_sha256"  # of the metadata's other keys: a changed count or a dropped manifest shows
 
 
 def sha256(path: Path) -> str:
@@ -22,6 +25,12 @@ def sha256(path: Path) -> str:
         while chunk := f.read(_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def metadata_checksum(meta: dict[str, Any]) -> str:
+    """SHA-256 of the metadata's keys but the checksum itself, in a canonical form (sorted keys, no spaces)."""
+    body = {k: v for k, v in meta.items() if k != SELF_CHECKSUM}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def seal(directory: Path) -> None:
@@ -33,6 +42,7 @@ def seal(directory: Path) -> None:
     meta = json.loads(meta_path.read_text())
     meta["files"] = {str(p.relative_to(directory)): {"size": p.stat().st_size, "sha256": sha256(p)}
                      for p in sorted(directory.rglob("*")) if p.is_file() and p != meta_path}
+    meta[SELF_CHECKSUM] = metadata_checksum(meta)
     temporary = meta_path.with_name(meta_path.name + ".tmp")
     with open(temporary, "w") as f:
         json.dump(meta, f, indent=2)
@@ -41,33 +51,38 @@ def seal(directory: Path) -> None:
     os.replace(temporary, meta_path)
 
 
-def verify(directory: Path, files: Any, checksums: bool = True) -> None:
+def check_metadata(meta_path: Path, meta: dict[str, Any], caller: str = "load_state") -> None:
+    """The metadata's own checksum, when it has one (metadata sealed before it existed has none)."""
+    if SELF_CHECKSUM in meta and meta[SELF_CHECKSUM] != metadata_checksum(meta):
+        raise HfBackendError(f"{caller}: {meta_path} does not match its checksum (changed since it was written); "
+                             "the checkpoint is damaged, use another one")
+
+
+def verify(directory: Path, files: Any, checksums: bool = True, caller: str = "load_state") -> None:
     """Every file the manifest lists is there with its size (and, with `checksums`, its SHA-256)."""
     if not isinstance(files, dict):
-        raise HfBackendError(f"load_state: {directory / layout.METADATA} has a damaged manifest; use another "
+        raise HfBackendError(f"{caller}: {directory / layout.METADATA} has a damaged manifest; use another "
                              "checkpoint")
     for name, expected in files.items():
         path = directory / name
         problem = _problem(path, expected, checksums)
         if problem:
-            raise HfBackendError(f"load_state: {path} {problem}; the checkpoint is damaged, use another one")
+            raise HfBackendError(f"{caller}: {path} {problem}; the checkpoint is damaged, use another one")
 
 
 def _problem(path: Path, expected: Any, checksums: bool) -> str | None:
     if not isinstance(expected, dict) or not {"size", "sha256"} <= set(expected):
         return "has a damaged manifest entry"
-    if path.is_dir():
-        return "is a directory where the manifest lists a file"
-    if not path.is_file():
-        return "is missing"
-    size = path.stat().st_size
-    if size != expected["size"]:
-        return f"has {size} bytes where {expected['size']} were written (truncated or replaced)"
-    if checksums:
-        try:
-            digest = sha256(path)
-        except OSError as err:
-            return f"cannot be read ({type(err).__name__})"
-        if digest != expected["sha256"]:
+    try:
+        if path.is_dir():
+            return "is a directory where the manifest lists a file"
+        if not path.is_file():
+            return "is missing"
+        size = path.stat().st_size
+        if size != expected["size"]:
+            return f"has {size} bytes where {expected['size']} were written (truncated or replaced)"
+        if checksums and sha256(path) != expected["sha256"]:
             return "does not match its checksum (changed since it was written)"
+    except OSError as err:  # a directory on the way that this process may not enter, a file it may not read
+        return f"cannot be read ({type(err).__name__})"
     return None

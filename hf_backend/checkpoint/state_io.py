@@ -102,7 +102,7 @@ class CheckpointIO:
         if grad_scaler is not None:
             torch.save(grad_scaler.state_dict(), directory / layout.SCALER)
         meta = {"format_version": layout.FORMAT_VERSION, "num_processes": self.process.num_processes,
-                "strategy": str(self.strategy.distributed_type.value), "counts": objects.counts(),
+                "strategy": self.strategy.distributed_type.value, "counts": objects.counts(),
                 "scaler": grad_scaler is not None,
                 **(self.progress() if extra is None else extra)}
         (directory / layout.METADATA).write_text(json.dumps(meta, indent=2))
@@ -270,26 +270,59 @@ class CheckpointIO:
         raise HfBackendError("an optimizer's parameters belong to no prepared model; prepare the model with it")
 
 
-def read_metadata(source: str | os.PathLike, checksums: bool = True) -> dict[str, Any]:
-    """The checkpoint's metadata, once its format version and manifest check out (`checksums`: hash every file)."""
+def read_metadata(source: str | os.PathLike, checksums: bool = True, caller: str = "load_state") -> dict[str, Any]:
+    """The checkpoint's metadata, once its format version and manifest check out (`checksums`: hash every file).
+    Whatever is wrong is one line naming the file (`caller` starts it)."""
     source = Path(source)
     if not source.is_dir():
-        raise HfBackendError(f"load_state: no checkpoint directory at {source}; pass the directory save_state wrote")
+        raise HfBackendError(f"{caller}: no checkpoint directory at {source}; pass the directory save_state wrote")
     meta_path = source / layout.METADATA
-    if not meta_path.is_file():
-        raise HfBackendError(f"load_state: {source} is not an hf_backend checkpoint (no {layout.METADATA}); "
-                             "pass a directory written by Accelerator.save_state")
+    path = source
     try:
-        meta = json.loads(meta_path.read_text())
-    except json.JSONDecodeError as err:
-        raise HfBackendError(f"load_state: {meta_path} is corrupt (line {err.lineno}); use another checkpoint") \
-            from None
+        os.listdir(source)  # pathlib would report the files of an unreadable directory as missing
+        path = meta_path
+        text = _read_metadata_file(meta_path, source, caller)
+    except OSError as err:
+        raise HfBackendError(f"{caller}: {path} cannot be read ({type(err).__name__}); give this process read access "
+                             "to it") from None
+    meta = _parse_metadata(meta_path, text, caller)
+    manifest.check_metadata(meta_path, meta, caller)
     version = meta.get("format_version", 1)
     if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= layout.FORMAT_VERSION:
-        raise HfBackendError(f"load_state: {meta_path} has format_version {version!r}; this hf_backend reads versions "
+        raise HfBackendError(f"{caller}: {meta_path} has format_version {version!r}; this hf_backend reads versions "
                              f"1 to {layout.FORMAT_VERSION}: load it with the hf_backend that wrote it, or upgrade")
-    if "files" in meta:  # written by save_state; checkpoints of earlier versions (and the Trainer's part) have none
-        manifest.verify(source, meta["files"], checksums)
+    for key, kind in (("num_processes", int), ("counts", dict)):
+        if not isinstance(meta.get(key), kind):
+            raise HfBackendError(f"{caller}: {meta_path} has no valid {key!r}; the checkpoint is damaged, use another "
+                                 "one")
+    if "files" in meta:  # sealed; checkpoints of earlier versions (and Ray's per-process parts) have none
+        manifest.verify(source, meta["files"], checksums, caller)
+    return meta
+
+
+def _read_metadata_file(meta_path: Path, source: Path, caller: str) -> str:
+    if meta_path.is_dir():
+        raise HfBackendError(f"{caller}: {meta_path} is a directory where the metadata file should be; the checkpoint "
+                             "is damaged, use another one")
+    if not meta_path.is_file():
+        raise HfBackendError(f"{caller}: {source} is not an hf_backend checkpoint (no {layout.METADATA}); pass a "
+                             "directory written by Accelerator.save_state")
+    try:
+        return meta_path.read_bytes().decode()
+    except UnicodeDecodeError:
+        raise HfBackendError(f"{caller}: {meta_path} is corrupt (not UTF-8 text); use another checkpoint") from None
+
+
+def _parse_metadata(meta_path: Path, text: str, caller: str) -> dict[str, Any]:
+    if not text.strip():
+        raise HfBackendError(f"{caller}: {meta_path} is empty; use another checkpoint")
+    try:
+        meta = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise HfBackendError(f"{caller}: {meta_path} is corrupt (line {err.lineno}); use another checkpoint") \
+            from None
+    if not isinstance(meta, dict):
+        raise HfBackendError(f"{caller}: {meta_path} is corrupt (not a JSON object); use another checkpoint")
     return meta
 
 

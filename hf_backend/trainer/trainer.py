@@ -11,7 +11,8 @@ The training loop, logging, callbacks, evaluation and the checkpoint layout (`ou
   scheduler go through the engine (resumable under another world size). DeepSpeed keeps its own engine checkpoint
   (`global_step*/`). Every strategy adds the train loader's position and `hf_backend_checkpoint.json`, so a resumed
   run continues the exact batch order.
-- `train(resume_from_checkpoint=True)`: resumes from the newest *complete* checkpoint.
+- `_save_checkpoint` seals a manifest of every file into the checkpoint; `train(resume_from_checkpoint=...)`
+  verifies it before loading anything, and `True` resumes from the newest *complete and intact* checkpoint.
 docs/trainer.md lists the transformers internals this relies on; transformers_compat.py, what differs between the
 transformers versions it supports (5.17 to 5.23).
 """
@@ -19,9 +20,12 @@ transformers versions it supports (5.17 to 5.23).
 from __future__ import annotations
 
 import functools
+import json
 import os
+import shutil
 import signal
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -61,6 +65,7 @@ class Trainer(transformers.Trainer):
                                  "`from hf_backend import Trainer, TrainingArguments`")
         self._train_loader: Any = None
         self._loss_checked = False
+        self._verified_checkpoint: Any = None  # the checkpoint train() verified (hashed once)
         super().__init__(model, args, *rest, **kwargs)
         if args.enable_jit_checkpoint:
             self._coordinate_jit_checkpoint()
@@ -203,9 +208,35 @@ class Trainer(transformers.Trainer):
 
     # -- checkpoints -----------------------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        """A checkpoint is verified (its manifest) before anything of it is loaded; `True` resumes the newest one
+        that is complete and verifies, passing over newer ones with a note."""
+        usable = functools.partial(check_checkpoint, fresh_optimizer=self.args.save_only_model)
         if resume_from_checkpoint is True:
-            resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
+            resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir, usable)
+        elif resume_from_checkpoint and os.path.isdir(resume_from_checkpoint):
+            usable(resume_from_checkpoint)
+        self._verified_checkpoint = resume_from_checkpoint  # its files are not hashed a second time
         return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """transformers' save, then the manifest of every file in the checkpoint (once every process has written).
+        With save_only_model the train loader's position is written too, so the manifest has its metadata. A
+        directory of the same step left by an earlier run (one a resume passed over) is removed first: transformers
+        would write into it, among its stale or damaged files."""
+        output_dir = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+        if self.args.should_save and os.path.lexists(output_dir):
+            note(f"removing {output_dir}, left by an earlier run, before saving this step again")
+            if os.path.isdir(output_dir):
+                shutil.rmtree(output_dir)
+            else:
+                os.remove(output_dir)
+        self.accelerator.wait_for_everyone()
+        super()._save_checkpoint(model, trial)
+        if self.args.save_only_model:
+            self._write_engine_part(output_dir, optimizer_and_scheduler=False)
+        self.accelerator.wait_for_everyone()
+        if self.args.should_save:
+            checkpoint.manifest.seal(Path(output_dir))
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         if not self._sharded_weights():
@@ -236,9 +267,12 @@ class Trainer(transformers.Trainer):
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if not self._engine_writes_optimizer():  # transformers' optimizer.pt / scheduler.pt, or DeepSpeed's checkpoint
             super()._save_optimizer_and_scheduler(output_dir)
+        self._write_engine_part(output_dir, self._engine_writes_optimizer())
+
+    def _write_engine_part(self, output_dir: str, optimizer_and_scheduler: bool) -> None:
         os.makedirs(output_dir, exist_ok=True)
-        self.accelerator.checkpoint_io.write(output_dir, self._engine_objects(self._engine_writes_optimizer()),
-                                             rng=False, scaler=False, extra={"written_by": "hf_backend.Trainer"},
+        self.accelerator.checkpoint_io.write(output_dir, self._engine_objects(optimizer_and_scheduler), rng=False,
+                                             scaler=False, extra={"written_by": "hf_backend.Trainer"},
                                              on_each_node=self.args.save_on_each_node)
 
     def _engine_writes_optimizer(self) -> bool:
@@ -259,6 +293,8 @@ class Trainer(transformers.Trainer):
             return
         io = self.accelerator.checkpoint_io
         ours = checkpoint.layout.holds_engine_state(checkpoint_dir)
+        verified = checkpoint_dir == self._verified_checkpoint
+        meta = checkpoint.read_metadata(checkpoint_dir, not verified, RESUME) if ours else {}
         transformers_files = checkpoint.layout.holds_trainer_optimizer(checkpoint_dir)
         if self.is_deepspeed_enabled or (transformers_files and not self._engine_writes_optimizer()):
             super()._load_optimizer_and_scheduler(checkpoint_dir)  # DeepSpeed's, or transformers' own files
@@ -266,9 +302,10 @@ class Trainer(transformers.Trainer):
             io.read_trainer_optimizer(self.optimizer, self.lr_scheduler, checkpoint_dir)
         # The engine's optimizer and scheduler files: FSDP's, and those of earlier hf_backend checkpoints, which held
         # `optimizer.bin` / `scheduler.bin` in one process and under DDP too.
-        engine_files = ours and not self.is_deepspeed_enabled and not transformers_files
+        engine_files = (ours and not self.is_deepspeed_enabled and not transformers_files
+                        and meta["counts"].get("optimizers", 0) > 0)  # none: saved with save_only_model
         if ours:
-            io.read(checkpoint_dir, self._engine_objects(engine_files), rng=False, scaler=False)
+            io.read(checkpoint_dir, self._engine_objects(engine_files), rng=False, scaler=False, checksums=False)
             if self.args.ignore_data_skip and self._train_loader is not None:
                 self._train_loader.skip_first_batches(0)  # the resumed epoch from its first batch, as transformers
 
@@ -289,11 +326,45 @@ def _loss_of(outputs: Any) -> torch.Tensor:
     return outputs["loss"] if isinstance(outputs, dict) else outputs[0]
 
 
-def last_complete_checkpoint(output_dir: str) -> str:
-    """The newest `checkpoint-{step}` in `output_dir` whose save finished; newer, interrupted ones are passed over
-    with a note."""
-    found = checkpoint.last_complete_trainer_checkpoint(output_dir)
+RESUME = "resume_from_checkpoint"
+
+
+def last_complete_checkpoint(output_dir: str, usable: Callable[[str], None] | None = None) -> str:
+    """The newest `checkpoint-{step}` in `output_dir` whose save finished (and that `usable` accepts); newer,
+    interrupted or damaged ones are passed over with a note."""
+    found = checkpoint.last_complete_trainer_checkpoint(output_dir, usable)
     if found is not None:
         return str(found)
     raise ConfigError(f"resume_from_checkpoint=True: No valid checkpoint found in output directory ({output_dir}): "
                       "no complete checkpoint-* directory there; train without resuming or pass a checkpoint path")
+
+
+def check_checkpoint(directory: str | os.PathLike, fresh_optimizer: bool = False) -> None:
+    """Raise HfBackendError, one line naming the file, unless the Trainer checkpoint `directory` is complete, its
+    manifest (when sealed) checks out, and it holds an optimizer state (or `fresh_optimizer`: save_only_model)."""
+    layout, directory = checkpoint.layout, Path(directory)
+    try:
+        names = set(os.listdir(directory))
+    except OSError as err:
+        raise HfBackendError(f"{RESUME}: {directory} cannot be read ({type(err).__name__}); give this process read "
+                             "access to it") from None
+    meta = checkpoint.read_metadata(directory, caller=RESUME) if layout.METADATA in names else {}
+    engine = sorted(names & {layout.dataloader_file(0), layout.scheduler_file(0), layout.sharded_dir("model"),
+                             layout.full_optimizer_file("optimizer"), layout.sharded_dir("optimizer")})
+    if not meta and engine:  # hf_backend wrote it (transformers.Trainer writes none of these): the metadata is lost
+        raise HfBackendError(f"{RESUME}: {directory / layout.METADATA} is missing though hf_backend wrote the "
+                             f"checkpoint (it holds {engine[0]}); the checkpoint is damaged, use another one")
+    state = directory / layout.TRAINER_STATE
+    if layout.TRAINER_STATE not in names:
+        raise HfBackendError(f"{RESUME}: {state} is missing (its save was interrupted); use another checkpoint")
+    try:
+        json.loads(state.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise HfBackendError(f"{RESUME}: {state} is damaged ({type(err).__name__}); use another checkpoint") from None
+    if fresh_optimizer or meta.get("counts", {}).get("optimizers", 0) > 0 or layout.holds_trainer_optimizer(directory) \
+            or any(directory.glob(layout.TRAINER_DEEPSPEED_GLOB)):
+        return
+    what = (f"{directory / layout.METADATA} is missing, and so is {layout.TRAINER_OPTIMIZER}" if not meta else
+            f"no {layout.TRAINER_OPTIMIZER}, and {layout.METADATA} lists none: saved with save_only_model")
+    raise HfBackendError(f"{RESUME}: {directory} holds no optimizer state ({what}); pass save_only_model=True to "
+                         "resume its weights with a fresh optimizer, or use another checkpoint")
