@@ -16,7 +16,9 @@ skip those steps (only indices are skipped; no sample is loaded twice).
 What gets split: a DataLoader over a map-style dataset, through its batch sampler (one whose sampler is a
 DistributedSampler is already per process and is not split again). Data Ray has already split per worker is never
 split again: `prepare()` returns Ray Data's `iter_torch_batches(...)` iterable unchanged (it is not a DataLoader), and
-a DataLoader whose dataset is Ray's (what Ray's `prepare_trainer` builds) is only wrapped, not sharded.
+a DataLoader whose dataset is Ray's (what Ray's `prepare_trainer` builds) is only wrapped, not sharded. A DataLoader
+over any other IterableDataset is split in several processes by streaming.py (`stream`): the loader then iterates
+this process's part, which knows the global batch, the real rows of the last one, and where each step starts.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from .collectives import broadcast_object_list
 from .errors import HfBackendError
 from .gradient_state import GradientState
 from .nested import leaves, send_to_device
+from .streaming import check_stream_loader, is_datasets_stream, make_stream
 
 # DataLoader arguments carried over from the user's loader to the prepared one.
 _LOADER_ATTRS = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context",
@@ -176,12 +179,15 @@ class PreparedDataLoader(DataLoader):
 
     def __init__(self, loader: DataLoader, batch_sampler: ShardedBatchSampler | None, device: torch.device | None,
                  gradient_state: GradientState, non_blocking: bool = False, order_seed: int | None = None,
-                 count_short_batch: bool = False) -> None:
+                 count_short_batch: bool = False, stream: Any = None) -> None:
         kwargs = {attr: getattr(loader, attr) for attr in _LOADER_ATTRS if hasattr(loader, attr)}
         if loader.num_workers > 0:
             kwargs["prefetch_factor"] = loader.prefetch_factor
         self.index_sampler = batch_sampler  # the sharded sampler of index batches (None for an iterable dataset)
-        if self._iterable:
+        self.stream = stream  # this process's part of a stream split across processes (streaming.py), or None
+        if stream is not None:
+            super().__init__(stream, batch_size=stream.per_rank, **kwargs)
+        elif self._iterable:
             super().__init__(loader.dataset, batch_size=loader.batch_size, drop_last=loader.drop_last, **kwargs)
         elif loader.batch_sampler is None:  # the user's `sampler` yields index lists the dataset reads at once
             super().__init__(loader.dataset, sampler=batch_sampler, batch_size=None, **kwargs)
@@ -200,6 +206,7 @@ class PreparedDataLoader(DataLoader):
         self._steps = 0  # steps handed out in the pass in progress
         self._epoch_rng: torch.Tensor | None = None
         self._resume: tuple[int, int, torch.Tensor | None] | None = None
+        self._resume_position: Any = None  # where a stream resumes (streaming.py), with `_resume`
 
     @property
     def _iterable(self) -> bool:
@@ -221,7 +228,7 @@ class PreparedDataLoader(DataLoader):
     @property
     def total_batch_size(self) -> int | None:
         """The global batch: one step's samples over all processes."""
-        sampler = self.index_sampler
+        sampler = self.index_sampler or self.stream
         return sampler.global_batch_size if sampler is not None else self._batch_size
 
     @property
@@ -250,14 +257,17 @@ class PreparedDataLoader(DataLoader):
 
     def state_dict(self) -> dict[str, Any]:
         gen = self.generator_of_order
+        position = None
         if self._resume is not None:
             epoch, steps, rng = self._resume
+            position = self._resume_position
         elif self._in_progress():
             epoch, steps, rng = self._current_epoch, self._steps, self._epoch_rng
+            position = self.stream.position(steps) if self.stream is not None else None
         else:
             epoch, steps, rng = self._next_epoch, 0, gen.get_state() if gen is not None else None
-        sampler = self.index_sampler
-        return {
+        sampler = self.index_sampler or self.stream
+        state = {
             "epoch": epoch,
             "steps": steps,
             "rng_state": rng,
@@ -265,10 +275,19 @@ class PreparedDataLoader(DataLoader):
             "num_processes": sampler.num_processes if sampler else 1,
             "global_batch_size": sampler.global_batch_size if sampler else None,
         }
+        if position is not None:
+            state["stream_position"] = position  # every process's dataset state (datasets' state_dict)
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         steps = int(state["steps"])
-        sampler = self.index_sampler
+        sampler = self.index_sampler or self.stream
+        position = state.get("stream_position")
+        if position is not None and steps and state["num_processes"] != sampler.num_processes:
+            raise HfBackendError(
+                f"the checkpoint stopped {steps} steps into a stream split across {state['num_processes']} processes; "
+                f"each process's position in its part does not map to {sampler.num_processes} processes: resume "
+                f"with {state['num_processes']} processes or from an epoch boundary")
         if sampler is not None and steps and state["num_processes"] != sampler.num_processes:
             saved, now = state["global_batch_size"], sampler.global_batch_size
             if not saved or not now or (steps * saved) % now:
@@ -279,13 +298,16 @@ class PreparedDataLoader(DataLoader):
                 )
             steps = steps * saved // now
         self._resume = (int(state["epoch"]), steps, state.get("rng_state"))
+        self._resume_position = position
         self.order_seed = state.get("order_seed", self.order_seed)
         self._current_epoch = None
 
     def skip_first_batches(self, num_batches: int) -> PreparedDataLoader:
         """Start the next pass at step `num_batches` (an absolute position: it replaces a position from load_state)."""
         if self._resume is not None:
-            epoch, _, rng = self._resume
+            epoch, steps, rng = self._resume
+            if steps != num_batches:
+                self._resume_position = None  # the stream is read again from the start of the epoch
         else:
             gen = self.generator_of_order
             epoch, rng = self._next_epoch, gen.get_state() if gen is not None else None
@@ -295,8 +317,9 @@ class PreparedDataLoader(DataLoader):
     # -- iteration -------------------------------------------------------------------------------------------------
     def _start_pass(self) -> int:
         gen = self.generator_of_order
+        position = self._resume_position
         if self._resume is not None:
-            (epoch, skip, rng), self._resume = self._resume, None
+            (epoch, skip, rng), self._resume, self._resume_position = self._resume, None, None
         else:
             epoch, skip, rng = self._next_epoch, 0, None
         if gen is not None and self.order_seed is not None:
@@ -305,6 +328,8 @@ class PreparedDataLoader(DataLoader):
             gen.set_state(rng)
         self._epoch_rng = gen.get_state() if gen is not None else None
         self._current_epoch, self._next_epoch, self._steps = epoch, epoch + 1, skip
+        if self.stream is not None:
+            self.stream.begin(epoch, skip, position)  # the stream starts at that step itself
         if not self._iterable:
             self.index_sampler.skip = skip
             for obj in (self.index_sampler.batch_sampler, self.index_sampler.sampler):
@@ -324,7 +349,7 @@ class PreparedDataLoader(DataLoader):
             it = super().__iter__()
             if rng is not None:
                 torch.set_rng_state(rng)
-            if self._iterable:
+            if self._iterable and self.stream is None:
                 for _ in range(skip):
                     if next(it, None) is None:
                         break
@@ -349,6 +374,8 @@ class PreparedDataLoader(DataLoader):
         (no `__len__` needed: streaming datasets too); in several processes (Ray's shards) nothing is cut."""
         if not self._iterable:
             return self.index_sampler.remainder
+        if self.stream is not None:
+            return self.stream.remainder
         if not self.count_short_batch or not self._batch_size:
             return -1
         rows = next((t.shape[0] for t in leaves(batch) if isinstance(t, torch.Tensor) and t.dim() > 0), None)
@@ -371,11 +398,12 @@ def prepare_dataloader(loader: DataLoader, *, num_processes: int, process_index:
     if isinstance(loader, PreparedDataLoader):
         return loader
     if isinstance(loader.dataset, IterableDataset):
-        if num_processes > 1 and not _split_by_ray(loader.dataset):
-            raise HfBackendError(
-                "prepare() cannot shard a DataLoader over an IterableDataset across processes: give each process its "
-                "own stream (e.g. split by RANK in the dataset) and pass the batches to the model directly"
-            )
+        # One process reads a datasets stream through NodeStream too when it can, to resume from its state_dict.
+        own_state = is_datasets_stream(loader.dataset) and loader.num_workers == 0 and loader.batch_size
+        if (num_processes > 1 or own_state) and not _split_by_ray(loader.dataset):
+            check_stream_loader(loader, num_processes)
+            stream = make_stream(loader, num_processes, process_index, split_batches)
+            return PreparedDataLoader(loader, None, device, gradient_state, non_blocking, stream=stream)
         return PreparedDataLoader(loader, None, device, gradient_state, non_blocking,
                                   count_short_batch=num_processes == 1)
     batch_sampler = loader.batch_sampler
