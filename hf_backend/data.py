@@ -250,6 +250,11 @@ class PreparedDataLoader(DataLoader):
     def _in_progress(self) -> bool:
         return self._current_epoch is not None and (self._iterable or self._steps < len(self))
 
+    @property
+    def resuming(self) -> bool:
+        """Whether the next `iter()` continues a position that `load_state_dict` restored."""
+        return self._resume is not None
+
     def set_epoch(self, epoch: int) -> None:
         """Serve pass `epoch` on the next `iter()` (for scripts that call `set_epoch` themselves)."""
         if self._resume is None:

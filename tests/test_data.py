@@ -181,15 +181,51 @@ def test_an_iterable_dataset_works_and_resumes_in_one_process():
     resumed = make()
     resumed.load_state_dict(live.state_dict())
     assert [first] + [b.tolist() for b in resumed] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
-    with pytest.raises(HfBackendError, match="IterableDataset across processes"):
-        prepare_dataloader(DataLoader(_Stream(), batch_size=3), num_processes=2, process_index=0, device=None,
-                           split_batches=False, even_batches=True,
-                           gradient_state=GradientState(GradientAccumulationPlugin()))
+
+
+def _stream_loader(rank: int, world: int = 2, batch: int = 3, split: bool = False, drop_last: bool = False,
+                   workers: int = 0) -> PreparedDataLoader:
+    return prepare_dataloader(DataLoader(_Stream(), batch_size=batch, drop_last=drop_last, num_workers=workers),
+                              num_processes=world, process_index=rank, device=None, split_batches=split,
+                              even_batches=True, gradient_state=GradientState(GradientAccumulationPlugin()))
+
+
+def test_a_plain_stream_in_two_processes_gives_each_its_slice_of_every_global_batch():
+    loaders = [_stream_loader(rank) for rank in range(2)]
+    per_rank = []
+    for loader in loaders:
+        per_rank.append([(b.tolist(), loader.end_of_dataloader, loader.remainder) for b in loader])
+    # global batches of 6 over 10 items: [0..5], then 4 real items completed by cycling the first global batch
+    assert [b for b, _, _ in per_rank[0]] == [[0, 1, 2], [6, 7, 8]]
+    assert [b for b, _, _ in per_rank[1]] == [[3, 4, 5], [9, 0, 1]]
+    assert [(end, rest) for _, end, rest in per_rank[0]] == [(False, -1), (True, 4)]  # gather_for_metrics keeps 4
+    assert loaders[0].total_batch_size == 6 and loaders[0].batch_size == 3
+    split = [[b.tolist() for b in _stream_loader(rank, batch=4, split=True)] for rank in range(2)]
+    assert split == [[[0, 1], [4, 5], [8, 9]], [[2, 3], [6, 7], [0, 1]]]
+    assert [[b.tolist() for b in _stream_loader(rank, drop_last=True)] for rank in range(2)] == [[[0, 1, 2]],
+                                                                                                 [[3, 4, 5]]]
+
+
+def test_a_plain_stream_in_two_processes_resumes_mid_epoch():
+    live = _stream_loader(1, batch=2)
+    it = iter(live)
+    first = [next(it).tolist() for _ in range(2)]
+    state = live.state_dict()
+    assert (state["epoch"], state["steps"], state["global_batch_size"]) == (0, 2, 4)
+    resumed = _stream_loader(1, batch=2)
+    resumed.load_state_dict(state)
+    assert first + [b.tolist() for b in resumed] == [b.tolist() for b in _stream_loader(1, batch=2)]
+    assert resumed.epoch == 1
+
+
+def test_a_stream_in_two_processes_is_read_in_the_main_process():
+    with pytest.raises(HfBackendError, match="set num_workers=0"):
+        _stream_loader(0, workers=1)
 
 
 def test_data_ray_already_split_per_worker_is_not_split_again():
     """Ray's wrapper of a Ray Data shard (what `prepare_trainer` builds) is recognized by its module: in 2 processes
-    it is wrapped whole, where any other IterableDataset is refused."""
+    it is wrapped whole, where any other IterableDataset is split."""
     stream = type("RayTorchIterableDataset", (_Stream,), {"__module__": "ray.train.huggingface.transformers"})
     prepared = prepare_dataloader(DataLoader(stream(), batch_size=5), num_processes=2, process_index=1, device=None,
                                   split_batches=False, even_batches=True,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -101,3 +102,18 @@ def test_datasets_stream_in_one_process(tmp_path):
     full, resumed = run_and_resume(tmp_path, "datasets", FILE_MODE, nproc=1, save_at=30)
     check_epochs_and_metrics(full, sum(FILE_MODE), nproc=1)
     check_resume(full, resumed, 30)
+
+
+def test_trainer_on_a_datasets_stream_in_two_processes_resumes_exactly(tmp_path):
+    files = write_corpus(tmp_path, FILE_MODE)
+    # 21 steps a pass over the stream: checkpoint-24 is 3 steps into the second pass (transformers counts 24 steps
+    # into its first: the loader's own position must win)
+    common = ["--files", *files, "--output-dir", str(tmp_path / "run"), "--max-steps", "30", "--save-steps", "12"]
+    full = run_report("streaming_trainer.py", tmp_path / "full.json", common, nproc=2, timeout=240)
+    shutil.rmtree(tmp_path / "run" / "checkpoint-30")  # the resumed run starts from checkpoint-24
+    resumed = run_report("streaming_trainer.py", tmp_path / "resumed.json", [*common, "--resume"], nproc=2,
+                         timeout=240)
+    assert len(full["losses"]) == 30
+    assert resumed["losses"] == full["losses"], "steps 1-24 come from the checkpoint, 25-30 are trained again"
+    for rank in range(2):
+        assert resumed["seen"][rank] == full["seen"][rank][24:], f"rank {rank}: the batches after the checkpoint"

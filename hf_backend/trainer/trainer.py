@@ -52,7 +52,11 @@ compat.check_version()  # 5.17 to 5.23: older is an ImportError, newer a warning
 
 def _skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
     """The engine's version of the function transformers imports from Accelerate: the prepared loader starts its next
-    pass at that batch (an absolute position, consistent with the one a checkpoint restored)."""
+    pass at that batch (an absolute position, consistent with the one a checkpoint restored). A stream split across
+    processes keeps the position its checkpoint restored: transformers counts a stream's steps as if the run were
+    still in its first pass, and that position also holds each process's dataset state."""
+    if getattr(dataloader, "stream", None) is not None and dataloader.resuming:
+        return dataloader
     return dataloader.skip_first_batches(num_batches)
 
 
