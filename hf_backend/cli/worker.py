@@ -18,6 +18,8 @@ import threading
 import time
 import traceback
 
+from hf_backend import hang_watch
+
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
@@ -26,9 +28,11 @@ def _record(error: BaseException) -> None:
     if not path:
         return
     now = time.time()
-    data = {"message": {"message": f"{type(error).__name__}: {error}",
-                        "extraInfo": {"py_callstack": traceback.format_exc(), "timestamp": str(int(now)),
-                                      "time": now}}}
+    info = {"py_callstack": traceback.format_exc(), "timestamp": str(int(now)), "time": now}
+    summary = hang_watch.explain(error)  # a collective mismatch: one line naming each rank's call site
+    if summary:
+        info["summary"] = summary
+    data = {"message": {"message": f"{type(error).__name__}: {error}", "extraInfo": info}}
     with open(path, "w") as f:
         json.dump(data, f)
 
@@ -65,6 +69,7 @@ def _kill_self() -> None:
 
 
 def main() -> None:
+    hang_watch.reported_by_launcher = True
     argv = sys.argv[1:]
     if argv[:1] == ["--parent"]:
         die_with_parent(int(argv[1]))

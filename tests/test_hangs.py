@@ -1,0 +1,142 @@
+"""Hangs that name their rank (hf_backend/hang_watch.py): a script whose rank 1 skips a collective (early stopping on
+a per-rank metric) fails at once under `--debug` in one line naming each rank's operation and call site, and without
+it ends after the hang timeout with every rank's stacks and one line naming where each waits, under `hf-backend
+launch` and plain torchrun alike; no process is left behind."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from helpers import CLI, SCRIPTS, cli_env
+
+from hf_backend import hang_watch
+
+SCRIPT = "early_stop_hang.py"
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.timeout(150)
+
+
+def _line_of(marker: str) -> int:
+    lines = (SCRIPTS / SCRIPT).read_text().splitlines()
+    return next(i for i, line in enumerate(lines, 1) if marker in line)
+
+
+BACKWARD, BARRIER = _line_of("# rank 0 waits here"), _line_of("# rank 1 waits here")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _run(tmp_path: Path, command: list[str], **env: str) -> tuple[int, str, float]:
+    """Run `command` in tmp_path (the script copied there, so call sites read `early_stop_hang.py:N`); its exit code,
+    its output and when it exited. Every process it started is SIGKILLed afterwards, whatever happened."""
+    shutil.copy(SCRIPTS / SCRIPT, tmp_path / SCRIPT)
+    log = tmp_path / "out.log"
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    with log.open("w") as sink:  # a file, never an unread pipe that workers could keep open
+        process = subprocess.Popen(command, cwd=tmp_path, stdout=sink, stderr=subprocess.STDOUT,
+                                   env=cli_env(PYTHONPATH=path, OMP_NUM_THREADS="1", **env), start_new_session=True)
+    try:
+        code = process.wait(120)
+        ended = time.time()
+    finally:
+        pids = [int(p.read_text()) for p in tmp_path.glob("pid*") if p.read_text()]
+        leftover = [pid for pid in pids if _alive(pid)]
+        for pid in leftover:
+            os.kill(pid, signal.SIGKILL)
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    assert len(pids) == 2, f"the workers did not start:\n{log.read_text()[-4000:]}"
+    assert leftover == [], f"workers left running: {leftover}"
+    return code, log.read_text(), ended
+
+
+def _hang_started(tmp_path: Path) -> float:
+    return float((tmp_path / "stopped").read_text())
+
+
+LAUNCH = [*CLI, "launch", "--cpu", "--num_processes", "2", "--num_cpu_threads_per_process", "1"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+            "--monitor_interval", "0.1"]
+MISMATCH = (f"collective mismatch: rank 0 calls all_reduce (ALLREDUCE of Float[5]) at {SCRIPT}:{BACKWARD}; "
+            f"rank 1 calls barrier at {SCRIPT}:{BARRIER}")
+HANG = (f"hang: no rank made progress for 5 s: rank 0 waiting in backward at {SCRIPT}:{BACKWARD}; "
+        f"rank 1 waiting in barrier at {SCRIPT}:{BARRIER}")
+
+
+def _assert_stacks(output: str) -> None:
+    """Each rank printed its header and its main thread's stack, down to the line where it waits."""
+    for rank, (op, line) in enumerate([("backward", BACKWARD), ("barrier", BARRIER)]):
+        header = f"hf_backend: rank {rank} has waited "
+        assert header in output, output[-4000:]
+        stack = output.split(header, 1)[1]
+        assert f"s in {op} at {SCRIPT}:{line}; the stacks of its threads:" in stack.splitlines()[0]
+        assert f'{SCRIPT}", line {line} in <module>' in stack
+
+
+def test_debug_names_the_mismatch_at_once(tmp_path):
+    code, output, ended = _run(tmp_path, [*LAUNCH, "--debug", SCRIPT, str(tmp_path)])
+    assert code == 1, output[-4000:]
+    assert output.strip().splitlines()[-1] == f"hf-backend launch: {MISMATCH}; the workers were stopped"
+    took = ended - _hang_started(tmp_path)
+    print(f"from rank 1 skipping the all-reduce to the launcher's exit: {took:.2f} s")
+    assert took < 8  # torch's check is immediate; each rank waits for its peer's call site (up to 5 s)
+
+
+def test_a_hang_ends_after_the_timeout_naming_every_rank(tmp_path):
+    code, output, ended = _run(tmp_path, [*LAUNCH, "--hang_timeout", "5", SCRIPT, str(tmp_path)])
+    assert code == 1, output[-4000:]
+    assert output.strip().splitlines()[-1] == (f"hf-backend launch: {HANG}; every rank's stacks are above; "
+                                               "the workers were stopped")
+    _assert_stacks(output)
+    took = ended - _hang_started(tmp_path)
+    print(f"from the hang to the launcher's exit (timeout 5 s): {took:.2f} s")
+    assert 5 <= took < 5 + 8
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["hang", "mismatch"])
+def test_plain_torchrun_gets_the_same_report_from_the_ranks(tmp_path, debug):
+    env = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"} if debug else {hang_watch.TIMEOUT_VARIABLE: "5"}
+    code, output, ended = _run(tmp_path, [*TORCHRUN, SCRIPT, str(tmp_path)], **env)
+    assert code == 1, output[-4000:]
+    lines = output.splitlines()
+    assert lines.count(f"hf_backend: {MISMATCH if debug else HANG}") == 1, output[-4000:]
+    if not debug:
+        _assert_stacks(output)
+    took = ended - _hang_started(tmp_path)
+    assert took < (8 if debug else 5 + 8)
+
+
+def test_the_timeout_is_read_once_and_checked(monkeypatch):
+    monkeypatch.delenv(hang_watch.TIMEOUT_VARIABLE, raising=False)
+    assert hang_watch.hang_timeout() == hang_watch.DEFAULT_TIMEOUT
+    monkeypatch.setenv(hang_watch.TIMEOUT_VARIABLE, "0")
+    assert hang_watch.hang_timeout() == 0
+    for bad in ("-1", "soon", "nan"):
+        monkeypatch.setenv(hang_watch.TIMEOUT_VARIABLE, bad)
+        with pytest.raises(Exception, match=f"{hang_watch.TIMEOUT_VARIABLE}='{bad}' is not a number of seconds"):
+            hang_watch.hang_timeout()
+
+
+def test_where_names_the_collective_and_the_users_line():
+    def user_code():
+        import sys as _sys
+
+        return hang_watch.where(_sys._getframe())
+
+    op, site = user_code()
+    assert op == "user_code"
+    assert site == f"{os.path.relpath(__file__)}:{user_code.__code__.co_firstlineno + 3}"
