@@ -135,6 +135,8 @@ def process_environment(config: LaunchConfig, args: argparse.Namespace, path: st
             raise ConfigError(f"launch: --hang_timeout {args.hang_timeout:g} is negative; give seconds, or 0 to turn "
                               "the hang watchdog off")
         out[hang_watch.TIMEOUT_VARIABLE] = f"{args.hang_timeout:g}"
+    else:
+        hang_watch.hang_timeout()  # one inherited from the environment is checked here, not in every worker
     if config.gpu_ids and config.gpu_ids != "all":
         out["CUDA_VISIBLE_DEVICES"] = config.gpu_ids
     return out
