@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import atexit
 import datetime
-import faulthandler
 import json
 import os
 import re
@@ -24,6 +23,7 @@ import sys
 import sysconfig
 import threading
 import time
+import traceback
 from types import FrameType, TracebackType
 from typing import Any
 
@@ -139,6 +139,19 @@ class _Watchdog:
                 self._report(records, frame, waited)
             del frame
 
+    def _stacks(self) -> str:
+        """Every thread's stack but this watchdog's, the watched thread first, each line prefixed as torch prefixes a
+        rank's traceback."""
+        names = {thread.ident: thread.name for thread in threading.enumerate()}
+        frames = sys._current_frames()
+        frames.pop(threading.get_ident(), None)
+        lines = []
+        for ident in sorted(frames, key=lambda ident: ident != self.thread_id):
+            watched = " (it set up the process group)" if ident == self.thread_id else ""
+            lines.append(f"Thread {names.get(ident, ident)}{watched}, most recent call last:\n")
+            lines.extend(traceback.format_stack(frames[ident]))
+        return "".join(f"[rank{self.rank}]: {line}\n" for chunk in lines for line in chunk.rstrip("\n").split("\n"))
+
     def _records(self) -> list[dict] | None:
         """Every rank's record when each has one (all wait or exited), else None."""
         keys = [_key("wait", rank) for rank in range(self.world)]
@@ -154,10 +167,12 @@ class _Watchdog:
         summary = hang_summary(records, self.timeout)
         op, site = where(frame)
         sys.stdout.flush()
-        print(f"hf_backend: rank {self.rank} has waited {waited:.0f} s in {op} at {site}; the stacks of its "
-              "threads:", file=sys.stderr, flush=True)
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         sys.stderr.flush()
+        text = (f"hf_backend: rank {self.rank} has waited {waited:.0f} s in {op} at {site}; the stacks of its "
+                f"threads:\n{self._stacks()}")
+        data = text.encode(errors="replace")
+        while data:  # whole writes: the ranks' stacks do not interleave line by line
+            data = data[os.write(sys.stderr.fileno(), data):]
         # No rank exits (and has the launcher stop the others) before every waiting rank has printed its stacks.
         done = [_key("stacks", rank) for rank in waiting]
         try:
@@ -237,8 +252,6 @@ def where(frame: FrameType) -> tuple[str, str]:
 
 
 def _format_stack(frame: FrameType) -> str:
-    import traceback
-
     return "".join(traceback.format_stack(frame))
 
 

@@ -6,6 +6,7 @@ launch` and plain torchrun alike; no process is left behind."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -84,7 +85,8 @@ def _assert_stacks(output: str) -> None:
         assert header in output, output[-4000:]
         stack = output.split(header, 1)[1]
         assert f"s in {op} at {SCRIPT}:{line}; the stacks of its threads:" in stack.splitlines()[0]
-        assert f'{SCRIPT}", line {line} in <module>' in stack
+        assert f'[rank{rank}]: Thread MainThread (it set up the process group), most recent call last:' in stack
+        assert re.search(rf'\[rank{rank}\]:   File "[^"]*{SCRIPT}", line {line}, in <module>', stack), stack[:3000]
 
 
 def test_debug_names_the_mismatch_at_once(tmp_path):
@@ -152,3 +154,15 @@ def test_where_names_the_collective_and_the_users_line():
     op, site = user_code()
     assert op == "user_code"
     assert site == f"{os.path.relpath(__file__)}:{user_code.__code__.co_firstlineno + 3}"
+
+
+def test_the_summary_says_which_ranks_exited_and_the_fingerprint_is_short():
+    records = [{"state": "waiting", "op": "all_reduce", "site": "train.py:42"}, {"state": "exited"},
+               {"state": "waiting", "op": "barrier", "site": "train.py:50"}]
+    assert hang_watch.hang_summary(records, 300) == ("hang: no rank made progress for 300 s: rank 0 waiting in "
+                                                     "all_reduce at train.py:42; rank 1 exited; rank 2 waiting in "
+                                                     "barrier at train.py:50")
+    torch_print = ("SequenceNumber=2, OpType=ALLREDUCE, TensorShape=[5, 2], TensorDtypes=Float, TensorDeviceTypes="
+                   "TensorOptions(dtype=float (default), device=cpu, memory_format=(nullopt))")
+    assert hang_watch._fingerprint(torch_print) == "ALLREDUCE of Float[5, 2]"
+    assert hang_watch._fingerprint("SequenceNumber=0OpType=BARRIER") == "BARRIER"
