@@ -32,6 +32,7 @@ from .errors import HfBackendError
 TIMEOUT_VARIABLE = "HF_BACKEND_HANG_TIMEOUT"
 DEFAULT_TIMEOUT = 300.0
 EXCHANGE_SECONDS = 5.0  # how long a rank that hit a mismatch waits for its peers' call sites
+reporting = threading.Event()  # set while this rank reports a hang; the process then ends by the watchdog's hand
 reported_by_launcher = False  # set by `hf-backend launch`'s worker: the launcher prints the summary line itself
 _watchdog: _Watchdog | None = None
 
@@ -60,8 +61,7 @@ def start(group_timeout: datetime.timedelta | None = None) -> None:
     if _watchdog is not None or not dist.is_initialized() or dist.get_world_size() < 2:
         return
     seconds = hang_timeout()
-    if os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL":
-        _install_excepthook()
+    _install_excepthook()
     if seconds <= 0:
         return
     from .log import warn
@@ -163,6 +163,7 @@ class _Watchdog:
             return None
 
     def _report(self, records: list[dict], frame: FrameType, waited: float) -> None:
+        reporting.set()  # from here, the main thread's error from a peer that already exited is not news
         waiting = [rank for rank, record in enumerate(records) if record["state"] == "waiting"]
         summary = hang_summary(records, self.timeout)
         op, site = where(frame)
@@ -368,12 +369,21 @@ def unchecked_group() -> Any:
     return _UNCHECKED[0]
 
 
+def await_exit() -> None:
+    """Called with an error while this rank reports a hang: the error is only a peer that finished its report and
+    exited before this one; wait for the watchdog to end the process instead of printing it."""
+    if reporting.is_set():
+        time.sleep(60)
+
+
 def _install_excepthook() -> None:
-    """Plain torchrun: the lowest rank named prints the one line before the traceback. After a mismatch the process
-    exits at once: tearing down a group left with failed work takes gloo about 4 s, which only delays the report."""
+    """Plain torchrun: the lowest rank named prints a mismatch's one line before the traceback. After a mismatch the
+    process exits at once: tearing down a group left with failed work takes gloo about 4 s, which only delays the
+    report. While a hang is reported, an error is not printed (`await_exit`)."""
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], error: BaseException, tb: TracebackType | None) -> None:
+        await_exit()
         line = explain(error)
         if line and not reported_by_launcher:
             import torch.distributed as dist

@@ -84,12 +84,14 @@ def main() -> None:
             sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
             runpy.run_path(argv[0], run_name="__main__")
     except SystemExit as stop:
+        hang_watch.await_exit()
         if stop.code not in (0, None):
             _record(stop)
         raise
     except KeyboardInterrupt:  # the launcher passes on its SIGINT to stop the workers; it says so in one line
         sys.exit(128 + signal.SIGINT)
     except BaseException as error:
+        hang_watch.await_exit()  # reporting a hang: a peer's exit is not this rank's failure
         _record(error)
         raise
 
