@@ -43,7 +43,7 @@ def _alive(pid: int) -> bool:
 def _run(tmp_path: Path, command: list[str], **env: str) -> tuple[int, str, float]:
     """Run `command` in tmp_path (the script copied there, so call sites read `early_stop_hang.py:N`); its exit code,
     its output and when it exited. Every process it started is SIGKILLed afterwards, whatever happened."""
-    shutil.copy(SCRIPTS / SCRIPT, tmp_path / SCRIPT)
+    shutil.copy(SCRIPTS / SCRIPT, tmp_path / SCRIPT)  # (unused by a test that brings its own script)
     log = tmp_path / "out.log"
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     with log.open("w") as sink:  # a file, never an unread pipe that workers could keep open
@@ -104,6 +104,7 @@ def test_a_hang_ends_after_the_timeout_naming_every_rank(tmp_path):
     assert output.strip().splitlines()[-1] == (f"hf-backend launch: {HANG}; every rank's stacks are above; "
                                                "the workers were stopped")
     _assert_stacks(output)
+    assert "Connection closed" not in output  # a rank whose peer finished reporting first stays quiet
     took = ended - _hang_started(tmp_path)
     print(f"from the hang to the launcher's exit (timeout 5 s): {took:.2f} s")
     assert 5 <= took < 5 + 8
@@ -120,6 +121,35 @@ def test_plain_torchrun_gets_the_same_report_from_the_ranks(tmp_path, debug):
         _assert_stacks(output)
     took = ended - _hang_started(tmp_path)
     assert took < (4 if debug else 5 + 8)
+
+
+# Rank 0 computes for 3 s (its frames move) while rank 1 waits in a barrier: with a 1 s timeout, not a hang.
+BUSY = """\
+import os, sys, time
+import torch
+from hf_backend import Accelerator
+accelerator = Accelerator(cpu=True)
+with open(os.path.join(sys.argv[1], f"pid{accelerator.process_index}"), "w") as f:
+    f.write(str(os.getpid()))
+if accelerator.is_main_process:
+    end = time.monotonic() + 3
+    while time.monotonic() < end:
+        torch.randn(64, 64) @ torch.randn(64, 64)
+accelerator.wait_for_everyone()
+print("finished", accelerator.process_index, flush=True)
+"""
+
+
+@pytest.mark.parametrize("seconds", ["1", "1800"])
+def test_a_busy_rank_is_progress_and_a_timeout_past_the_groups_is_a_warning(tmp_path, seconds):
+    (tmp_path / "busy.py").write_text(BUSY)
+    code, output, _ = _run(tmp_path, [*TORCHRUN, "busy.py", str(tmp_path)],
+                           **{hang_watch.TIMEOUT_VARIABLE: seconds})
+    assert code == 0 and "finished 0" in output and "finished 1" in output, output[-4000:]
+    assert "hang" not in output.replace("hf_backend/hang_watch", "")
+    warning = (f"hf_backend: {hang_watch.TIMEOUT_VARIABLE}=1800 s is not below the process group's timeout (1800 s): "
+               "a hung collective times out first, without the ranks' stacks; lower it, or raise the group's timeout")
+    assert (warning in output.splitlines()) == (seconds == "1800"), output[-4000:]
 
 
 def test_the_timeout_is_read_once_and_checked(monkeypatch):
