@@ -70,7 +70,11 @@ def start(group_timeout: datetime.timedelta | None = None) -> None:
     if seconds >= limit:
         warn(f"{TIMEOUT_VARIABLE}={seconds:g} s is not below the process group's timeout ({limit:g} s): a hung "
              "collective times out first, without the ranks' stacks; lower it, or raise the group's timeout")
-    _watchdog = _Watchdog(_store(), dist.get_rank(), dist.get_world_size(), seconds, threading.get_ident())
+    try:
+        store = _store()
+    except (RuntimeError, ValueError):  # a group set up without a store: nothing to share waits through
+        return
+    _watchdog = _Watchdog(store, dist.get_rank(), dist.get_world_size(), seconds, threading.get_ident())
     threading.Thread(target=_watchdog.run, name="hf-backend-hang-watchdog", daemon=True).start()
     atexit.register(stop, exited=True)
 
@@ -212,13 +216,15 @@ def record_error(message: str, summary: str, stack: str) -> None:
 
 
 # -- where a rank is: its operation and its call site -----------------------------------------------------------------
-def _library_roots() -> tuple[str, ...]:
+def _library_roots() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(every library root: torch, hf_backend, the standard library, installed packages; torch and hf_backend)."""
     import torch
 
     paths = sysconfig.get_paths()
-    roots = {os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)), paths["stdlib"],
-             paths["platstdlib"], paths["purelib"], paths["platlib"]}
-    return tuple(os.path.join(os.path.realpath(root), "") for root in roots)
+    ours = {os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__))}
+    every = ours | {paths["stdlib"], paths["platstdlib"], paths["purelib"], paths["platlib"]}
+    return tuple(os.path.join(os.path.realpath(root), "") for root in every), \
+        tuple(os.path.join(os.path.realpath(root), "") for root in ours)
 
 
 def _frames(frame: FrameType | None) -> list[FrameType]:
@@ -242,10 +248,13 @@ def where(frame: FrameType) -> tuple[str, str]:
         op = "backward"
     else:
         op = frames[0].f_code.co_name
-    roots = _library_roots()
-    user = [f for f in frames if not os.path.realpath(f.f_code.co_filename).startswith(roots)
-            and not f.f_code.co_filename.startswith("<")]
-    chosen = user[0] if user else frames[-1]
+    every, ours = _library_roots()
+    real = [f.f_code.co_filename if f.f_code.co_filename.startswith("<") else os.path.realpath(f.f_code.co_filename)
+            for f in frames]
+    user = [f for f, name in zip(frames, real) if not name.startswith(every) and not name.startswith("<")]
+    # A script installed as a package: the innermost frame outside torch and hf_backend.
+    user = user or [f for f, name in zip(frames, real) if not name.startswith(ours) and not name.startswith("<")]
+    chosen = user[0] if user else frames[0]
     name = chosen.f_code.co_filename
     relative = os.path.relpath(name) if os.path.isabs(name) else name
     shown = relative if not relative.startswith("..") else name

@@ -196,3 +196,22 @@ def test_the_summary_says_which_ranks_exited_and_the_fingerprint_is_short():
                    "TensorOptions(dtype=float (default), device=cpu, memory_format=(nullopt))")
     assert hang_watch._fingerprint(torch_print) == "ALLREDUCE of Float[5, 2]"
     assert hang_watch._fingerprint("SequenceNumber=0OpType=BARRIER") == "BARRIER"
+
+
+def test_where_falls_back_to_library_code_when_no_frame_is_the_users():
+    """A script installed as a package: every frame is under a library root; the innermost one outside torch and
+    hf_backend is named, never a frozen module."""
+    import threading
+
+    event = threading.Event()
+    thread = threading.Thread(target=event.wait, args=(30,), daemon=True)  # only threading.py's frames
+    thread.start()
+    try:
+        deadline = time.monotonic() + 5
+        while sys._current_frames()[thread.ident].f_code.co_name != "wait" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        op, site = hang_watch.where(sys._current_frames()[thread.ident])
+    finally:
+        event.set()
+        thread.join(5)
+    assert op == "wait" and site.rsplit(":", 1)[0] == threading.__file__
