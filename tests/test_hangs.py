@@ -123,6 +123,27 @@ def test_plain_torchrun_gets_the_same_report_from_the_ranks(tmp_path, debug):
     assert took < (4 if debug else 5 + 8)
 
 
+# Rank 1 is done (its loop ended a step early) while rank 0 reduces once more.
+DONE_EARLY = """\
+import os, sys
+import torch
+from hf_backend import Accelerator
+accelerator = Accelerator(cpu=True)
+with open(os.path.join(sys.argv[1], f"pid{accelerator.process_index}"), "w") as f:
+    f.write(str(os.getpid()))
+if accelerator.is_main_process:
+    accelerator.reduce(torch.ones(3))
+"""
+
+
+def test_debug_names_a_rank_that_exited(tmp_path):
+    (tmp_path / "done.py").write_text(DONE_EARLY)
+    code, output, _ = _run(tmp_path, [*LAUNCH, "--debug", "done.py", str(tmp_path)])
+    assert code == 1, output[-4000:]
+    assert output.strip().splitlines()[-1] == ("hf-backend launch: collective mismatch: rank 0 calls all_reduce at "
+                                               "done.py:8; rank 1 exited; the workers were stopped")
+
+
 # Rank 0 computes for 3 s (its frames move) while rank 1 waits in a barrier: with a 1 s timeout, not a hang.
 BUSY = """\
 import os, sys, time
