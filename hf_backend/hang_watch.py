@@ -385,10 +385,16 @@ def await_exit() -> None:
         time.sleep(60)
 
 
+_HOOKED: list[bool] = []
+
+
 def _install_excepthook() -> None:
     """Plain torchrun: the lowest rank named prints a mismatch's one line before the traceback. After a mismatch the
     process exits at once: tearing down a group left with failed work takes gloo about 4 s, which only delays the
     report. While a hang is reported, an error is not printed (`await_exit`)."""
+    if _HOOKED:
+        return
+    _HOOKED.append(True)
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], error: BaseException, tb: TracebackType | None) -> None:

@@ -144,7 +144,8 @@ def test_debug_names_a_rank_that_exited(tmp_path):
                                                "done.py:8; rank 1 exited; the workers were stopped")
 
 
-# Rank 0 computes for 3 s (its frames move) while rank 1 waits in a barrier: with a 1 s timeout, not a hang.
+# Rank 0 computes for 3 s (its frames move) while rank 1 waits in a barrier: not a hang, even with a 1 s timeout.
+# Then (with "hang"), a real one: rank 1 skips a reduce and waits at the end.
 BUSY = """\
 import os, sys, time
 import torch
@@ -158,19 +159,30 @@ if accelerator.is_main_process:
         torch.randn(64, 64) @ torch.randn(64, 64)
 accelerator.wait_for_everyone()
 print("finished", accelerator.process_index, flush=True)
+if sys.argv[2] == "hang" and accelerator.is_main_process:
+    accelerator.reduce(torch.ones(2))
+accelerator.wait_for_everyone()
 """
 
 
-@pytest.mark.parametrize("seconds", ["1", "1800"])
-def test_a_busy_rank_is_progress_and_a_timeout_past_the_groups_is_a_warning(tmp_path, seconds):
+def test_a_busy_rank_is_progress_and_the_watchdog_still_sees_a_later_hang(tmp_path):
     (tmp_path / "busy.py").write_text(BUSY)
-    code, output, _ = _run(tmp_path, [*TORCHRUN, "busy.py", str(tmp_path)],
-                           **{hang_watch.TIMEOUT_VARIABLE: seconds})
+    code, output, _ = _run(tmp_path, [*TORCHRUN, "busy.py", str(tmp_path), "hang"],
+                           **{hang_watch.TIMEOUT_VARIABLE: "1"})
+    assert code == 1 and "finished 0" in output and "finished 1" in output, output[-4000:]
+    reduce = BUSY.splitlines().index("    accelerator.reduce(torch.ones(2))") + 1
+    assert (f"hf_backend: hang: no rank made progress for 1 s: rank 0 waiting in all_reduce at busy.py:{reduce}; "
+            f"rank 1 waiting in barrier at busy.py:{reduce + 1}") in output.splitlines(), output[-4000:]
+
+
+def test_a_timeout_past_the_groups_is_a_warning(tmp_path):
+    (tmp_path / "busy.py").write_text(BUSY)
+    code, output, _ = _run(tmp_path, [*TORCHRUN, "busy.py", str(tmp_path), "no"],
+                           **{hang_watch.TIMEOUT_VARIABLE: "1800"})
     assert code == 0 and "finished 0" in output and "finished 1" in output, output[-4000:]
-    assert "hang" not in output.replace("hf_backend/hang_watch", "")
     warning = (f"hf_backend: {hang_watch.TIMEOUT_VARIABLE}=1800 s is not below the process group's timeout (1800 s): "
                "a hung collective times out first, without the ranks' stacks; lower it, or raise the group's timeout")
-    assert (warning in output.splitlines()) == (seconds == "1800"), output[-4000:]
+    assert warning in output.splitlines(), output[-4000:]
 
 
 def test_the_timeout_is_read_once_and_checked(monkeypatch):
