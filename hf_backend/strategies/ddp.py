@@ -41,8 +41,10 @@ class DDPStrategy(Strategy):
         # Under TORCH_DISTRIBUTED_DEBUG=DETAIL on gloo, DDP runs on a copy of the group without torch's checks (its
         # constructor crashes on the checked one) and its gradients reach the checked group through the hook.
         group = hang_watch.unchecked_group()
-        kwargs = {"process_group": group, **self.handlers.ddp.ddp_kwargs()} if group is not None else {}
-        ddp = DistributedDataParallel(model, device_ids=device_ids, **(kwargs or self.handlers.ddp.ddp_kwargs()))
+        kwargs = self.handlers.ddp.ddp_kwargs()
+        if group is not None:
+            kwargs["process_group"] = group
+        ddp = DistributedDataParallel(model, device_ids=device_ids, **kwargs)
         if hook is None and group is not None:
             hook = (default_hooks.allreduce_hook, None)  # None: the default (checked) group
         if hook is not None:
