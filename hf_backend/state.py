@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import hang_watch
 from .enums import DistributedType
 from .errors import HfBackendError
 
@@ -301,6 +302,7 @@ def get_process_state(cpu: bool = False, timeout: datetime.timedelta | None = No
     if dist.is_available() and dist.is_initialized():
         device = _pick_device(cpu, local_rank)
         _STATE = _from_group(device, local_rank)
+        hang_watch.start()
         return _STATE
 
     missing = [name for name in _TORCHRUN_ENV if name not in os.environ]
@@ -318,6 +320,7 @@ def get_process_state(cpu: bool = False, timeout: datetime.timedelta | None = No
         dist.init_process_group(chosen, init_method="env://", **kwargs)
         atexit.register(shutdown_process_group)
         _STATE = _from_group(device, local_rank, owns_group=True)
+        hang_watch.start(timeout)
         return _STATE
 
     _STATE = ProcessState(torch.device(_pick_device(cpu, 0)), 1, 0, 0, 1, None)
@@ -356,6 +359,7 @@ def shutdown_process_group(force: bool = False) -> None:
     global _STATE
     if _STATE is None or not (_STATE.owns_group or force):
         return
+    hang_watch.stop(exited=True)
     if dist.is_initialized():
         gc.collect()
         dist.destroy_process_group()

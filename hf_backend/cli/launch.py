@@ -13,6 +13,7 @@ import os
 import sys
 from typing import Any
 
+from .. import hang_watch
 from ..config import environment as env
 from ..config.loader import ConfigError, default_config_path, read_mapping, validate
 from ..config.schema import DeepSpeedSection, FsdpSection, LaunchConfig, fields_of
@@ -37,7 +38,13 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--max_restarts", type=int, default=0, help="restart the workers this many times after a failure")
     p.add_argument("--num_cpu_threads_per_process", type=int, default=None,
                    help="OMP threads per process (default: the cores divided by the processes on this machine)")
-    p.add_argument("--debug", action="store_true", default=None, help="TORCH_DISTRIBUTED_DEBUG=DETAIL")
+    p.add_argument("--debug", action="store_true", default=None,
+                   help="TORCH_DISTRIBUTED_DEBUG=DETAIL: a collective that differs across ranks fails at once, in one "
+                        "line naming each rank's operation and call site")
+    p.add_argument("--hang_timeout", type=float, default=None, metavar="SECONDS",
+                   help=f"when no rank makes progress for this long, print every rank's stacks and stop, naming where "
+                        f"each waits (default: ${hang_watch.TIMEOUT_VARIABLE}, else "
+                        f"{hang_watch.DEFAULT_TIMEOUT:g}; 0: off)")
     p.add_argument("--use_fsdp", action="store_true", help="distributed_type FSDP; --fsdp_* flags set its options")
     for name, f in fields_of(FsdpSection).items():
         p.add_argument(f"--{name}", default=None, metavar="VALUE", help=f.metadata["help"])
@@ -123,6 +130,13 @@ def process_environment(config: LaunchConfig, args: argparse.Namespace, path: st
         out["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // per_machine))
     if config.debug:
         out["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+    if args.hang_timeout is not None:
+        if not args.hang_timeout >= 0:
+            raise ConfigError(f"launch: --hang_timeout {args.hang_timeout:g} is negative; give seconds, or 0 to turn "
+                              "the hang watchdog off")
+        out[hang_watch.TIMEOUT_VARIABLE] = f"{args.hang_timeout:g}"
+    else:
+        hang_watch.hang_timeout()  # one inherited from the environment is checked here, not in every worker
     if config.gpu_ids and config.gpu_ids != "all":
         out["CUDA_VISIBLE_DEVICES"] = config.gpu_ids
     return out
@@ -175,9 +189,14 @@ class _QuietStop(logging.Filter):
 
 
 def describe_failure(err: Any) -> str:
-    """One line: which rank failed first, how, and its error's message (all its lines, joined and bounded)."""
+    """One line: which rank failed first, how, and its error's message (all its lines, joined and bounded); for a hang
+    or a collective mismatch, the workers' own line naming every rank and where it is."""
     rank, failure = min(err.failures.items(), key=lambda item: _failure_time(item[1]))
     recorded = _failure_time(failure) != float("inf")
+    summary = _summary(failure)
+    if summary:
+        stacks = "; every rank's stacks are above" if summary.startswith("hang:") else ""
+        return f"{summary}{stacks}; the workers were stopped"
     if failure.exitcode >= 0:
         how = f"exited with code {failure.exitcode}"
     elif recorded:  # it raised, then the launcher stopped it before it had exited
@@ -190,6 +209,14 @@ def describe_failure(err: Any) -> str:
     text = one_line(str(message or ""))
     detail = f": {text}" if text and (recorded or failure.exitcode >= 0) else ""
     return f"rank {rank} (local rank {failure.local_rank}) {how}{detail}; the other workers were stopped"
+
+
+def _summary(failure: Any) -> str | None:
+    """The line a worker recorded for a hang or a collective mismatch (hf_backend/hang_watch.py), if any."""
+    message = failure.message
+    if isinstance(message, dict):
+        return message.get("extraInfo", {}).get("summary") or None
+    return None
 
 
 def one_line(message: str, limit: int = 300) -> str:

@@ -18,6 +18,8 @@ import threading
 import time
 import traceback
 
+from hf_backend import hang_watch
+
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
@@ -26,9 +28,11 @@ def _record(error: BaseException) -> None:
     if not path:
         return
     now = time.time()
-    data = {"message": {"message": f"{type(error).__name__}: {error}",
-                        "extraInfo": {"py_callstack": traceback.format_exc(), "timestamp": str(int(now)),
-                                      "time": now}}}
+    info = {"py_callstack": traceback.format_exc(), "timestamp": str(int(now)), "time": now}
+    summary = hang_watch.explain(error)  # a collective mismatch: one line naming each rank's call site
+    if summary:
+        info["summary"] = summary
+    data = {"message": {"message": f"{type(error).__name__}: {error}", "extraInfo": info}}
     with open(path, "w") as f:
         json.dump(data, f)
 
@@ -65,6 +69,7 @@ def _kill_self() -> None:
 
 
 def main() -> None:
+    hang_watch.reported_by_launcher = True
     argv = sys.argv[1:]
     if argv[:1] == ["--parent"]:
         die_with_parent(int(argv[1]))
@@ -79,12 +84,14 @@ def main() -> None:
             sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
             runpy.run_path(argv[0], run_name="__main__")
     except SystemExit as stop:
+        hang_watch.await_exit()
         if stop.code not in (0, None):
             _record(stop)
         raise
     except KeyboardInterrupt:  # the launcher passes on its SIGINT to stop the workers; it says so in one line
         sys.exit(128 + signal.SIGINT)
     except BaseException as error:
+        hang_watch.await_exit()  # reporting a hang: a peer's exit is not this rank's failure
         _record(error)
         raise
 

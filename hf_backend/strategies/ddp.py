@@ -12,6 +12,7 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from .. import hang_watch
 from ..enums import DDPCommunicationHookType as Hook
 from ..errors import HfBackendError
 from ..options import DistributedDataParallelKwargs
@@ -37,7 +38,15 @@ class DDPStrategy(Strategy):
         hook = communication_hook(self.handlers.ddp)  # a bad option fails before any collective
         device_ids = [self.process.device.index] if self.process.device.type == "cuda" else None
         # DDP broadcasts rank 0's parameters and buffers at construction: ranks that seeded differently agree.
-        ddp = DistributedDataParallel(model, device_ids=device_ids, **self.handlers.ddp.ddp_kwargs())
+        # Under TORCH_DISTRIBUTED_DEBUG=DETAIL on gloo, DDP runs on a copy of the group without torch's checks (its
+        # constructor crashes on the checked one) and its gradients reach the checked group through the hook.
+        group = hang_watch.unchecked_group()
+        kwargs = self.handlers.ddp.ddp_kwargs()
+        if group is not None:
+            kwargs["process_group"] = group
+        ddp = DistributedDataParallel(model, device_ids=device_ids, **kwargs)
+        if hook is None and group is not None:
+            hook = (default_hooks.allreduce_hook, None)  # None: the default (checked) group
         if hook is not None:
             ddp.register_comm_hook(hook[1], hook[0])  # before the first backward, as DDP requires
         return ddp

@@ -1,0 +1,415 @@
+"""Hangs that name their rank.
+
+A watchdog thread, started when the process group is set up, watches the thread that set it up: when its innermost
+Python frame has not moved for `HF_BACKEND_HANG_TIMEOUT` seconds (default 300, 0 turns it off), the rank records in
+the process group's store where it waits. When every rank waits (or has exited), each prints the stacks of its
+threads, they all record one line naming every rank and where it waits, and exit: never a silent hang until the
+process group's timeout. Nothing is added to a collective: the thread samples a frame once a second and touches the
+store only once its own rank has waited for the whole timeout.
+
+Under TORCH_DISTRIBUTED_DEBUG=DETAIL torch checks every collective's kind and shapes across ranks and raises on a
+mismatch; `explain` turns that error into one line naming each rank's operation and call site, which the ranks
+exchange through the store (torch's message has no Python call sites).
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import json
+import os
+import re
+import sys
+import sysconfig
+import threading
+import time
+import traceback
+from types import FrameType, TracebackType
+from typing import Any
+
+from .errors import HfBackendError
+
+TIMEOUT_VARIABLE = "HF_BACKEND_HANG_TIMEOUT"
+DEFAULT_TIMEOUT = 300.0
+EXCHANGE_SECONDS = 5.0  # how long a rank that hit a mismatch waits for its peers' call sites
+reporting = threading.Event()  # set while this rank reports a hang; the process then ends by the watchdog's hand
+reported_by_launcher = False  # set by `hf-backend launch`'s worker: the launcher prints the summary line itself
+_watchdog: _Watchdog | None = None
+
+
+def hang_timeout() -> float:
+    """Seconds without progress on every rank before the job is reported as hung; 0 turns the watchdog off."""
+    raw = os.environ.get(TIMEOUT_VARIABLE, "").strip()
+    if not raw:
+        return DEFAULT_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise HfBackendError(f"environment variable {TIMEOUT_VARIABLE}={raw!r} is not a number of seconds >= 0; "
+                             "set e.g. 300, or 0 to turn the hang watchdog off")
+    return value
+
+
+def start(group_timeout: datetime.timedelta | None = None) -> None:
+    """Start the watchdog for this process's default process group (once), and the one-line account of collective
+    mismatches when TORCH_DISTRIBUTED_DEBUG=DETAIL; called where the process group is set up."""
+    global _watchdog
+    import torch.distributed as dist
+
+    if _watchdog is not None or not dist.is_initialized() or dist.get_world_size() < 2:
+        return
+    seconds = hang_timeout()
+    _install_excepthook()
+    if seconds <= 0:
+        return
+    from .log import warn
+
+    limit = (group_timeout or dist.constants.default_pg_timeout).total_seconds()
+    if seconds >= limit:
+        warn(f"{TIMEOUT_VARIABLE}={seconds:g} s is not below the process group's timeout ({limit:g} s): a hung "
+             "collective times out first, without the ranks' stacks; lower it, or raise the group's timeout")
+    try:
+        store = _store()
+    except (RuntimeError, ValueError):  # a group set up without a store: nothing to share waits through
+        return
+    _watchdog = _Watchdog(store, dist.get_rank(), dist.get_world_size(), seconds, threading.get_ident())
+    threading.Thread(target=_watchdog.run, name="hf-backend-hang-watchdog", daemon=True).start()
+    atexit.register(stop, exited=True)
+
+
+def stop(exited: bool = False) -> None:
+    """Stop the watchdog; `exited`: record that this rank has finished, so that peers left waiting say so."""
+    global _watchdog
+    watchdog, _watchdog = _watchdog, None
+    if watchdog is not None:
+        watchdog.stopped.set()
+        if exited:
+            watchdog.publish({"state": "exited"})
+
+
+def _store() -> Any:
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._get_default_store()
+
+
+def _key(kind: str, rank: int) -> str:
+    # A restarted group (--max_restarts) must not read the records of the attempt before.
+    return f"hf_backend/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{kind}/{rank}"
+
+
+class _Watchdog:
+    def __init__(self, store: Any, rank: int, world: int, timeout: float, thread_id: int) -> None:
+        self.store, self.rank, self.world, self.timeout, self.thread_id = store, rank, world, timeout, thread_id
+        self.stopped = threading.Event()
+        self.published = False
+
+    def publish(self, record: dict | None) -> None:
+        """This rank's record (None: it moves again). Store errors mean the job is going away: nothing to report."""
+        try:
+            if record is None:
+                self.store.delete_key(_key("wait", self.rank))
+            else:
+                self.store.set(_key("wait", self.rank), json.dumps(record))
+            self.published = record is not None
+        except Exception:  # noqa: BLE001 - the store's host (the launcher, rank 0) is gone
+            self.stopped.set()
+
+    def run(self) -> None:
+        import torch.distributed as dist
+
+        interval = min(1.0, self.timeout / 10)
+        last: FrameType | None = None  # held, so that a new call cannot reuse its identity
+        last_offset, since = -1, time.monotonic()
+        while not self.stopped.wait(interval):
+            frame = sys._current_frames().get(self.thread_id)
+            if frame is None or not dist.is_initialized():
+                return  # the watched thread ended, or the group was destroyed
+            if frame is not last or frame.f_lasti != last_offset:
+                last, last_offset, since = frame, frame.f_lasti, time.monotonic()
+                if self.published:
+                    self.publish(None)
+                continue
+            waited = time.monotonic() - since
+            if waited < self.timeout:
+                continue
+            if not self.published:
+                op, site = where(frame)
+                self.publish({"state": "waiting", "op": op, "site": site})
+            records = self._records()
+            if records is not None and not self.stopped.is_set():
+                self._report(records, frame, waited)
+            del frame
+
+    def _stacks(self) -> str:
+        """Every thread's stack but this watchdog's, the watched thread first, each line prefixed as torch prefixes a
+        rank's traceback."""
+        names = {thread.ident: thread.name for thread in threading.enumerate()}
+        frames = sys._current_frames()
+        frames.pop(threading.get_ident(), None)
+        lines = []
+        for ident in sorted(frames, key=lambda ident: ident != self.thread_id):
+            watched = " (it set up the process group)" if ident == self.thread_id else ""
+            lines.append(f"Thread {names.get(ident, ident)}{watched}, most recent call last:\n")
+            lines.extend(traceback.format_stack(frames[ident]))
+        return "".join(f"[rank{self.rank}]: {line}\n" for chunk in lines for line in chunk.rstrip("\n").split("\n"))
+
+    def _records(self) -> list[dict] | None:
+        """Every rank's record when each has one (all wait or exited), else None."""
+        keys = [_key("wait", rank) for rank in range(self.world)]
+        try:
+            if not self.store.check(keys):
+                return None
+            return [json.loads(value) for value in self.store.multi_get(keys)]
+        except Exception:  # noqa: BLE001 - the store's host is gone
+            return None
+
+    def _report(self, records: list[dict], frame: FrameType, waited: float) -> None:
+        reporting.set()  # from here, the main thread's error from a peer that already exited is not news
+        waiting = [rank for rank, record in enumerate(records) if record["state"] == "waiting"]
+        summary = hang_summary(records, self.timeout)
+        op, site = where(frame)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        text = (f"hf_backend: rank {self.rank} has waited {waited:.0f} s in {op} at {site}; the stacks of its "
+                f"threads:\n{self._stacks()}")
+        data = text.encode(errors="replace")
+        while data:  # whole writes: the ranks' stacks do not interleave line by line
+            data = data[os.write(sys.stderr.fileno(), data):]
+        # No rank exits (and has the launcher stop the others) before every waiting rank has printed its stacks.
+        done = [_key("stacks", rank) for rank in waiting]
+        try:
+            self.store.set(_key("stacks", self.rank), "1")
+            deadline = time.monotonic() + 2 * min(1.0, self.timeout / 10) + 5
+            while not self.store.check(done) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        except Exception:  # noqa: BLE001 - the store's host is gone
+            pass
+        record_error(f"HangError: {summary}", summary, "".join(_format_stack(frame)))
+        if self.rank == waiting[0] and not reported_by_launcher:
+            print(f"hf_backend: {summary}", file=sys.stderr, flush=True)
+        os._exit(1)
+
+
+def hang_summary(records: list[dict], timeout: float) -> str:
+    """One line: every rank, where it waits or that it exited."""
+    parts = [f"rank {rank} waiting in {record['op']} at {record['site']}" if record["state"] == "waiting"
+             else f"rank {rank} exited" for rank, record in enumerate(records)]
+    return f"hang: no rank made progress for {timeout:g} s: {'; '.join(parts)}"
+
+
+def record_error(message: str, summary: str, stack: str) -> None:
+    """Write torch elastic's error file for this worker (the launcher reads `summary` from it)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    now = time.time()
+    data = {"message": {"message": message, "extraInfo": {"py_callstack": stack, "timestamp": str(int(now)),
+                                                          "time": now, "summary": summary}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:
+        pass
+
+
+# -- where a rank is: its operation and its call site -----------------------------------------------------------------
+def _library_roots() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(every library root: torch, hf_backend, the standard library, installed packages; torch and hf_backend)."""
+    import torch
+
+    paths = sysconfig.get_paths()
+    ours = {os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__))}
+    every = ours | {paths["stdlib"], paths["platstdlib"], paths["purelib"], paths["platlib"]}
+    return tuple(os.path.join(os.path.realpath(root), "") for root in every), \
+        tuple(os.path.join(os.path.realpath(root), "") for root in ours)
+
+
+def _frames(frame: FrameType | None) -> list[FrameType]:
+    out = []
+    while frame is not None:
+        out.append(frame)
+        frame = frame.f_back
+    return out  # innermost first
+
+
+def where(frame: FrameType) -> tuple[str, str]:
+    """(operation, call site) of the stack whose innermost frame is `frame`: the outermost torch.distributed
+    collective on it (backward, for DDP's all-reduce inside autograd; else the innermost function), and the innermost
+    frame of the user's own code (not torch, hf_backend, the standard library or installed packages)."""
+    frames = _frames(frame)
+    files = [f.f_code.co_filename.replace(os.sep, "/") for f in frames]
+    c10d = [f.f_code.co_name for f, name in zip(frames, files) if name.endswith("/distributed/distributed_c10d.py")]
+    if c10d:
+        op = c10d[-1]
+    elif any("torch/autograd/" in name for name in files):
+        op = "backward"
+    else:
+        op = frames[0].f_code.co_name
+    every, ours = _library_roots()
+    real = [f.f_code.co_filename if f.f_code.co_filename.startswith("<") else os.path.realpath(f.f_code.co_filename)
+            for f in frames]
+    user = [f for f, name in zip(frames, real) if not name.startswith(every) and not name.startswith("<")]
+    # A script installed as a package: the innermost frame outside torch and hf_backend.
+    user = user or [f for f, name in zip(frames, real) if not name.startswith(ours) and not name.startswith("<")]
+    chosen = user[0] if user else frames[0]
+    name = chosen.f_code.co_filename
+    relative = os.path.relpath(name) if os.path.isabs(name) else name
+    shown = relative if not relative.startswith("..") else name
+    return op, f"{shown}:{chosen.f_lineno}"
+
+
+def _format_stack(frame: FrameType) -> str:
+    return "".join(traceback.format_stack(frame))
+
+
+# -- TORCH_DISTRIBUTED_DEBUG=DETAIL: one line for a collective mismatch --------------------------------------------
+_OWN = r"Rank {rank} is running collective: CollectiveFingerPrint\((?P<print>.*?)(?:\), but Rank|\)\.|\)$)"
+_PEER = re.compile(r"but Rank (\d+) is running collective")
+_MISSING = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
+
+
+def explain(error: BaseException) -> str | None:
+    """For torch's collective-mismatch error (TORCH_DISTRIBUTED_DEBUG=DETAIL): one line naming each rank involved,
+    its operation and its call site, exchanged with the peers through the store (each waits up to EXCHANGE_SECONDS);
+    None for any other error. Computed once per error."""
+    cached = getattr(error, "_hf_backend_summary", None)
+    if cached is not None:
+        return cached or None
+    text = str(error)
+    line = None
+    if "Detected mismatch between collectives" in text or "failed to pass monitoredBarrier" in text:
+        try:
+            line = _explain(text, error.__traceback__)
+        except Exception:  # noqa: BLE001 - no process group or store any more: torch's own message stands
+            line = None
+    try:
+        error._hf_backend_summary = line or ""  # type: ignore[attr-defined]
+    except AttributeError:
+        pass
+    return line
+
+
+def _explain(text: str, tb: TracebackType | None) -> str | None:
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or tb is None:
+        return None
+    rank = dist.get_rank()
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    op, site = where(tb.tb_frame)
+    own = re.search(_OWN.format(rank=rank), text, re.S)
+    detail = _fingerprint(own.group("print")) if own else ""
+    peers = {int(r) for r in _PEER.findall(text)}
+    missing = _MISSING.search(text)
+    if missing:
+        peers |= {int(r) for r in missing.group(1).replace(" ", "").split(",") if r}
+    store = _store()
+    store.set(_key("mismatch", rank), json.dumps({"op": op, "detail": detail, "site": site}))
+    records = {rank: {"op": op, "detail": detail, "site": site}}
+    deadline = time.monotonic() + EXCHANGE_SECONDS
+    pending = set(peers) - {rank}
+    while pending and time.monotonic() < deadline:
+        for peer in sorted(pending):
+            for kind in ("mismatch", "wait"):
+                if store.check([_key(kind, peer)]):
+                    record = json.loads(store.get(_key(kind, peer)))
+                    if kind == "mismatch" or record["state"] == "exited":
+                        records[peer] = record
+                        pending.discard(peer)
+                        break
+        if pending:
+            time.sleep(0.05)
+    parts = []
+    for peer in sorted(records.keys() | pending):
+        record = records.get(peer)
+        if record is None:
+            parts.append(f"rank {peer} in no collective (it did not answer in {EXCHANGE_SECONDS:g} s)")
+        elif record.get("state") == "exited":
+            parts.append(f"rank {peer} exited")
+        else:
+            same = record["detail"].replace("_", "").lower() == record["op"].replace("_", "").lower()
+            shape = f" ({record['detail']})" if record["detail"] and not same else ""
+            parts.append(f"rank {peer} calls {record['op']}{shape} at {record['site']}")
+    return "collective mismatch: " + "; ".join(parts)
+
+
+def _fingerprint(raw: str) -> str:
+    """torch's 'SequenceNumber=2, OpType=ALLREDUCE, TensorShape=[3], TensorDtypes=Float, ...' as 'ALLREDUCE of
+    Float[3]'; a collective without tensors (a barrier) as its type alone."""
+    kind, shape, dtype = (re.search(pattern, raw) for pattern in (r"OpType=(\w+)", r"TensorShape=(\[[^\]]*\])",
+                                                                  r"TensorDtypes=(\w+)"))
+    out = kind.group(1) if kind else ""
+    if shape or dtype:
+        out += f" of {dtype.group(1) if dtype else ''}{shape.group(1) if shape else ''}"
+    return out
+
+
+_UNCHECKED: list = []
+
+
+def unchecked_group() -> Any:
+    """Under TORCH_DISTRIBUTED_DEBUG=DETAIL with gloo, a copy of the default group without torch's checking wrapper,
+    for DDP (made once, by every rank); else None. torch's DDP constructor crashes (SIGSEGV in its logger, which takes
+    the wrapper for gloo's own group) on the checked group; DDP on the copy sends its gradients through a hook on the
+    checked group, so they are still checked."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_debug_level() != dist.DebugLevel.DETAIL:
+        return None
+    wrapper = getattr(torch._C._distributed_c10d, "_ProcessGroupWrapper", None)
+    try:
+        backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    except RuntimeError:
+        return None
+    if wrapper is None or not isinstance(backend, wrapper) or dist.get_backend() != "gloo":
+        return None
+    if not _UNCHECKED:
+        level = dist.get_debug_level()
+        dist.set_debug_level(dist.DebugLevel.INFO)
+        try:
+            _UNCHECKED.append(dist.new_group(backend="gloo"))
+        finally:
+            dist.set_debug_level(level)
+    return _UNCHECKED[0]
+
+
+def await_exit() -> None:
+    """Called with an error while this rank reports a hang: the error is only a peer that finished its report and
+    exited before this one; wait for the watchdog to end the process instead of printing it."""
+    if reporting.is_set():
+        time.sleep(60)
+
+
+_HOOKED: list[bool] = []
+
+
+def _install_excepthook() -> None:
+    """Plain torchrun: the lowest rank named prints a mismatch's one line before the traceback. After a mismatch the
+    process exits at once: tearing down a group left with failed work takes gloo about 4 s, which only delays the
+    report. While a hang is reported, an error is not printed (`await_exit`)."""
+    if _HOOKED:
+        return
+    _HOOKED.append(True)
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], error: BaseException, tb: TracebackType | None) -> None:
+        await_exit()
+        line = explain(error)
+        if line and not reported_by_launcher:
+            import torch.distributed as dist
+
+            named = [int(r) for r in re.findall(r"rank (\d+)", line)]
+            if dist.is_initialized() and named and dist.get_rank() == min(named):
+                print(f"hf_backend: {line}", file=sys.stderr, flush=True)
+        previous(kind, error, tb)
+        if line:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+
+    sys.excepthook = hook

@@ -1,0 +1,250 @@
+"""Hangs that name their rank (hf_backend/hang_watch.py): a script whose rank 1 skips a collective (early stopping on
+a per-rank metric) fails at once under `--debug` in one line naming each rank's operation and call site, and without
+it ends after the hang timeout with every rank's stacks and one line naming where each waits, under `hf-backend
+launch` and plain torchrun alike; no process is left behind."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from helpers import CLI, SCRIPTS, cli, cli_env
+
+from hf_backend import hang_watch
+
+SCRIPT = "early_stop_hang.py"
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.timeout(150)
+
+
+def _line_of(marker: str) -> int:
+    lines = (SCRIPTS / SCRIPT).read_text().splitlines()
+    return next(i for i, line in enumerate(lines, 1) if marker in line)
+
+
+BACKWARD, BARRIER = _line_of("# rank 0 waits here"), _line_of("# rank 1 waits here")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _run(tmp_path: Path, command: list[str], **env: str) -> tuple[int, str, float]:
+    """Run `command` in tmp_path (the script copied there, so call sites read `early_stop_hang.py:N`); its exit code,
+    its output and when it exited. Every process it started is SIGKILLed afterwards, whatever happened."""
+    shutil.copy(SCRIPTS / SCRIPT, tmp_path / SCRIPT)  # (unused by a test that brings its own script)
+    log = tmp_path / "out.log"
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    with log.open("w") as sink:  # a file, never an unread pipe that workers could keep open
+        process = subprocess.Popen(command, cwd=tmp_path, stdout=sink, stderr=subprocess.STDOUT,
+                                   env=cli_env(PYTHONPATH=path, OMP_NUM_THREADS="1", **env), start_new_session=True)
+    try:
+        code = process.wait(120)
+        ended = time.time()
+    finally:
+        pids = [int(p.read_text()) for p in tmp_path.glob("pid*") if p.read_text()]
+        leftover = [pid for pid in pids if _alive(pid)]
+        for pid in leftover:
+            os.kill(pid, signal.SIGKILL)
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    assert len(pids) == 2, f"the workers did not start:\n{log.read_text()[-4000:]}"
+    assert leftover == [], f"workers left running: {leftover}"
+    return code, log.read_text(), ended
+
+
+def _hang_started(tmp_path: Path) -> float:
+    return float((tmp_path / "stopped").read_text())
+
+
+LAUNCH = [*CLI, "launch", "--cpu", "--num_processes", "2", "--num_cpu_threads_per_process", "1"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+            "--monitor_interval", "0.1"]
+MISMATCH = (f"collective mismatch: rank 0 calls all_reduce (ALLREDUCE of Float[5]) at {SCRIPT}:{BACKWARD}; "
+            f"rank 1 calls barrier at {SCRIPT}:{BARRIER}")
+HANG = (f"hang: no rank made progress for 5 s: rank 0 waiting in backward at {SCRIPT}:{BACKWARD}; "
+        f"rank 1 waiting in barrier at {SCRIPT}:{BARRIER}")
+
+
+def _assert_stacks(output: str) -> None:
+    """Each rank printed its header and its main thread's stack, down to the line where it waits."""
+    for rank, (op, line) in enumerate([("backward", BACKWARD), ("barrier", BARRIER)]):
+        header = f"hf_backend: rank {rank} has waited "
+        assert header in output, output[-4000:]
+        stack = output.split(header, 1)[1]
+        assert f"s in {op} at {SCRIPT}:{line}; the stacks of its threads:" in stack.splitlines()[0]
+        assert f'[rank{rank}]: Thread MainThread (it set up the process group), most recent call last:' in stack
+        assert re.search(rf'\[rank{rank}\]:   File "[^"]*{SCRIPT}", line {line}, in <module>', stack), stack[:3000]
+
+
+def test_debug_names_the_mismatch_at_once(tmp_path):
+    code, output, ended = _run(tmp_path, [*LAUNCH, "--debug", SCRIPT, str(tmp_path)])
+    assert code == 1, output[-4000:]
+    assert output.strip().splitlines()[-1] == f"hf-backend launch: {MISMATCH}; the workers were stopped"
+    took = ended - _hang_started(tmp_path)
+    print(f"from rank 1 skipping the all-reduce to the launcher's exit: {took:.2f} s")
+    assert took < 4  # torch's check is immediate, and so is the peers' exchange of their call sites
+
+
+def test_a_hang_ends_after_the_timeout_naming_every_rank(tmp_path):
+    code, output, ended = _run(tmp_path, [*LAUNCH, "--hang_timeout", "5", SCRIPT, str(tmp_path)])
+    assert code == 1, output[-4000:]
+    assert output.strip().splitlines()[-1] == (f"hf-backend launch: {HANG}; every rank's stacks are above; "
+                                               "the workers were stopped")
+    _assert_stacks(output)
+    assert "Connection closed" not in output  # a rank whose peer finished reporting first stays quiet
+    took = ended - _hang_started(tmp_path)
+    print(f"from the hang to the launcher's exit (timeout 5 s): {took:.2f} s")
+    assert 5 <= took < 5 + 8
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["hang", "mismatch"])
+def test_plain_torchrun_gets_the_same_report_from_the_ranks(tmp_path, debug):
+    env = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"} if debug else {hang_watch.TIMEOUT_VARIABLE: "5"}
+    code, output, ended = _run(tmp_path, [*TORCHRUN, SCRIPT, str(tmp_path)], **env)
+    assert code == 1, output[-4000:]
+    lines = output.splitlines()
+    assert lines.count(f"hf_backend: {MISMATCH if debug else HANG}") == 1, output[-4000:]
+    if not debug:
+        _assert_stacks(output)
+    took = ended - _hang_started(tmp_path)
+    assert took < (4 if debug else 5 + 8)
+
+
+# Rank 1 is done (its loop ended a step early) while rank 0 reduces once more.
+DONE_EARLY = """\
+import os, sys
+import torch
+from hf_backend import Accelerator
+accelerator = Accelerator(cpu=True)
+with open(os.path.join(sys.argv[1], f"pid{accelerator.process_index}"), "w") as f:
+    f.write(str(os.getpid()))
+if accelerator.is_main_process:
+    accelerator.reduce(torch.ones(3))
+"""
+
+
+def test_debug_names_a_rank_that_exited(tmp_path):
+    (tmp_path / "done.py").write_text(DONE_EARLY)
+    code, output, _ = _run(tmp_path, [*LAUNCH, "--debug", "done.py", str(tmp_path)])
+    assert code == 1, output[-4000:]
+    assert output.strip().splitlines()[-1] == ("hf-backend launch: collective mismatch: rank 0 calls all_reduce at "
+                                               "done.py:8; rank 1 exited; the workers were stopped")
+
+
+# Rank 0 computes for 3 s (its frames move) while rank 1 waits in a barrier: not a hang, even with a 1 s timeout.
+# Then (with "hang"), a real one: rank 1 skips a reduce and waits at the end.
+BUSY = """\
+import os, sys, time
+import torch
+from hf_backend import Accelerator
+accelerator = Accelerator(cpu=True)
+with open(os.path.join(sys.argv[1], f"pid{accelerator.process_index}"), "w") as f:
+    f.write(str(os.getpid()))
+if accelerator.is_main_process:
+    end = time.monotonic() + 3
+    while time.monotonic() < end:
+        torch.randn(64, 64) @ torch.randn(64, 64)
+accelerator.wait_for_everyone()
+print("finished", accelerator.process_index, flush=True)
+if sys.argv[2] == "hang" and accelerator.is_main_process:
+    accelerator.reduce(torch.ones(2))
+accelerator.wait_for_everyone()
+"""
+
+
+def test_a_busy_rank_is_progress_and_the_watchdog_still_sees_a_later_hang(tmp_path):
+    (tmp_path / "busy.py").write_text(BUSY)
+    code, output, _ = _run(tmp_path, [*TORCHRUN, "busy.py", str(tmp_path), "hang"],
+                           **{hang_watch.TIMEOUT_VARIABLE: "1"})
+    assert code == 1 and "finished 0" in output and "finished 1" in output, output[-4000:]
+    reduce = BUSY.splitlines().index("    accelerator.reduce(torch.ones(2))") + 1
+    assert (f"hf_backend: hang: no rank made progress for 1 s: rank 0 waiting in all_reduce at busy.py:{reduce}; "
+            f"rank 1 waiting in barrier at busy.py:{reduce + 1}") in output.splitlines(), output[-4000:]
+
+
+def test_a_timeout_past_the_groups_is_a_warning(tmp_path):
+    (tmp_path / "busy.py").write_text(BUSY)
+    code, output, _ = _run(tmp_path, [*TORCHRUN, "busy.py", str(tmp_path), "no"],
+                           **{hang_watch.TIMEOUT_VARIABLE: "1800"})
+    assert code == 0 and "finished 0" in output and "finished 1" in output, output[-4000:]
+    warning = (f"hf_backend: {hang_watch.TIMEOUT_VARIABLE}=1800 s is not below the process group's timeout (1800 s): "
+               "a hung collective times out first, without the ranks' stacks; lower it, or raise the group's timeout")
+    assert warning in output.splitlines(), output[-4000:]
+
+
+def test_the_timeout_is_read_once_and_checked(monkeypatch):
+    monkeypatch.delenv(hang_watch.TIMEOUT_VARIABLE, raising=False)
+    assert hang_watch.hang_timeout() == hang_watch.DEFAULT_TIMEOUT
+    monkeypatch.setenv(hang_watch.TIMEOUT_VARIABLE, "0")
+    assert hang_watch.hang_timeout() == 0
+    for bad in ("-1", "soon", "nan"):
+        monkeypatch.setenv(hang_watch.TIMEOUT_VARIABLE, bad)
+        with pytest.raises(Exception, match=f"{hang_watch.TIMEOUT_VARIABLE}='{bad}' is not a number of seconds"):
+            hang_watch.hang_timeout()
+
+
+def test_a_bad_hang_timeout_is_one_line_before_any_worker_starts(tmp_path):
+    script = tmp_path / "never.py"
+    script.write_text("raise SystemExit('a worker started')\n")
+    bad_flag = cli("launch", "--cpu", "--num_processes", "2", "--hang_timeout", "-1", str(script))
+    assert (bad_flag.returncode, bad_flag.stderr) == (2, "hf-backend launch: error: launch: --hang_timeout -1 is "
+                                                         "negative; give seconds, or 0 to turn the hang watchdog off\n")
+    bad_env = cli("launch", "--cpu", "--num_processes", "2", str(script), **{hang_watch.TIMEOUT_VARIABLE: "5m"})
+    assert (bad_env.returncode, bad_env.stderr) == (2, f"hf-backend launch: error: environment variable "
+                                                       f"{hang_watch.TIMEOUT_VARIABLE}='5m' is not a number of seconds "
+                                                       ">= 0; set e.g. 300, or 0 to turn the hang watchdog off\n")
+
+
+def test_where_names_the_collective_and_the_users_line():
+    def user_code():
+        import sys as _sys
+
+        return hang_watch.where(_sys._getframe())
+
+    op, site = user_code()
+    assert op == "user_code"
+    assert site == f"{os.path.relpath(__file__)}:{user_code.__code__.co_firstlineno + 3}"
+
+
+def test_the_summary_says_which_ranks_exited_and_the_fingerprint_is_short():
+    records = [{"state": "waiting", "op": "all_reduce", "site": "train.py:42"}, {"state": "exited"},
+               {"state": "waiting", "op": "barrier", "site": "train.py:50"}]
+    assert hang_watch.hang_summary(records, 300) == ("hang: no rank made progress for 300 s: rank 0 waiting in "
+                                                     "all_reduce at train.py:42; rank 1 exited; rank 2 waiting in "
+                                                     "barrier at train.py:50")
+    torch_print = ("SequenceNumber=2, OpType=ALLREDUCE, TensorShape=[5, 2], TensorDtypes=Float, TensorDeviceTypes="
+                   "TensorOptions(dtype=float (default), device=cpu, memory_format=(nullopt))")
+    assert hang_watch._fingerprint(torch_print) == "ALLREDUCE of Float[5, 2]"
+    assert hang_watch._fingerprint("SequenceNumber=0OpType=BARRIER") == "BARRIER"
+
+
+def test_where_falls_back_to_library_code_when_no_frame_is_the_users():
+    """A script installed as a package: every frame is under a library root; the innermost one outside torch and
+    hf_backend is named, never a frozen module."""
+    import threading
+
+    event = threading.Event()
+    thread = threading.Thread(target=event.wait, args=(30,), daemon=True)  # only threading.py's frames
+    thread.start()
+    try:
+        deadline = time.monotonic() + 5
+        while sys._current_frames()[thread.ident].f_code.co_name != "wait" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        op, site = hang_watch.where(sys._current_frames()[thread.ident])
+    finally:
+        event.set()
+        thread.join(5)
+    assert op == "wait" and site.rsplit(":", 1)[0] == threading.__file__
