@@ -286,11 +286,11 @@ def read_metadata(source: str | os.PathLike, checksums: bool = True, caller: str
         raise HfBackendError(f"{caller}: {path} cannot be read ({type(err).__name__}); give this process read access "
                              "to it") from None
     meta = _parse_metadata(meta_path, text, caller)
-    manifest.check_metadata(meta_path, meta, caller)
     version = meta.get("format_version", 1)
     if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= layout.FORMAT_VERSION:
         raise HfBackendError(f"{caller}: {meta_path} has format_version {version!r}; this hf_backend reads versions "
                              f"1 to {layout.FORMAT_VERSION}: load it with the hf_backend that wrote it, or upgrade")
+    manifest.check_metadata(meta_path, meta, caller)  # after the version: a newer format may seal otherwise
     for key, kind in (("num_processes", int), ("counts", dict)):
         if not isinstance(meta.get(key), kind):
             raise HfBackendError(f"{caller}: {meta_path} has no valid {key!r}; the checkpoint is damaged, use another "
