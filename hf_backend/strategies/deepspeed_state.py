@@ -45,6 +45,18 @@ def _lp_groups(optimizer: Any) -> list[list[torch.nn.Parameter]] | None:
     return None
 
 
+def _flats(optimizer: Any) -> list[list[torch.Tensor]]:
+    """The fp32 partitions (the tensors the torch optimizer's state is keyed by) of each param group. ZeRO-3 puts
+    each sub group's into its param group only while it steps that sub group."""
+    inner = optimizer.optimizer
+    if hasattr(optimizer, "sub_group_to_group_id"):
+        flats: list[list[torch.Tensor]] = [[] for _ in inner.param_groups]
+        for sub, flat in enumerate(optimizer.fp32_partitioned_groups_flat):
+            flats[optimizer.sub_group_to_group_id[sub]].append(flat)
+        return flats
+    return [list(group["params"]) for group in inner.param_groups]
+
+
 def _numel(param: torch.nn.Parameter) -> int:
     return int(getattr(param, "ds_numel", param.numel()))  # ZeRO-3 leaves an empty tensor in the module
 
@@ -99,8 +111,8 @@ def full_optimizer_state(engine: Any) -> dict[str, Any]:
     inner = optimizer.optimizer
     state: dict[str, dict[str, Any]] = {}
     param_groups = []
-    for params, group in zip(_lp_groups(optimizer), inner.param_groups):
-        own = [(flat, inner.state.get(flat, {})) for flat in group["params"]]
+    for params, flats, group in zip(_lp_groups(optimizer), _flats(optimizer), inner.param_groups):
+        own = [(flat, inner.state.get(flat, {})) for flat in flats]
         moments = sorted({k for flat, s in own for k, v in s.items() if _shaped_like(v, flat.numel())})
         scalars = {k: v for _, s in own for k, v in s.items() if k not in moments}
         for param in params:
@@ -122,7 +134,7 @@ def load_full_optimizer_state(engine: Any, state_dict: dict[str, Any], source: s
     saved_state = state_dict.get("state", {})
     group_of = {name: i for i, group in enumerate(state_dict.get("param_groups", [])) for name in group["params"]}
     plan = []
-    for params, group in zip(_lp_groups(optimizer), inner.param_groups):
+    for params, flats, group in zip(_lp_groups(optimizer), _flats(optimizer), inner.param_groups):
         keys = [names[id(p)] for p in params]
         indices = {group_of.get(k) for k in keys}
         if len(indices) != 1 or None in indices:
@@ -133,7 +145,7 @@ def load_full_optimizer_state(engine: Any, state_dict: dict[str, Any], source: s
         entries = [(p, saved_state.get(k, {})) for p, k in zip(params, keys)]
         moments = sorted({k for p, e in entries for k, v in e.items() if _shaped_like(v, _numel(p))})
         scalars = _scalars(entries, moments, source)
-        for flat in group["params"]:
+        for flat in flats:
             flat_state = inner.state[flat]
             for key in moments:
                 if key not in flat_state:

@@ -1,7 +1,7 @@
 """The tiny BERT of bert_loop.py trained under one strategy: stopped and saved after some steps, or resumed from a
 checkpoint another strategy (or world size) wrote (tests/test_resume_anywhere.py).
 
-The global batch is 8 samples split over the processes (`split_batches`), so every world size steps on the same
+The global batch is 12 samples split over the processes (`split_batches`), so every world size steps on the same
 samples in the same order; AdamW with a linearly decaying learning rate and clipping at 1.0. Rank 0 writes a JSON
 report: the loss and learning rate of each optimizer step this run took, and the logits of a fixed batch at the end.
 """
@@ -20,7 +20,7 @@ from transformers import BertConfig, BertForSequenceClassification
 from hf_backend import Accelerator, DeepSpeedPlugin, FullyShardedDataParallelPlugin
 from hf_backend.utils import set_seed
 
-TOTAL = 12  # optimizer steps of an uninterrupted run: one and a half passes over the 64 samples
+TOTAL = 12  # optimizer steps of an uninterrupted run: one and a half passes over the 96 samples
 
 
 def plugins(strategy: str, mixed_precision: str | None) -> dict:
@@ -50,7 +50,7 @@ def main() -> int:
     model = BertForSequenceClassification(BertConfig(**CONFIG))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / (2 * TOTAL))
-    loader = DataLoader(data(64), batch_size=8, shuffle=True)
+    loader = DataLoader(data(96), batch_size=12, shuffle=True)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     if args.resume:
         accelerator.load_state(args.resume)
