@@ -277,8 +277,11 @@ class DeepSpeedStrategy(Strategy):
 
     def model_state_dict(self, model: torch.nn.Module, sharded: bool = False) -> dict[str, torch.Tensor]:
         """Full weights; under ZeRO-3 gathered (16-bit when training in bf16) onto rank 0, other ranks get {}. Read
-        from the engine given (still there after `free_memory`), else this strategy's."""
+        from the engine given (still there after `free_memory`), else this strategy's. `sharded`: full-size
+        tensors on every process for a sharded (DCP) checkpoint of another strategy to be read into."""
         engine = self._engine_of(model)
+        if sharded:
+            return deepspeed_state.weights_template(engine)
         if self.zero_stage == 3:
             return engine._zero3_consolidated_16bit_state_dict() or {}
         return engine.module.state_dict()
@@ -297,13 +300,15 @@ class DeepSpeedStrategy(Strategy):
         engine = self._engine_of(model)
         if not deepspeed_state.partitioned(engine):  # no ZeRO in fp32: the module's own parameters are stepped
             return super().optimizer_state_dict(engine.module, engine.optimizer)
+        if sharded:  # to read another strategy's DCP shards into, whole
+            return deepspeed_state.optimizer_template(engine)
         return deepspeed_state.full_optimizer_state(engine)
 
     def load_optimizer_state_dict(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                                   state_dict: dict[str, Any], sharded: bool = False) -> None:
         engine = self._engine_of(model)
         if not deepspeed_state.partitioned(engine):
-            super().load_optimizer_state_dict(engine.module, engine.optimizer, state_dict)
+            super().load_optimizer_state_dict(engine.module, engine.optimizer, state_dict, sharded)
             return
         deepspeed_state.load_full_optimizer_state(engine, state_dict, "the optimizer state")
 

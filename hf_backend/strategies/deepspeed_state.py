@@ -11,6 +11,7 @@ order. An optimizer that keeps no fp32 master copy (no ZeRO, fp32) is read throu
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Any, NamedTuple
 
 import torch
@@ -27,9 +28,21 @@ class LoadResult(NamedTuple):
 
 
 def partitioned(engine: Any) -> bool:
-    """Whether the engine's optimizer steps fp32 master partitions (ZeRO-1/2/3, or bf16 without ZeRO) rather than
-    the module's own parameters."""
-    return _lp_groups(engine.optimizer) is not None
+    """Whether the engine's optimizer steps fp32 master partitions or copies (ZeRO-1/2/3; bf16 without ZeRO) rather
+    than the module's own parameters."""
+    return _lp_groups(engine.optimizer) is not None or _unfused(engine.optimizer) is not None
+
+
+def _unfused(optimizer: Any) -> list[list[tuple[torch.nn.Parameter, torch.Tensor]]] | None:
+    """bf16 without ZeRO (DeepSpeed's FP16_UnfusedOptimizer): each trainable parameter paired with the fp32 copy the
+    torch optimizer steps, of the same shape."""
+    if hasattr(optimizer, "sub_group_to_group_id") or not hasattr(optimizer, "fp32_groups"):
+        return None
+    pairs = [list(zip(lp, hp)) for lp, hp in zip(optimizer.fp16_groups, optimizer.fp32_groups)]
+    if any(lp.shape != hp.shape for group in pairs for lp, hp in group):
+        raise HfBackendError(f"DeepSpeed's {type(optimizer).__name__} keeps flat fp32 copies that hf_backend cannot "
+                             "map to parameters; use ZeRO stage 1 or more for bf16")
+    return pairs
 
 
 def _lp_groups(optimizer: Any) -> list[list[torch.nn.Parameter]] | None:
@@ -68,9 +81,10 @@ def full_weights(engine: Any, stage: int) -> dict[str, torch.Tensor]:
     from deepspeed.utils import safe_get_full_fp32_param
 
     module = engine.module
-    masters = {}
+    unfused = _unfused(engine.optimizer)
+    masters = {id(lp): hp.detach().cpu().clone() for group in unfused or [] for lp, hp in group}
     for param in module.parameters():  # one call per parameter, in the same order on every process
-        if param.requires_grad:
+        if param.requires_grad and not unfused:
             value = safe_get_full_fp32_param(param)
             if value is not None:
                 masters[id(param)] = value.detach().cpu()
@@ -97,7 +111,47 @@ def load_full_weights(engine: Any, stage: int, state_dict: dict[str, torch.Tenso
     for name, param in module.named_parameters():
         if param.requires_grad and name in state_dict:
             safe_set_full_fp32_param(param, state_dict[name].to(torch.float32))
+    names = _names(module)
+    for group in _unfused(engine.optimizer) or []:
+        for lp, hp in group:
+            hp.data.copy_(state_dict.get(names[id(lp)], lp.data))
     return LoadResult(list(result.missing_keys), list(result.unexpected_keys))
+
+
+def weights_template(engine: Any) -> dict[str, torch.Tensor]:
+    """Full-size tensors for every key of the module's state dict (fp32 for parameters), on every process: what a
+    sharded (DCP) checkpoint of another strategy is read into before `load_full_weights`. Not collective."""
+    template = {}
+    for name, value in engine.module.state_dict(keep_vars=True).items():
+        if isinstance(value, torch.nn.Parameter):
+            template[name] = torch.empty(tuple(getattr(value, "ds_shape", value.shape)), dtype=torch.float32)
+        else:
+            template[name] = torch.empty_like(value, device="cpu")
+    return template
+
+
+def optimizer_template(engine: Any) -> dict[str, Any]:
+    """`full_optimizer_state`'s structure with full-size tensors, for reading a sharded checkpoint into. The state
+    keys are the optimizer class's own, found by stepping a copy of it on a one-element parameter."""
+    optimizer, names = engine.optimizer, _names(engine.module)
+    inner = optimizer.optimizer
+    probe = torch.zeros(1, requires_grad=True)
+    probe.grad = torch.zeros(1)
+    accepted = inspect.signature(type(inner).__init__).parameters
+    copy = type(inner)([probe], **{k: v for k, v in inner.defaults.items() if k in accepted and k != "params"})
+    copy.step()
+    state: dict[str, dict[str, Any]] = {}
+    param_groups = []
+    unfused = _unfused(optimizer)
+    lp_groups = [[lp for lp, _ in pairs] for pairs in unfused] if unfused is not None else _lp_groups(optimizer)
+    for params, group in zip(lp_groups, inner.param_groups):
+        for param in params:
+            shape = tuple(getattr(param, "ds_shape", param.shape))
+            state[names[id(param)]] = {k: torch.empty(shape, dtype=torch.float32) if v.dim() else v.clone()
+                                       for k, v in copy.state[probe].items() if isinstance(v, torch.Tensor)}
+        param_groups.append({**{k: v for k, v in group.items() if k != "params"},
+                             "params": [names[id(p)] for p in params]})
+    return {"state": state, "param_groups": param_groups}
 
 
 # -- optimizer ---------------------------------------------------------------------------------------------------------
@@ -109,6 +163,13 @@ def full_optimizer_state(engine: Any) -> dict[str, Any]:
 
     optimizer, names = engine.optimizer, _names(engine.module)
     inner = optimizer.optimizer
+    unfused = _unfused(optimizer)
+    if unfused is not None:
+        return {"state": {names[id(lp)]: {k: _copy(v) for k, v in inner.state[hp].items()}
+                          for group in unfused for lp, hp in group if inner.state.get(hp)},
+                "param_groups": [{**{k: v for k, v in group.items() if k != "params"},
+                                  "params": [names[id(lp)] for lp, _ in pairs]}
+                                 for pairs, group in zip(unfused, inner.param_groups)]}
     state: dict[str, dict[str, Any]] = {}
     param_groups = []
     for params, flats, group in zip(_lp_groups(optimizer), _flats(optimizer), inner.param_groups):
@@ -132,16 +193,19 @@ def load_full_optimizer_state(engine: Any, state_dict: dict[str, Any], source: s
     optimizer, names = engine.optimizer, _names(engine.module)
     inner = optimizer.optimizer
     saved_state = state_dict.get("state", {})
-    group_of = {name: i for i, group in enumerate(state_dict.get("param_groups", [])) for name in group["params"]}
+    unfused = _unfused(optimizer)
+    if unfused is not None:
+        for pairs, group in zip(unfused, inner.param_groups):
+            _take_hyperparameters(group, [names[id(lp)] for lp, _ in pairs], state_dict, source)
+            for lp, hp in pairs:
+                inner.state[hp] = {k: v.to(hp.device, hp.dtype if v.dim() else v.dtype).clone().view_as(hp)
+                                   if _shaped_like(v, hp.numel()) else _copy(v)
+                                   for k, v in saved_state.get(names[id(lp)], {}).items()}
+        return
     plan = []
     for params, flats, group in zip(_lp_groups(optimizer), _flats(optimizer), inner.param_groups):
         keys = [names[id(p)] for p in params]
-        indices = {group_of.get(k) for k in keys}
-        if len(indices) != 1 or None in indices:
-            raise HfBackendError(f"load_state: {source} groups the parameters differently from this optimizer (or "
-                                 "lacks some); resume with the optimizer's param groups set up as when it was saved")
-        saved_group = state_dict["param_groups"][indices.pop()]
-        group.update({k: v for k, v in saved_group.items() if k != "params"})
+        _take_hyperparameters(group, keys, state_dict, source)
         entries = [(p, saved_state.get(k, {})) for p, k in zip(params, keys)]
         moments = sorted({k for p, e in entries for k, v in e.items() if _shaped_like(v, _numel(p))})
         scalars = _scalars(entries, moments, source)
@@ -161,6 +225,16 @@ def load_full_optimizer_state(engine: Any, state_dict: dict[str, Any], source: s
                 value = entry.get(key)
                 safe_set_full_optimizer_state(param, torch.zeros(_numel(param)) if value is None
                                               else value.to(torch.float32), key)
+
+
+def _take_hyperparameters(group: dict[str, Any], keys: list[str], state_dict: dict[str, Any], source: str) -> None:
+    """The saved param group holding exactly these parameters gives its learning rate, betas, ... to `group`."""
+    group_of = {name: i for i, saved in enumerate(state_dict.get("param_groups", [])) for name in saved["params"]}
+    indices = {group_of.get(k) for k in keys}
+    if len(indices) != 1 or None in indices:
+        raise HfBackendError(f"load_state: {source} groups the parameters differently from this optimizer (or lacks "
+                             "some); resume with the optimizer's param groups set up as when it was saved")
+    group.update({k: v for k, v in state_dict["param_groups"][indices.pop()].items() if k != "params"})
 
 
 def _names(module: torch.nn.Module) -> dict[int, str]:
