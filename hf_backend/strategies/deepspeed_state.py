@@ -110,7 +110,7 @@ def load_full_weights(engine: Any, stage: int, state_dict: dict[str, torch.Tenso
         result = module.load_state_dict(state_dict, strict=False)
     for name, param in module.named_parameters():
         if param.requires_grad and name in state_dict:
-            safe_set_full_fp32_param(param, state_dict[name].to(torch.float32))
+            _set_full(safe_set_full_fp32_param, param, state_dict[name].to(torch.float32))
     names = _names(module)
     for group in _unfused(engine.optimizer) or []:
         for lp, hp in group:
@@ -223,8 +223,24 @@ def load_full_optimizer_state(engine: Any, state_dict: dict[str, Any], source: s
         for param, entry in entries:
             for key in moments:
                 value = entry.get(key)
-                safe_set_full_optimizer_state(param, torch.zeros(_numel(param)) if value is None
-                                              else value.to(torch.float32), key)
+                _set_full(safe_set_full_optimizer_state, param, torch.zeros(_numel(param)) if value is None
+                          else value.to(torch.float32), key)
+
+
+def _set_full(setter: Any, param: torch.nn.Parameter, value: torch.Tensor, key: str | None = None) -> None:
+    """DeepSpeed's `safe_set_full_*` (not collective), except for a ZeRO-3 parameter whose partitions are padded
+    (its size does not divide by the processes): DeepSpeed 0.19.8 reads the last partition past the end of the
+    value there, so that partition is written here, zero-padded, through the same internals."""
+    optimizer = getattr(param, "_z3_optimizer", None)
+    if optimizer is None or param.partition_numel() * optimizer._get_param_partition_world_size(param) == \
+            param.ds_numel:
+        setter(param, value) if key is None else setter(param, value, key)
+        return
+    partition, _ = optimizer._get_fp32_opt_state_partition(param, release_swap_buffers=False, optim_state_key=key)
+    start = partition.numel() * optimizer._get_param_partition_rank(param)
+    piece = value.flatten()[start:start + partition.numel()]
+    partition.data.zero_()
+    partition.data[:piece.numel()].copy_(piece)
 
 
 def _take_hyperparameters(group: dict[str, Any], keys: list[str], state_dict: dict[str, Any], source: str) -> None:

@@ -47,7 +47,7 @@ def main() -> int:
     accelerator = Accelerator(split_batches=True, mixed_precision=args.mixed_precision,
                               **plugins(args.strategy, args.mixed_precision))
     set_seed(42)
-    model = BertForSequenceClassification(BertConfig(**CONFIG))
+    model = BertForSequenceClassification(BertConfig(**{**CONFIG, "num_labels": 3}))  # a bias of 3: ZeRO-3 pads it
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / (2 * TOTAL))
     loader = DataLoader(data(96), batch_size=12, shuffle=True)
