@@ -42,6 +42,7 @@ def main() -> int:
     p.add_argument("--resume", default=None, help="load_state this checkpoint first")
     p.add_argument("--done", type=int, default=0, help="the optimizer steps the resumed checkpoint had taken")
     p.add_argument("--checkpoint", default=None)
+    p.add_argument("--final", default=None, help="save_state here at the end (its weights: the fp32 masters)")
     args = p.parse_args()
 
     accelerator = Accelerator(split_batches=True, mixed_precision=args.mixed_precision,
@@ -74,6 +75,8 @@ def main() -> int:
                 break
         if done == args.stop_after:
             break
+    if args.final:
+        accelerator.save_state(args.final)
     model.eval()
     with torch.no_grad():
         report["logits"] = model(input_ids=data(4).tensors[0]).logits.float().tolist()
