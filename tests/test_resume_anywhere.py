@@ -72,10 +72,14 @@ def test_a_checkpoint_resumes_under_another_strategy_and_world_size(uninterrupte
     checkpoint = tmp_path / "ckpt"
     first = run_report(SCRIPT, tmp_path / "a.json", ["--strategy", saved, *_precision(precision), "--stop-after",
                                                      str(STOP), "--checkpoint", str(checkpoint)], nproc=a)
+    native = ["--native", str(tmp_path / "native")] if resumed.startswith("zero") and resumed != "zero0" else []
     second = run_report(SCRIPT, tmp_path / "b.json", ["--strategy", resumed, *_precision(precision), "--resume",
                                                       str(checkpoint), "--done", str(STOP), "--final",
-                                                      str(tmp_path / "final")], nproc=b)
+                                                      str(tmp_path / "final"), *native], nproc=b)
     reference = uninterrupted(resumed, b, precision)
+    kinds = {"single": "NO", "ddp": "MULTI_CPU", "fsdp": "FSDP"}
+    assert [first["distributed_type"], second["distributed_type"]] == [
+        kinds.get(name, "DEEPSPEED") for name in (saved, resumed)]
     assert len(first["losses"]) == STOP and len(second["losses"]) == len(reference["losses"]) - STOP
     assert second["lrs"] == reference["lrs"][STOP:]  # the schedule continues where it stopped
     assert _relative(second["losses"], reference["losses"][STOP:]) <= TOLERANCE
@@ -85,6 +89,12 @@ def test_a_checkpoint_resumes_under_another_strategy_and_world_size(uninterrupte
         final, expected = load_file(tmp_path / "final" / "model.safetensors"), load_file(
             reference["final"] / "model.safetensors")
         assert all(torch.equal(final[k], expected[k]) for k in expected)
+    if native:  # DeepSpeed's own format (of earlier checkpoints), merged in this one process: the same fp32 masters
+        from hf_backend.checkpoint.deepspeed_files import native_weights
+
+        merged, final = native_weights(tmp_path / "native", "model_deepspeed"), load_file(
+            tmp_path / "final" / "model.safetensors")
+        assert sorted(merged) == sorted(final) and all(torch.equal(merged[k], final[k]) for k in final)
     # what every strategy writes and reads: full fp32 weights and the optimizer state keyed by parameter name
     names = {p.name for p in checkpoint.iterdir()}
     if saved != "fsdp":

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ..errors import HfBackendError
+from ..log import note
 
 _ALLOWED = (  # module, name: what DeepSpeed 0.19's ZeRO-1/2/3 and bf16 checkpoint files hold besides tensors
     ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
@@ -89,7 +90,7 @@ def native_weights(directory: Path, tag: str) -> dict[str, torch.Tensor]:
         if not models:
             raise HfBackendError(f"{folder} holds no DeepSpeed model states (mp_rank_*_model_states.pt); pass a "
                                  "directory written by DeepSpeed's save_checkpoint")
-        return {k: v.float() if v.is_floating_point() else v for k, v in safe_load(models[0])["module"].items()}
+        return _stage0_weights(safe_load(models[0]))
     with _zero_to_fp32_loading_safely() as zero_to_fp32:
         try:
             state = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(directory), tag=tag)
@@ -97,6 +98,21 @@ def native_weights(directory: Path, tag: str) -> dict[str, torch.Tensor]:
             raise HfBackendError(f"{folder}: not a complete DeepSpeed ZeRO checkpoint ({err}); use another "
                                  "checkpoint") from None
     return dict(state)
+
+
+def _stage0_weights(states: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The module's weights in fp32; with bf16 (DeepSpeed's unfused optimizer), its fp32 copies in their place when
+    they line up with the module's parameters in order and shape (an optimizer over `model.parameters()`)."""
+    weights = {k: v.float() if v.is_floating_point() else v for k, v in states["module"].items()}
+    masters = [t for group in (states.get("optimizer") or {}).get("fp32_groups", []) for t in group]
+    buffers = set(states.get("buffer_names") or [])
+    names = [k for k in states["module"] if k not in buffers]
+    if masters and len(names) == len(masters) and all(weights[n].shape == m.shape for n, m in zip(names, masters)):
+        weights.update({n: m.float() for n, m in zip(names, masters)})
+    elif masters:
+        note("DeepSpeed checkpoint without ZeRO: its fp32 master copies do not line up with the module's parameters; "
+             "the module's 16-bit weights are returned")
+    return weights
 
 
 __all__ = ["native_weights", "read_safely", "safe_load"]

@@ -101,6 +101,9 @@ class DeepSpeedStrategy(Strategy):
             model_parameters=None if client is not None else params,
         )
         self._client_optimizer = optimizer
+        from ..checkpoint.deepspeed_files import read_safely
+
+        read_safely(self.engine)  # transformers' Trainer loads its DeepSpeed checkpoints through this engine too
 
     def _resolve_placeholders(self, config: dict[str, Any], optimizer: Any, scheduler: Any) -> None:
         """A config "optimizer"/"scheduler" section goes with DummyOptim/DummyScheduler, whose values fill "auto"."""
@@ -322,10 +325,8 @@ class DeepSpeedStrategy(Strategy):
 
     def load_native(self, directory: Path, tag: str) -> None:
         """A checkpoint of an earlier version, in DeepSpeed's own format: same stage and world size only. Its files
-        are read with `weights_only=True` (checkpoint/deepspeed_files.py): no pickled code runs."""
-        from ..checkpoint.deepspeed_files import read_safely
-
-        read_safely(self.engine)
+        are read with `weights_only=True` (the engine reads through checkpoint/deepspeed_files.py since `on_prepare`):
+        no pickled code runs."""
         self.engine.load_checkpoint(str(directory), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False)
 
     def _engine_of(self, model: torch.nn.Module) -> Any:
