@@ -23,9 +23,11 @@ from hf_backend.utils import set_seed
 TOTAL = 12  # optimizer steps of an uninterrupted run: one and a half passes over the 96 samples
 
 
-def plugins(strategy: str, mixed_precision: str | None) -> dict:
-    if strategy.startswith("zero"):
-        return {"deepspeed_plugin": DeepSpeedPlugin(zero_stage=int(strategy[4:]), gradient_clipping=1.0)}
+def plugins(strategy: str) -> dict:
+    if strategy.startswith("zero"):  # "zero2_offload": the optimizer on the CPU, as DeepSpeed's CPU Adam
+        offload = "cpu" if strategy.endswith("_offload") else None
+        return {"deepspeed_plugin": DeepSpeedPlugin(zero_stage=int(strategy[4]), gradient_clipping=1.0,
+                                                    offload_optimizer_device=offload)}
     if strategy.startswith("fsdp"):
         kind = "FULL_STATE_DICT" if strategy == "fsdp_full" else "SHARDED_STATE_DICT"
         return {"fsdp_plugin": FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=["BertLayer"],
@@ -36,7 +38,8 @@ def plugins(strategy: str, mixed_precision: str | None) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
-    p.add_argument("--strategy", required=True, help="single, ddp, fsdp, fsdp_full, zero0 ... zero3")
+    p.add_argument("--strategy", required=True, help="single, ddp, fsdp, fsdp_full, zero0 ... zero3, "
+                   "zero1_offload ... zero3_offload")
     p.add_argument("--mixed-precision", default=None)
     p.add_argument("--stop-after", type=int, default=0, help="save into --checkpoint after this step and stop")
     p.add_argument("--resume", default=None, help="load_state this checkpoint first")
@@ -48,7 +51,7 @@ def main() -> int:
     args = p.parse_args()
 
     accelerator = Accelerator(split_batches=True, mixed_precision=args.mixed_precision,
-                              **plugins(args.strategy, args.mixed_precision))
+                              **plugins(args.strategy))
     set_seed(42)
     model = BertForSequenceClassification(BertConfig(**{**CONFIG, "num_labels": 3}))  # a bias of 3: ZeRO-3 pads it
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
