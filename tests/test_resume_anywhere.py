@@ -169,3 +169,15 @@ def test_resuming_an_old_deepspeed_checkpoint_refuses_a_pickled_payload(tmp_path
     lines = [line for line in proc.stderr.splitlines() if "HfBackendError: " in line]
     assert lines and all("mp_rank_00_model_states.pt holds more than tensors" in line for line in lines), \
         proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("kind, nproc, message", [
+    ("single", 1, "is DeepSpeed's own checkpoint format (an earlier hf_backend); resume it under DeepSpeed"),
+    ("deepspeed", 3, "written by 2 processes: resume it with 2, or take its weights"),
+])
+def test_an_old_deepspeed_checkpoint_elsewhere_is_one_line(tmp_path, kind, nproc, message):
+    """DeepSpeed's own format resumes only as it was written; elsewhere load_state names the way out."""
+    proc = run_script("old_checkpoints.py", ["check", "--kind", kind, "--dir", str(FIXTURE), "--out",
+                                             str(tmp_path / "seen.json")], nproc=nproc, check=False)
+    lines = [line for line in proc.stderr.splitlines() if "HfBackendError: " in line]
+    assert proc.returncode != 0 and lines and all(message in line for line in lines), proc.stderr[-3000:]

@@ -327,6 +327,11 @@ class DeepSpeedStrategy(Strategy):
         """A checkpoint of an earlier version, in DeepSpeed's own format: same stage and world size only. Its files
         are read with `weights_only=True` (the engine reads through checkpoint/deepspeed_files.py since `on_prepare`):
         no pickled code runs."""
+        written_by = len(list((directory / tag).glob("*zero_pp_rank_*_optim_states.pt")))
+        if written_by and written_by != self.process.num_processes:
+            raise HfBackendError(f"load_state: {directory / tag} is DeepSpeed's own format (an earlier hf_backend), "
+                                 f"written by {written_by} processes: resume it with {written_by}, or take its weights "
+                                 "with `hf-backend checkpoint consolidate`")
         self.engine.load_checkpoint(str(directory), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False)
 
     def _engine_of(self, model: torch.nn.Module) -> Any:
