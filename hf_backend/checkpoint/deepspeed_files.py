@@ -48,10 +48,14 @@ def safe_load(path: str | Path, map_location: Any = None, **_: Any) -> Any:
         with torch.serialization.safe_globals(_allowed_globals()):
             return torch.load(path, map_location=map_location if map_location is not None else "cpu",
                               weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, AttributeError, ValueError, EOFError) as err:
-        reason = str(err).split("WeightsUnpickler error: ")[-1].split(".")[0].strip() or type(err).__name__
+    except pickle.UnpicklingError as err:  # what torch raises for a type outside the allow-list
+        reason = str(err).split("WeightsUnpickler error: ")[-1].split(".")[0].strip() or "a pickled object"
         raise HfBackendError(f"load_state: {path} holds more than tensors and DeepSpeed's plain types ({reason}); "
                              "it was not written by DeepSpeed's save_checkpoint, use another checkpoint") from None
+    except (RuntimeError, EOFError, ValueError, OSError) as err:
+        reason = " ".join(str(err).split()).split(". ")[0][:200] or type(err).__name__
+        raise HfBackendError(f"load_state: {path} cannot be read ({reason}); the checkpoint is damaged, use another "
+                             "one") from None
 
 
 def read_safely(engine: Any) -> None:
