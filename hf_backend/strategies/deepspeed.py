@@ -313,7 +313,7 @@ class DeepSpeedStrategy(Strategy):
         if not deepspeed_state.partitioned(engine):
             super().load_optimizer_state_dict(engine.module, engine.optimizer, state_dict, sharded)
             return
-        deepspeed_state.load_full_optimizer_state(engine, state_dict, "the optimizer state")
+        deepspeed_state.load_full_optimizer_state(engine, state_dict, "the checkpoint's optimizer state")
 
     def model_of(self, optimizer: Any) -> torch.nn.Module | None:
         """The engine, for its optimizer: DeepSpeed's steps flat partitions, not the model's parameters."""
