@@ -6,9 +6,10 @@ torchrun-style environment, and `Accelerator()` takes world size, rank, local ra
 What Ray adds is where checkpoints live. Ray persists a checkpoint by uploading each worker's reported directory into
 one directory of the run's storage, merging the files of all workers. So `report` writes this process's part of the
 state (exactly what `save_state` writes, without the staging that needs one shared directory) into a directory of its
-own, on every process: rank 0's full files, and each process's random state and, under FSDP's SHARDED_STATE_DICT or
-DeepSpeed, its shards. Merged in storage they are one complete `save_state` checkpoint, which `restore` (or
-`load_state` on `checkpoint.as_directory()`) reads back with any strategy and world size.
+own, on every process: rank 0's full files (under DeepSpeed gathered from the ZeRO partitions), and each process's
+random state and, under FSDP's SHARDED_STATE_DICT, its shards. Merged in storage they are one complete `save_state`
+checkpoint, which `restore` (or `load_state` on `checkpoint.as_directory()`) reads back with any strategy and world
+size.
 
     from hf_backend import Accelerator, ray_train
 

@@ -52,7 +52,7 @@ def test_zero3_resume_and_save_model(bert_ddp, tmp_path):
     ckpt = str(tmp_path / "ckpt")
     first = run_report(LOOP, tmp_path / "a.json", [*TRAIN, "--zero", "3", "--stop-after", "11", "--checkpoint", ckpt],
                        nproc=2)
-    assert (tmp_path / "ckpt" / "model_deepspeed").is_dir()
+    assert (tmp_path / "ckpt" / "model.safetensors").is_file() and (tmp_path / "ckpt" / "optimizer.bin").is_file()
     second = run_report(LOOP, tmp_path / "b.json", [*TRAIN, "--zero", "3", "--resume", "--checkpoint", ckpt,
                                                     "--save-model", str(tmp_path / "model")], nproc=2)
     # stopped after step 11 of 32 and resumed: the uninterrupted run's losses (ZeRO-3 equals DDP, test above)

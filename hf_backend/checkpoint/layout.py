@@ -4,8 +4,8 @@ A state checkpoint (`save_state`; object i > 0 of a kind gets an `_i` suffix):
 
     hf_backend_checkpoint.json   what was saved: format version, counts, world size, accumulation step, iteration
     model.safetensors            full weights (sharded with an index JSON when large), or
-    model_dcp/                   each process's shards (torch.distributed.checkpoint), or
-    model_deepspeed/  latest     DeepSpeed's own checkpoint of model and optimizer, and its `latest` tag file
+    model_dcp/                   each process's shards (torch.distributed.checkpoint), or (read only: written by
+    model_deepspeed/  latest     earlier versions) DeepSpeed's own checkpoint of model and optimizer, `latest` tag
     optimizer.bin | optimizer_dcp/
     scheduler.bin  dataloader.bin  custom_checkpoint_0.pkl  scaler.pt
     rng_state_{rank}.pt          python, numpy, torch (and CUDA) generator states of each process
@@ -66,7 +66,8 @@ def sharded_dir(stem: str) -> str:
 
 
 def native_dir(stem: str) -> str:
-    """The tag under which DeepSpeed's engine writes its own checkpoint."""
+    """The tag under which DeepSpeed's engine wrote its own checkpoint (hf_backend before ZeRO states were saved
+    like every other strategy's)."""
     return f"{stem}_deepspeed"
 
 

@@ -1,10 +1,10 @@
 """`CheckpointIO`: an Accelerator's training state to files and back.
 
 The strategy says *what* a model's or optimizer's state is (a full state dict gathered to the main process, or each
-process's shards, through torch's distributed state-dict API; DeepSpeed: its engine's own checkpoint); this module
-decides *where and how* it is written: full weights as safetensors by the main process, shards as one DCP directory
-that every process writes into. Either form loads under any strategy and world size, so a checkpoint resumes
-anywhere but in DeepSpeed's own format.
+process's shards, through torch's distributed state-dict API; DeepSpeed: gathered from its ZeRO partitions); this
+module decides *where and how* it is written: full weights as safetensors by the main process, shards as one DCP
+directory that every process writes into. Either form loads under any strategy and world size, so a checkpoint
+resumes anywhere (DeepSpeed's own format, written by earlier versions, only under DeepSpeed as it was).
 """
 
 from __future__ import annotations
@@ -87,9 +87,8 @@ class CheckpointIO:
             torch.save(capture_rng(), directory / layout.rng_file(self.process.process_index))
         for i, model in enumerate(objects.models):
             self.save_weights(model, directory, layout.model_stem(i), safe_serialization)
-        if not self.strategy.native_checkpoints:  # DeepSpeed's engine wrote its optimizer with the model
-            for i, optimizer in enumerate(objects.optimizers):
-                self.save_optimizer(optimizer, directory, layout.optimizer_stem(i))
+        for i, optimizer in enumerate(objects.optimizers):
+            self.save_optimizer(optimizer, directory, layout.optimizer_stem(i))
         if not (self.process.is_local_main_process if on_each_node else self.process.is_main_process):
             return
         for i, scheduler in enumerate(objects.schedulers):
@@ -124,7 +123,7 @@ class CheckpointIO:
         files = self._read_files(directory, objects, meta, rng, scaler)
         for i, model in enumerate(objects.models):
             self.load_weights(model, directory, layout.model_stem(i))
-        if not self.strategy.native_checkpoints:
+        if not (directory / layout.native_dir(layout.model_stem(0))).is_dir():  # else DeepSpeed's, read with it
             for i, optimizer in enumerate(objects.optimizers):
                 self.load_optimizer(optimizer, directory, layout.optimizer_stem(i), state=files["optimizers"][i])
         for scheduler, state in zip(objects.schedulers, files["schedulers"]):
@@ -171,26 +170,21 @@ class CheckpointIO:
                      safe_serialization: bool = True) -> None:
         """The model's weights as a checkpoint holds them: each process's shards when `sharded`, else full files."""
         directory = Path(directory)
-        if self.strategy.native_checkpoints:
-            self.strategy.save_native(directory, layout.native_dir(stem))
-        elif self.sharded:
+        if self.sharded:
             dcp.save({"model": self.strategy.model_state_dict(model, sharded=True)},
                      checkpoint_id=str(directory / layout.sharded_dir(stem)))
         else:
-            state_dict = self.strategy.model_state_dict(model)
+            state_dict = self.strategy.checkpoint_state_dict(model)
             if self.process.is_main_process:
                 write_weights(state_dict, directory, filename_stem=stem, safe_serialization=safe_serialization,
                               tied_keys=tied_weight_keys(self.strategy.unwrap_model(model)))
 
     def load_weights(self, model: torch.nn.Module, directory: str | os.PathLike, stem: str = "model") -> None:
-        """Weights in either form (or DeepSpeed's own checkpoint, under DeepSpeed) into the prepared model."""
+        """Weights in either form (or an earlier version's DeepSpeed checkpoint, under DeepSpeed) into the prepared
+        model."""
         directory = Path(directory)
-        if self.strategy.native_checkpoints:
-            tag = layout.native_dir(stem)
-            if not (directory / tag).is_dir():
-                raise HfBackendError(f"load_state: {directory} was not saved by a DeepSpeed run (no {tag}/); resume "
-                                     "it with the strategy that wrote it")
-            self.strategy.load_native(directory, tag)
+        if (directory / layout.native_dir(stem)).is_dir():  # model and optimizer, in DeepSpeed's own format
+            self.strategy.load_native(directory, layout.native_dir(stem))
             return
         shards = directory / layout.sharded_dir(stem)
         if holds_sharded(directory, shards.name):
@@ -263,6 +257,9 @@ class CheckpointIO:
     def _optimizer_and_model(self, optimizer: Any) -> tuple[torch.optim.Optimizer, torch.nn.Module]:
         """The torch optimizer inside a prepared one, and the prepared model whose parameters it updates."""
         inner = getattr(optimizer, "optimizer", optimizer)
+        owner = self.strategy.model_of(inner)
+        if owner is not None:
+            return inner, owner
         ids = {id(p) for group in inner.param_groups for p in group["params"]}
         for model in self.prepared.models:
             if any(id(p) in ids for p in model.parameters()):

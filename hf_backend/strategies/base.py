@@ -143,7 +143,6 @@ class Strategy:
     # decides where and how it is written. `sharded_checkpoints`: states are saved as each process's shards (DCP)
     # rather than gathered full states. Both forms load under every strategy.
     sharded_checkpoints = False
-    native_checkpoints = False  # DeepSpeed: the engine writes and reads model and optimizer in its own format
     save_options = StateDictOptions()  # how full states are taken from this strategy's models
     load_options = StateDictOptions(strict=False)  # how full states are given back (missing tied keys checked)
 
@@ -151,6 +150,11 @@ class Strategy:
         """The full state dict (collective for sharded strategies: call it on every process), or with `sharded`
         this process's shards."""
         return get_model_state_dict(model, options=StateDictOptions() if sharded else self.save_options)
+
+    def checkpoint_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The full weights a checkpoint holds: the model's, or where the optimizer steps a master copy of its own
+        (DeepSpeed), that copy. Collective."""
+        return self.model_state_dict(model)
 
     def load_model_state_dict(self, model: torch.nn.Module, state_dict: dict[str, Any], sharded: bool = False) -> Any:
         """Give the model a full state dict (or, with `sharded`, this process's shards); returns torch's missing and
@@ -167,12 +171,16 @@ class Strategy:
         set_optimizer_state_dict(model, optimizer, state_dict,
                                  options=StateDictOptions() if sharded else self.load_options)
 
-    def save_native(self, directory: Path, tag: str) -> None:
-        """Write model and optimizer in the engine's own format under `directory/tag` (`native_checkpoints`)."""
-        raise HfBackendError(f"{type(self).__name__} has no checkpoint format of its own")
+    def model_of(self, optimizer: Any) -> torch.nn.Module | None:
+        """The prepared model an optimizer steps, where its param groups do not say (DeepSpeed's hold partitions)."""
+        return None
 
     def load_native(self, directory: Path, tag: str) -> None:
-        raise HfBackendError(f"{type(self).__name__} has no checkpoint format of its own")
+        """Read model and optimizer from `directory/tag` in an engine's own format: DeepSpeed checkpoints written by
+        hf_backend before its ZeRO states were saved like every other strategy's."""
+        raise HfBackendError(f"load_state: {directory / tag} is DeepSpeed's own checkpoint format (an earlier "
+                             "hf_backend); resume it under DeepSpeed with the stage and world size that wrote it, or "
+                             "take its weights with `hf-backend checkpoint consolidate`")
 
     def reset(self) -> None:
         """Drop every reference to prepared objects this strategy holds (`Accelerator.free_memory`)."""

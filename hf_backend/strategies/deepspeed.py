@@ -25,6 +25,7 @@ from ..optim import DummyOptim, DummyScheduler
 from ..options import Handlers
 from ..precision import Precision
 from ..state import DistributedType, ProcessState
+from . import deepspeed_state
 from .base import Strategy
 
 _BUCKETS = {  # ZeRO sizes derived from the hidden size h, as transformers does
@@ -100,6 +101,9 @@ class DeepSpeedStrategy(Strategy):
             model_parameters=None if client is not None else params,
         )
         self._client_optimizer = optimizer
+        from ..checkpoint.deepspeed_files import read_safely
+
+        read_safely(self.engine)  # transformers' Trainer loads its DeepSpeed checkpoints through this engine too
 
     def _resolve_placeholders(self, config: dict[str, Any], optimizer: Any, scheduler: Any) -> None:
         """A config "optimizer"/"scheduler" section goes with DummyOptim/DummyScheduler, whose values fill "auto"."""
@@ -270,21 +274,68 @@ class DeepSpeedStrategy(Strategy):
         return model is self.engine
 
     # -- state -------------------------------------------------------------------------------------------------------
-    native_checkpoints = True  # the engine's checkpoint holds the (partitioned) optimizer state with the model
+    # Checkpoints hold what every strategy writes (deepspeed_state.py): full fp32 master weights and an optimizer
+    # state keyed by parameter name, gathered from the partitions, so they resume anywhere. Checkpoints of earlier
+    # versions in DeepSpeed's own format (`model_deepspeed/`) are still read, here only (`load_native`).
 
     def model_state_dict(self, model: torch.nn.Module, sharded: bool = False) -> dict[str, torch.Tensor]:
         """Full weights; under ZeRO-3 gathered (16-bit when training in bf16) onto rank 0, other ranks get {}. Read
-        from the engine given (still there after `free_memory`), else this strategy's."""
-        engine = model if hasattr(model, "_zero3_consolidated_16bit_state_dict") else self.engine
+        from the engine given (still there after `free_memory`), else this strategy's. `sharded`: full-size
+        tensors on every process for a sharded (DCP) checkpoint of another strategy to be read into."""
+        engine = self._engine_of(model)
+        if sharded:
+            return deepspeed_state.weights_template(engine)
         if self.zero_stage == 3:
             return engine._zero3_consolidated_16bit_state_dict() or {}
         return engine.module.state_dict()
 
-    def save_native(self, directory: Path, tag: str) -> None:
-        self.engine.save_checkpoint(str(directory), tag=tag)
+    def checkpoint_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The fp32 master weights the optimizer steps (bf16 training included), gathered from their partitions."""
+        return deepspeed_state.full_weights(self._engine_of(model), self.zero_stage)
+
+    def load_model_state_dict(self, model: torch.nn.Module, state_dict: dict[str, Any], sharded: bool = False) -> Any:
+        """Full weights into the module and the fp32 master partitions (`sharded` states are read whole by
+        checkpoint/ first)."""
+        return deepspeed_state.load_full_weights(self._engine_of(model), self.zero_stage, state_dict)
+
+    def optimizer_state_dict(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                             sharded: bool = False) -> dict[str, Any]:
+        engine = self._engine_of(model)
+        if not deepspeed_state.partitioned(engine):  # no ZeRO in fp32: the module's own parameters are stepped
+            return super().optimizer_state_dict(engine.module, engine.optimizer)
+        if sharded:  # to read another strategy's DCP shards into, whole
+            return deepspeed_state.optimizer_template(engine)
+        return deepspeed_state.full_optimizer_state(engine)
+
+    def load_optimizer_state_dict(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                                  state_dict: dict[str, Any], sharded: bool = False) -> None:
+        engine = self._engine_of(model)
+        if not deepspeed_state.partitioned(engine):
+            super().load_optimizer_state_dict(engine.module, engine.optimizer, state_dict, sharded)
+            return
+        deepspeed_state.load_full_optimizer_state(engine, state_dict, "the checkpoint's optimizer state")
+
+    def model_of(self, optimizer: Any) -> torch.nn.Module | None:
+        """The engine, for its optimizer: DeepSpeed's steps flat partitions, not the model's parameters."""
+        engine = self.engine
+        if engine is None:
+            return None
+        own = (engine.optimizer, getattr(engine.optimizer, "optimizer", None), self._client_optimizer)
+        return engine if any(optimizer is o for o in own if o is not None) else None
 
     def load_native(self, directory: Path, tag: str) -> None:
+        """A checkpoint of an earlier version, in DeepSpeed's own format: same stage and world size only. Its files
+        are read with `weights_only=True` (the engine reads through checkpoint/deepspeed_files.py since `on_prepare`):
+        no pickled code runs."""
+        written_by = len(list((directory / tag).glob("*zero_pp_rank_*_optim_states.pt")))
+        if written_by and written_by != self.process.num_processes:
+            raise HfBackendError(f"load_state: {directory / tag} is DeepSpeed's own format (an earlier hf_backend), "
+                                 f"written by {written_by} processes: resume it with {written_by}, or take its weights "
+                                 "with `hf-backend checkpoint consolidate`")
         self.engine.load_checkpoint(str(directory), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False)
+
+    def _engine_of(self, model: torch.nn.Module) -> Any:
+        return model if hasattr(model, "_zero3_consolidated_16bit_state_dict") else self.engine
 
     def reset(self) -> None:
         """The engine's hooks on the parameters (held by autograd, out of Python's garbage collector's reach) would
