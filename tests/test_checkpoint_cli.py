@@ -192,3 +192,16 @@ def test_convert_round_trip_loads_the_same_state(fsdp, tmp_path):
         w, m = load_in_one_process(converted)
         assert w.keys() == weights.keys() and all(torch.equal(weights[k], w[k]) for k in weights)
         assert m.keys() == moments.keys() and all(torch.equal(moments[k], m[k]) for k in moments)
+
+
+def test_consolidate_an_old_deepspeed_checkpoint(tmp_path):
+    """DeepSpeed's own ZeRO-2 files of two processes (the v1 fixture) -> one model.safetensors of the weights the
+    saving run saw, read without pickle."""
+    from safetensors.torch import load_file
+
+    done = hfb("checkpoint", "consolidate", str(FIXTURES / "deepspeed"), str(tmp_path / "out"))
+    assert done.returncode == 0, done.stderr
+    weights = load_file(tmp_path / "out" / "model.safetensors")
+    expected = json.loads((FIXTURES / "deepspeed" / "expected.json").read_text())["weights"]
+    assert sorted(weights) == sorted(expected)
+    assert all(weights[name].flatten().tolist() == values for name, values in expected.items())

@@ -58,12 +58,8 @@ def _dcp_state(shards: Path, key: str, what: str) -> Any:
 
 
 def _native(directory: Path, tag: str) -> dict[str, Any]:
-    try:
-        from .deepspeed_files import native_weights  # type: ignore[import-not-found]
-    except ImportError:
-        raise HfBackendError(f"consolidate: {directory / tag} is DeepSpeed's own checkpoint and this hf_backend has "
-                             "no reader for its files (hf_backend.checkpoint.deepspeed_files); upgrade hf_backend") \
-            from None
+    from .deepspeed_files import native_weights  # imports deepspeed: only for DeepSpeed's own checkpoints
+
     return native_weights(directory, tag)
 
 
