@@ -2,13 +2,15 @@
 
 `Writes` is handed to `CheckpointIO.write`: the large states (full weights, full optimizer states, DCP shards) go
 through it, everything small is written at once. A synchronous save runs each write as it comes. An async save
-(`save_state(async_save=True)`) first copies each state to host memory (`snapshot`; DCP's `async_save` stages its
-own copy), so that training may change the live tensors as soon as `save_state` returns, then writes on a thread.
+(`save_state(async_save=True)`) first copies each state to host memory (`snapshot`; shards through DCP's own
+stager), so that training may change the live tensors as soon as `save_state` returns, then writes on one thread.
 
-Which thread calls collectives: the background threads only write and hash bytes. DCP's `async_save` does run
-collectives from its thread (its save plan and metadata), so it gets a gloo group of its own, made once on the main
+Which thread calls collectives: the writer thread writes and hashes bytes, and runs `dcp.save` for shards, which
+does run collectives (its save plan and metadata). Those go to a gloo group of their own, made once on the main
 thread (`CheckpointIO.save_group`), never the group training's collectives use: two threads issuing collectives
-concurrently on one group can pair one rank's barrier with another rank's all-reduce. Everything else that needs
+concurrently on one group can pair one rank's barrier with another rank's all-reduce. For the same reason the DCP
+directories (model, optimizer) are saved one after another on the one writer thread, not by one `dcp.async_save`
+thread each. Everything else that needs
 every process (the barrier saying all ranks are done, the manifest, the renames, fsync, rotation) runs on the main
 thread in `PendingSave.finish`, called by the next save, `load_state`, `wait_for_checkpoint`, `end_training` or
 `free_memory`, which every process calls in the same order, like any other collective. Until then the checkpoint is
@@ -22,12 +24,12 @@ import copy
 import threading
 import weakref
 from collections.abc import Callable
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
 from ..collectives import gather_object
 from ..errors import HfBackendError
@@ -43,7 +45,7 @@ class Writes:
         self.background = background
         self.group = group  # DCP's own process group for async_save (None: one process, or a synchronous save)
         self.jobs: list[Callable[[], durable.Digests]] = []
-        self.sharded: list[tuple[Path, Future | None]] = []
+        self.sharded: list[Path] = []
         self.digests: durable.Digests = {}
         self.error: str | None = None
         self.thread: threading.Thread | None = None
@@ -61,13 +63,22 @@ class Writes:
             self.digests.update(job())
 
     def shards(self, state_dict: dict[str, Any], directory: Path) -> None:
-        """Each process's shards into the DCP directory `directory` (every process calls this)."""
+        """Each process's shards into the DCP directory `directory` (every process calls this). In the background:
+        staged by DCP's own stager now, then `dcp.save` on the writer thread, one directory after another (what
+        `dcp.async_save` does, except that its one thread per call would run two saves' collectives concurrently on
+        one group, and ranks can pair them differently: a deadlock)."""
         if self.background:
-            self.sharded.append((directory, dcp.async_save(state_dict, checkpoint_id=str(directory),
-                                                           process_group=self.group)))
+            staged = BlockingAsyncStager().stage(state_dict)
+            self.sharded.append(directory)
+
+            def save() -> durable.Digests:
+                dcp.save(staged, checkpoint_id=str(directory), process_group=self.group)
+                return {}
+
+            self.jobs.append(save)
         else:
             dcp.save(state_dict, checkpoint_id=str(directory))
-            self.sharded.append((directory, None))
+            self.sharded.append(directory)
 
     def start(self) -> None:
         self.thread = threading.Thread(target=self._run, name="hf_backend-async-save", daemon=False)
@@ -78,8 +89,7 @@ class Writes:
             for job in self.jobs:
                 self.digests.update(job())
             self.jobs.clear()  # drops the snapshots as soon as they are written
-            for directory, future in self.sharded:
-                future.result()
+            for directory in self.sharded:  # complete: DCP's save returns once every rank's files are written
                 self.digests.update(durable.hash_tree(directory))  # DCP fsyncs its files; hash them here, not in seal
         except BaseException as err:  # noqa: BLE001 - reported on the main thread by finish()
             self.error = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}".rstrip(": ")
