@@ -1,7 +1,7 @@
 """Checkpoint speed (issue 18), side by side in one run, medians of `--repeats`:
 
 1. Training stall per save, sync against async `save_state`: an MLP of ~100 M parameters with AdamW (1.2 GB of
-   state) trains `--steps` steps, saving every `--every`; the stall per save is (loop time with saves - loop time
+   state, batch 4) trains `--steps` steps, saving every `--every`; the stall per save is (loop time with saves - loop time
    without) / saves, so it counts what an async save costs the steps it overlaps. The last save's wait is shown
    apart.
 2. `save_state` / `load_state` against the same tensors (weights and optimizer state) written and read with plain
@@ -43,8 +43,11 @@ def build(accelerator: Accelerator, width: int, layers: int) -> tuple[torch.nn.M
     return model, optimizer
 
 
+BATCH = 4
+
+
 def step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, width: int) -> None:
-    accelerator.backward(model(torch.randn(16, width)).square().mean())
+    accelerator.backward(model(torch.randn(BATCH, width)).square().mean())
     optimizer.step()
     optimizer.zero_grad()
 
@@ -163,7 +166,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--width", type=int, default=3584, help="8 layers of width x width: 103 M parameters")
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--every", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--root", default=None, help="where checkpoints go (default: a temporary directory)")
@@ -199,8 +202,8 @@ def main() -> None:
         out.append(f"| {form} | {gb / r['plain save']:.2f} | {gb / r['plain save+fsync']:.2f} | "
                    f"{gb / r['ours save']:.2f} | {r['plain save'] / r['ours save']:.2f}x | "
                    f"{r['plain save+fsync'] / r['ours save']:.2f}x | {gb / r['ours save, no fsync']:.2f} | "
-                   f"{gb / r['plain load']:.2f} | {gb / r['ours load']:.2f} | {r['plain load'] / r['ours load']:.2f}x | "
-                   f"{r['manifest check']:.2f} s |")
+                   f"{gb / r['plain load']:.2f} | {gb / r['ours load']:.2f} | "
+                   f"{r['plain load'] / r['ours load']:.2f}x | {r['manifest check']:.2f} s |")
     if fsdp.is_main_process:
         print("\n".join(out), flush=True)
         if args.root is None:

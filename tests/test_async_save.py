@@ -108,7 +108,7 @@ def test_a_failed_background_write_is_one_line_and_leaves_no_checkpoint(tmp_path
         accelerator.wait_for_checkpoint()
     message = str(raised.value)
     assert "\n" not in message and re.match(
-        rf"^async save_state to {re.escape(str(tmp_path))}/checkpoints/checkpoint_1 failed \(OSError: \[Errno 28\] No "
+        rf"^async save of {re.escape(str(tmp_path))}/checkpoints/checkpoint_1 failed \(OSError: \[Errno 28\] No "
         r"space left on device\); no checkpoint was written there", message)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["checkpoint_0"]
     accelerator.wait_for_checkpoint()  # raised once: nothing is pending now
@@ -184,3 +184,61 @@ def test_two_processes_async_save(tmp_path, mode):
     assert reports[0]["staged_only"]
     layout = {"ddp": "model.safetensors", "sharded": "model_dcp/__1_0.distcp"}[mode]
     assert layout in reports[0]["files"]
+
+
+class Regression(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = torch.nn.Linear(4, 1)
+
+    def forward(self, x, labels=None):
+        out = self.linear(x).squeeze(-1)
+        return {"loss": ((out - labels) ** 2).mean(), "logits": out}
+
+
+class Rows(torch.utils.data.Dataset):
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(1)
+        self.x, self.y = torch.randn(32, 4, generator=g), torch.randn(32, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "labels": self.y[i]}
+
+
+def test_trainer_async_save_writes_in_the_background_and_counts_once_complete(tmp_path, monkeypatch):
+    from hf_backend import Trainer, TrainingArguments
+
+    threads, states = [], []
+    write = durable.torch_file
+
+    def recording(obj, path):
+        threads.append((path.name, threading.current_thread() is threading.main_thread()))
+        states.append(sorted(p.name for p in path.parent.iterdir()))  # what the checkpoint holds while it is written
+        return write(obj, path)
+
+    monkeypatch.setattr(durable, "torch_file", recording)
+    out = tmp_path / "out"
+
+    def arguments(steps, **kwargs):
+        return TrainingArguments(output_dir=str(out), report_to="none", disable_tqdm=True, max_steps=steps,
+                                 per_device_train_batch_size=4, save_steps=2, save_total_limit=1, learning_rate=0.1,
+                                 **kwargs)
+
+    trainer = Trainer(model=Regression(), args=arguments(6, async_save=True), train_dataset=Rows())
+    trainer.train()  # returns once the last checkpoint is complete
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-6"]
+    assert ("optimizer.pt", False) in threads and ("scheduler.pt", True) in threads
+    assert all("trainer_state.json" not in names for names in states)  # it appears last
+    files = {p.name for p in (out / "checkpoint-6").iterdir()}
+    assert {"trainer_state.json", "model.safetensors", "optimizer.pt", "scheduler.pt"} <= files
+    assert not any(name.endswith(".incomplete") for name in files)
+    saved = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    resumed = Trainer(model=Regression(), args=arguments(8), train_dataset=Rows())
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 8
+    reloaded = load_file(out / "checkpoint-6" / "model.safetensors")
+    assert all(torch.equal(reloaded[k], saved[k]) for k in saved)

@@ -111,9 +111,11 @@ class Writes:
 
 
 class PendingSave:
-    """A save whose writes are done or under way; `finish()` (every process) seals and renames it, or cleans up."""
+    """A save whose writes are done or under way; `finish()` (every process) seals and renames it, or cleans up.
+    `staging`: a directories.Staging, or what else has its `target`, `path`, `process`, `commit` and `abandon` (a
+    Trainer checkpoint: hf_backend/trainer/async_checkpoint.py)."""
 
-    def __init__(self, staging: Staging, writes: Writes, seal: Callable[[Path, Callable[[Path], str]], None],
+    def __init__(self, staging: Staging | Any, writes: Writes, seal: Callable[[Path, Callable[[Path], str]], None],
                  after: Callable[[], None] | None) -> None:
         self.staging, self.writes, self.seal, self.after = staging, writes, seal, after
 
@@ -121,8 +123,8 @@ class PendingSave:
         errors = [e for e in gather_object([self.writes.join()]) if e]  # every rank's outcome, on the main thread
         if errors:
             self.staging.abandon()
-            raise HfBackendError(f"async save_state to {self.staging.target} failed ({errors[0]}); no checkpoint was "
-                                 "written there: fix the cause (disk space, permissions) and save again")
+            raise HfBackendError(f"async save of {self.staging.target} failed ({errors[0]}); no checkpoint was written "
+                                 "there: fix the cause (disk space, permissions) and save again")
         self.staging.commit(lambda directory: self.seal(directory, self.writes.digest))
         if self.after is not None:
             self.after()

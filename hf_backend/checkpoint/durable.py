@@ -15,7 +15,7 @@ import hashlib
 import json
 import os
 import struct
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -42,9 +42,8 @@ class HashingFile:
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
-        if view.nbytes >= _PARALLEL_MIN:
-            pool = HashingFile._pool()
-            hashed = pool.submit(self.digest.update, view)
+        hashed = HashingFile._submit(self.digest.update, view) if view.nbytes >= _PARALLEL_MIN else None
+        if hashed is not None:
             self.file.write(view)
             hashed.result()  # the buffer is the caller's again once write() returns
         else:
@@ -63,10 +62,15 @@ class HashingFile:
         return self.size, self.digest.hexdigest()
 
     @classmethod
-    def _pool(cls) -> ThreadPoolExecutor:
+    def _submit(cls, update: Any, view: memoryview) -> Future | None:
+        """`update(view)` on the hashing thread; None once the interpreter is shutting down (an async save finishing
+        at exit), when the caller hashes inline."""
         if cls._hasher_pool is None:
             cls._hasher_pool = ThreadPoolExecutor(1, thread_name_prefix="hf_backend-hash")
-        return cls._hasher_pool
+        try:
+            return cls._hasher_pool.submit(update, view)
+        except RuntimeError:
+            return None
 
 
 def torch_file(obj: Any, path: Path) -> Digests:

@@ -39,6 +39,7 @@ from ..options import (
     TorchDynamoPlugin,
 )
 from ..prepared import PreparedObjects
+from . import async_checkpoint
 from . import transformers_compat as compat
 from .arguments import TrainingArguments
 from .jit_checkpoint import JITCheckpoint
@@ -146,6 +147,9 @@ class Trainer(transformers.Trainer):
                                                                      self.is_fsdp_enabled):
             raise HfBackendError("save_only_model with load_best_model_at_end needs full checkpoints under FSDP and "
                                  "DeepSpeed; drop save_only_model")
+        if args.async_save and self.is_deepspeed_enabled:
+            raise HfBackendError("async_save with DeepSpeed: its engine writes its own checkpoint synchronously; drop "
+                                 "async_save")
         if self.is_deepspeed_enabled and state.deepspeed_plugin.zero_stage == 3 and args.auto_find_batch_size:
             raise HfBackendError("auto_find_batch_size does not work with DeepSpeed ZeRO-3; set the batch size")
 
@@ -202,18 +206,29 @@ class Trainer(transformers.Trainer):
         return bool(self.accelerator.gather(torch.tensor([divides], device=self.args.device)).all())
 
     # -- checkpoints -----------------------------------------------------------------------------------------------
+    _async_writes: Any = None  # while an async checkpoint is being saved: where its large writes go
+
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        self.accelerator.checkpoint_io.wait()
         if resume_from_checkpoint is True:
             resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        result = super().train(resume_from_checkpoint, *args, **kwargs)
+        self.accelerator.checkpoint_io.wait()  # the last async checkpoint is complete when train() returns
+        return result
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        if not self.args.async_save:
+            return super()._save_checkpoint(model, trial)
+        with async_checkpoint.deferred(self, trial):
+            super()._save_checkpoint(model, trial)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        if not self._sharded_weights():
+        if not self._sharded_weights() and not (_internal_call and self._async_writes is not None):
             return super().save_model(output_dir, _internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        if _internal_call:  # a checkpoint: each process writes its shards (model_dcp/), no full copy is gathered
+        if _internal_call:  # a checkpoint: shards (model_dcp/, no full copy is gathered), or full weights when async
             os.makedirs(output_dir, exist_ok=True)
-            self.accelerator.checkpoint_io.save_weights(self.model_wrapped, output_dir)
+            self.accelerator.checkpoint_io.save_weights(self.model_wrapped, output_dir, writes=self._async_writes)
             self._save_model_files(output_dir)
         else:  # the user's save: full weights that from_pretrained reads, gathered from the shards (collective)
             state_dict = self.accelerator.get_state_dict(self.model_wrapped)
@@ -235,11 +250,14 @@ class Trainer(transformers.Trainer):
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if not self._engine_writes_optimizer():  # transformers' optimizer.pt / scheduler.pt, or DeepSpeed's checkpoint
-            super()._save_optimizer_and_scheduler(output_dir)
+            if self._async_writes is None:
+                super()._save_optimizer_and_scheduler(output_dir)
+            else:  # optimizer.pt written in the background
+                async_checkpoint.save_optimizer_and_scheduler(self, output_dir, self._async_writes)
         os.makedirs(output_dir, exist_ok=True)
         self.accelerator.checkpoint_io.write(output_dir, self._engine_objects(self._engine_writes_optimizer()),
                                              rng=False, scaler=False, extra={"written_by": "hf_backend.Trainer"},
-                                             on_each_node=self.args.save_on_each_node)
+                                             on_each_node=self.args.save_on_each_node, writes=self._async_writes)
 
     def _engine_writes_optimizer(self) -> bool:
         """FSDP's optimizer state is sharded: the engine writes it (and the scheduler beside it). Elsewhere
@@ -278,6 +296,7 @@ class Trainer(transformers.Trainer):
         self.accelerator.checkpoint_io.load_weights(model or self.model_wrapped, resume_from_checkpoint)
 
     def _load_best_model(self) -> None:
+        self.accelerator.checkpoint_io.wait()  # the best checkpoint may be the one still being written
         if not self.is_fsdp_enabled:
             return super()._load_best_model()
         best = self.state.best_model_checkpoint
