@@ -1,9 +1,9 @@
 """Checkpoint speed (issue 18), side by side in one run, medians of `--repeats`:
 
 1. Training stall per save, sync against async `save_state`: an MLP of ~100 M parameters with AdamW (1.2 GB of
-   state, batch 4) trains `--steps` steps, saving every `--every`; the stall per save is (loop time with saves - loop time
-   without) / saves, so it counts what an async save costs the steps it overlaps. The last save's wait is shown
-   apart.
+   state, batch 4) trains `--steps` steps, saving every `--every`; the stall per save is (loop time with saves -
+   loop time without) / saves, so it counts what an async save costs the steps it overlaps. The last save's wait
+   is shown apart.
 2. `save_state` / `load_state` against the same tensors (weights and optimizer state) written and read with plain
    safetensors calls (`save_file` / `load_file`): full files (DDP: written by rank 0) and shards (FSDP
    SHARDED_STATE_DICT through DCP; plain: each rank's local shards with `save_file`). Also the parts of ours: the
