@@ -2,12 +2,14 @@
 
 1. Training stall per save, sync against async `save_state`: an MLP of ~100 M parameters with AdamW (1.2 GB of
    state, batch 4) trains `--steps` steps, saving every `--every`; the stall per save is (loop time with saves -
-   loop time without) / saves, so it counts what an async save costs the steps it overlaps. The last save's wait
+   loop time without) / saves, so it counts what an async save costs the steps it overlaps (noisy on a busy
+   machine; the loops take turns, each repeat); also how long each save_state call blocked. The last save's wait
    is shown apart.
 2. `save_state` / `load_state` against the same tensors (weights and optimizer state) written and read with plain
    safetensors calls (`save_file` / `load_file`): full files (DDP: written by rank 0) and shards (FSDP
-   SHARDED_STATE_DICT through DCP; plain: each rank's local shards with `save_file`). Also the parts of ours: the
-   same save with fsync off, and load_state's manifest check (SHA-256 of every file) alone.
+   SHARDED_STATE_DICT through DCP; plain: each rank's local shards with `save_file`). Where the time goes: the same
+   save without fsync, and without fsync and SHA-256; load_state's manifest check alone. `load_file` maps a file
+   lazily, so the plain load copies what it read into the live tensors, as loading a checkpoint does.
 
     .venv/bin/python benchmarks/checkpoint.py
     OMP_NUM_THREADS=1 .venv/bin/python -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/checkpoint.py
@@ -18,6 +20,7 @@ The page cache is warm for every variant alike (nothing drops it); `os.sync()` r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import statistics
@@ -30,7 +33,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hf_backend import Accelerator, FullyShardedDataParallelPlugin
-from hf_backend.checkpoint import read_metadata
+from hf_backend.checkpoint import durable, manifest, read_metadata
 from hf_backend.utils import set_seed
 
 
@@ -69,29 +72,32 @@ def fresh(path: Path) -> None:
 
 # -- 1. stall per save ------------------------------------------------------------------------------------------------
 def stall(accelerator, model, optimizer, width, root: Path, steps: int, every: int, repeats: int) -> dict:
-    def loop(mode: str | None) -> tuple[float, float]:
+    """Per mode: the loop's time and how long each save_state call blocked (modes take turns, each repeat)."""
+    waits: list[float] = []
+
+    def loop(mode: str | None, blocked: list) -> float:
         fresh(root / "stall")
         accelerator.wait_for_everyone()
         start = time.perf_counter()
         for i in range(steps):
             step(accelerator, model, optimizer, width)
             if mode and i % every == every - 1:
-                accelerator.save_state(root / "stall" / f"s{i}", async_save=mode == "async")
+                target = root / "stall" / f"s{i}"
+                blocked.append(timed(lambda t=target: accelerator.save_state(t, async_save=mode == "async")))
         looped = time.perf_counter() - start
-        return looped, timed(accelerator.wait_for_checkpoint)
+        if mode == "async":
+            waits.append(timed(accelerator.wait_for_checkpoint))
+        return looped
 
-    saves = steps // every
     times: dict[str, list] = {"none": [], "sync": [], "async": []}
-    waits = []
+    blocked: dict[str, list] = {mode: [] for mode in times}
     for _ in range(repeats):
         for mode in times:
-            looped, waited = loop(None if mode == "none" else mode)
-            times[mode].append(looped)
-            if mode == "async":
-                waits.append(waited)
-    base = statistics.median(times["none"])
+            times[mode].append(loop(None if mode == "none" else mode, blocked[mode]))
+    base, saves = statistics.median(times["none"]), steps // every
     return {"step_s": base / steps, "saves": saves, "last_wait_s": statistics.median(waits),
-            **{mode: (statistics.median(times[mode]) - base) / saves for mode in ("sync", "async")}}
+            **{mode: {"loop": (statistics.median(times[mode]) - base) / saves, "call": statistics.median(blocked[mode])}
+               for mode in ("sync", "async")}}
 
 
 # -- 2. throughput against plain safetensors ------------------------------------------------------------------------
@@ -109,53 +115,75 @@ def plain_tensors(accelerator, model, optimizer, sharded: bool) -> tuple[dict, d
     return {k: local(v).contiguous() for k, v in weights.items()}, flat
 
 
+class NoHash:
+    """hashlib.sha256's stand-in for the variant without the manifest's hashing."""
+
+    def __init__(self, *args) -> None:
+        pass
+
+    def update(self, data) -> None:
+        pass
+
+    def hexdigest(self) -> str:
+        return ""
+
+
+VARIANTS = ("plain save", "plain save + fsync", "ours save", "ours save, no fsync", "ours save, no fsync, no hash",
+            "plain load + copy", "ours load_state", "ours: manifest check alone")
+
+
 def throughput(accelerator, model, optimizer, root: Path, sharded: bool, repeats: int) -> dict:
     writes = sharded or accelerator.is_main_process
     weights, optim = plain_tensors(accelerator, model, optimizer, sharded)
     rank = accelerator.process_index
     nbytes = sum(t.numel() * t.element_size() for d in (weights, optim) for t in d.values()) if writes else 0
+    files = (root / "plain" / f"model_{rank}.safetensors", root / "plain" / f"optimizer_{rank}.safetensors")
 
-    def plain_save():
+    def plain_save(fsync: bool = False) -> None:
         if writes:
-            save_file(weights, root / "plain" / f"model_{rank}.safetensors")
-            save_file(optim, root / "plain" / f"optimizer_{rank}.safetensors")
+            for tensors, path in zip((weights, optim), files):
+                save_file(tensors, path)
+                if fsync:
+                    with open(path, "rb") as f:
+                        os.fsync(f.fileno())
         accelerator.wait_for_everyone()
 
-    def plain_fsync():
-        plain_save()
-        for p in (root / "plain").iterdir():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-
-    def plain_load():
+    def plain_load() -> None:
         if writes:
-            load_file(root / "plain" / f"model_{rank}.safetensors")
-            load_file(root / "plain" / f"optimizer_{rank}.safetensors")
+            with torch.no_grad():
+                for tensors, path in zip((weights, optim), files):
+                    for key, value in load_file(path).items():
+                        tensors[key].copy_(value)
         accelerator.wait_for_everyone()
 
-    def plain_dir():
+    def plain_dir() -> None:
         fresh(root / "plain")
         (root / "plain").mkdir(parents=True, exist_ok=True)
         accelerator.wait_for_everyone()
 
-    def ours_dir():
+    def ours_dir() -> None:
         fresh(root / "ours")
         accelerator.wait_for_everyone()
 
-    def ours_nofsync():
-        with mock.patch.object(os, "fsync", lambda fd: None):
+    def ours(fsync: bool = True, hashing: bool = True) -> None:
+        with contextlib.ExitStack() as stack:
+            if not fsync:
+                stack.enter_context(mock.patch.object(os, "fsync", lambda fd: None))
+            if not hashing:
+                stack.enter_context(mock.patch.object(durable.hashlib, "sha256", NoHash))
+                stack.enter_context(mock.patch.object(manifest, "sha256", lambda path: ""))
             accelerator.save_state(root / "ours")
 
-    t: dict[str, list] = {k: [] for k in ("plain save", "plain save+fsync", "ours save", "ours save, no fsync",
-                                          "plain load", "ours load", "manifest check")}
+    t: dict[str, list] = {k: [] for k in VARIANTS}
     for _ in range(repeats):
         t["plain save"].append(timed(plain_save, plain_dir))
-        t["plain save+fsync"].append(timed(plain_fsync, plain_dir))
-        t["ours save, no fsync"].append(timed(ours_nofsync, ours_dir))
-        t["ours save"].append(timed(lambda: accelerator.save_state(root / "ours"), ours_dir))
-        t["plain load"].append(timed(plain_load))
-        t["ours load"].append(timed(lambda: accelerator.load_state(root / "ours")))
-        t["manifest check"].append(timed(lambda: read_metadata(root / "ours", checksums=True)))
+        t["plain save + fsync"].append(timed(lambda: plain_save(fsync=True), plain_dir))
+        t["ours save, no fsync, no hash"].append(timed(lambda: ours(False, False), ours_dir))
+        t["ours save, no fsync"].append(timed(lambda: ours(False), ours_dir))
+        t["ours save"].append(timed(ours, ours_dir))
+        t["plain load + copy"].append(timed(plain_load))
+        t["ours load_state"].append(timed(lambda: accelerator.load_state(root / "ours")))
+        t["ours: manifest check alone"].append(timed(lambda: read_metadata(root / "ours", checksums=True)))
     total = torch.tensor(nbytes, dtype=torch.float64)
     if accelerator.num_processes > 1:
         torch.distributed.all_reduce(total)
@@ -179,31 +207,29 @@ def main() -> None:
         root = Path(shared[0])
     model, optimizer = build(accelerator, args.width, args.layers)
     params = sum(p.numel() for p in accelerator.unwrap_model(model).parameters())
-    n = accelerator.num_processes
-    out = [f"\nMLP {args.layers} x {args.width} ({params / 1e6:.1f} M parameters, AdamW), {n} process(es), "
-           f"median of {args.repeats}"]
+    out = [f"\nMLP {args.layers} x {args.width} ({params / 1e6:.1f} M parameters, AdamW), "
+           f"{accelerator.num_processes} process(es), median of {args.repeats}"]
     s = stall(accelerator, model, optimizer, args.width, root, args.steps, args.every, args.repeats)
     out += [f"stall per save (step {s['step_s']:.3f} s, {s['saves']} saves in {args.steps} steps):",
-            "| variant | stall per save (s) | vs sync |", "|---|---|---|",
-            f"| sync save_state | {s['sync']:.3f} | 1.00x |",
-            f"| async save_state | {s['async']:.3f} | {s['async'] / s['sync']:.2f}x |",
-            f"(async: the last save's wait_for_checkpoint took {s['last_wait_s']:.3f} s)"]
+            "| variant | stall per save, from loop times (s) | save_state call (s) | call vs sync |",
+            "|---|---|---|---|"]
+    out += [f"| {mode} save_state | {s[mode]['loop']:.3f} | {s[mode]['call']:.3f} | "
+            f"{s[mode]['call'] / s['sync']['call']:.2f}x |" for mode in ("sync", "async")]
+    out.append(f"(async: the last save's wait_for_checkpoint took {s['last_wait_s']:.3f} s)")
     results = {"full": throughput(accelerator, model, optimizer, root, False, args.repeats)}
     accelerator.free_memory(model, optimizer)
     fsdp = Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(
         state_dict_type="SHARDED_STATE_DICT", transformer_cls_names_to_wrap=["Linear"]))
-    model, optimizer = build(fsdp, args.width, args.layers)
-    results["sharded (FSDP, DCP)"] = throughput(fsdp, model, optimizer, root, True, args.repeats)
-    out += ["save and load against plain safetensors (GB/s of weights + optimizer state; ratio: plain time / ours):",
-            "| form | plain save | plain save+fsync | ours save | vs plain | vs plain+fsync | ours, no fsync | "
-            "plain load | ours load | vs plain | manifest check |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    if fsdp.checkpoint_io.sharded:  # FSDP in one process trains unsharded and writes full files
+        model, optimizer = build(fsdp, args.width, args.layers)
+        results["sharded (FSDP, DCP)"] = throughput(fsdp, model, optimizer, root, True, args.repeats)
+    out += ["save and load against plain safetensors (weights + optimizer state; vs plain: plain time / ours):",
+            "| form | variant | time (s) | GB/s | vs plain |", "|---|---|---|---|---|"]
     for form, r in results.items():
-        gb = r["bytes"] / 1e9
-        out.append(f"| {form} | {gb / r['plain save']:.2f} | {gb / r['plain save+fsync']:.2f} | "
-                   f"{gb / r['ours save']:.2f} | {r['plain save'] / r['ours save']:.2f}x | "
-                   f"{r['plain save+fsync'] / r['ours save']:.2f}x | {gb / r['ours save, no fsync']:.2f} | "
-                   f"{gb / r['plain load']:.2f} | {gb / r['ours load']:.2f} | "
-                   f"{r['plain load'] / r['ours load']:.2f}x | {r['manifest check']:.2f} s |")
+        for name in VARIANTS:
+            plain = r["plain load + copy"] if "load" in name or "manifest" in name else r["plain save"]
+            out.append(f"| {form} | {name} | {r[name]:.2f} | {r['bytes'] / 1e9 / r[name]:.2f} | "
+                       f"{plain / r[name]:.2f}x |")
     if fsdp.is_main_process:
         print("\n".join(out), flush=True)
         if args.root is None:

@@ -90,8 +90,8 @@ class CheckpointIO:
         return self.saves.wait()
 
     def save_group(self) -> Any:
-        """The gloo group DCP's async_save coordinates on, apart from training's (async_save.py); made once, by
-        every process."""
+        """The gloo group the background writer's `dcp.save` coordinates on, apart from training's (async_save.py);
+        made once, by every process."""
         if self._save_group is None and self.process.distributed:
             self._save_group = torch.distributed.new_group(backend="gloo")
         return self._save_group
