@@ -236,9 +236,8 @@ def test_trainer_async_save_writes_in_the_background_and_counts_once_complete(tm
     files = {p.name for p in (out / "checkpoint-6").iterdir()}
     assert {"trainer_state.json", "model.safetensors", "optimizer.pt", "scheduler.pt"} <= files
     assert not any(name.endswith(".incomplete") for name in files)
-    saved = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    saved, reloaded = trainer.model.state_dict(), load_file(out / "checkpoint-6" / "model.safetensors")
+    assert all(torch.equal(reloaded[k], saved[k]) for k in saved)
     resumed = Trainer(model=Regression(), args=arguments(8), train_dataset=Rows())
     resumed.train(resume_from_checkpoint=True)
     assert resumed.state.global_step == 8
-    reloaded = load_file(out / "checkpoint-6" / "model.safetensors")
-    assert all(torch.equal(reloaded[k], saved[k]) for k in saved)
