@@ -43,7 +43,7 @@ class Writes:
 
     def __init__(self, background: bool = False, group: Any = None) -> None:
         self.background = background
-        self.group = group  # DCP's own process group for async_save (None: one process, or a synchronous save)
+        self.group = group  # the gloo group of the writer thread's dcp.save (None: one process, or a synchronous save)
         self.jobs: list[Callable[[], durable.Digests]] = []
         self.sharded: list[Path] = []
         self.digests: durable.Digests = {}
