@@ -262,12 +262,10 @@ class Accelerator(ProcessView, compat.AccelerateMembers):
         placement = self.device_placement if device_placement is None else device_placement
         # Batches are built on the CPU: placing them on a CPU device would only cost time.
         device = self.device if placement and self.device.type != "cpu" else None
-        prepared = prepare_dataloader(
-            data_loader, num_processes=self.num_processes, process_index=self.process_index,
-            device=device, split_batches=self.split_batches,
-            even_batches=self.even_batches, gradient_state=self.gradient_state,
-            non_blocking=self.dataloader_config.non_blocking, data_seed=self.dataloader_config.data_seed,
-        )
+        prepared = prepare_dataloader(data_loader, num_processes=self.num_processes, process_index=self.process_index,
+                                      device=device, split_batches=self.split_batches, even_batches=self.even_batches,
+                                      gradient_state=self.gradient_state, data_seed=self.dataloader_config.data_seed,
+                                      non_blocking=self.dataloader_config.non_blocking)
         self._objects.dataloaders.append(prepared)
         return prepared
 
@@ -401,21 +399,21 @@ class Accelerator(ProcessView, compat.AccelerateMembers):
                                  "give them both methods")
         self._objects.custom.extend(objects)
 
-    def save_state(self, output_dir: str | os.PathLike | None = None, safe_serialization: bool = True) -> str:
-        """Save everything needed to continue training exactly where it stands; returns the directory."""
+    def save_state(self, output_dir: str | os.PathLike | None = None, safe_serialization: bool = True,
+                   async_save: bool | None = None) -> str:
+        """Save everything needed to continue training exactly where it stands; returns the directory. `async_save`
+        (default ProjectConfiguration.async_save): return once it is in host memory, writing it in the background."""
         config = self.project_configuration
-        automatic = output_dir is None
-        output_dir = output_dir if output_dir is not None else checkpoint.automatic_dir(config)
-        objects = checkpoint.apply_save_hooks(self._save_state_pre_hooks.values(), self._objects, output_dir,
+        target = output_dir if output_dir is not None else checkpoint.automatic_dir(config)
+        objects = checkpoint.apply_save_hooks(self._save_state_pre_hooks.values(), self._objects, target,
                                               functools.partial(self.get_state_dict, unwrap=False))
-        target = self.checkpoint_io.save(output_dir, objects, safe_serialization=safe_serialization,
-                                         on_each_node=config.save_on_each_node)
-        if automatic:
-            config.iteration += 1
-            if config.total_limit is not None and self.is_main_process:
-                checkpoint.rotate(config.project_dir, config.total_limit)
-            self.wait_for_everyone()
-        return str(target)
+        return str(self.checkpoint_io.save(target, objects, safe_serialization=safe_serialization,
+                                           on_each_node=config.save_on_each_node, project=output_dir is None and config,
+                                           async_save=config.async_save if async_save is None else async_save))
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until an async `save_state` is on disk (every process); its failure raises here."""
+        self.checkpoint_io.wait()
 
     def _progress(self) -> dict[str, Any]:
         """The counters a checkpoint keeps besides the objects' states (restored by `load_state`)."""
@@ -424,7 +422,7 @@ class Accelerator(ProcessView, compat.AccelerateMembers):
     def load_state(self, input_dir: str | os.PathLike | None = None) -> None:
         """Restore what `save_state` wrote. The next pass over each prepared dataloader continues with the batch after
         the last one seen, in the same order: no manual skipping."""
-        config = self.project_configuration
+        config, _ = self.project_configuration, self.checkpoint_io.wait()  # a save under way is finished first
         chosen = input_dir is None  # the newest usable automatic checkpoint: verified while choosing it
         input_dir = checkpoint.latest_automatic_dir(config, checkpoint.read_metadata) if chosen else input_dir
         objects = checkpoint.apply_load_hooks(self._load_state_pre_hooks.values(), self._objects, input_dir)
@@ -481,6 +479,7 @@ class Accelerator(ProcessView, compat.AccelerateMembers):
     # -- lifecycle -------------------------------------------------------------------------------------------------
     def free_memory(self, *objects: Any) -> list[None]:
         """Drop every reference this Accelerator holds to prepared objects (and return `None` for each argument)."""
+        self.checkpoint_io.wait()  # an async save's staged copy is memory too
         self._objects.clear()
         self.strategy.reset()
         self.step = 0
@@ -489,9 +488,10 @@ class Accelerator(ProcessView, compat.AccelerateMembers):
     clear = free_memory
 
     def end_training(self) -> None:
-        """Finish the trackers, then tear down the process group if this process created it (a group given by Ray
-        or the user stays)."""
+        """Finish the trackers and an async save under way, then tear down the process group if this process created
+        it (a group given by Ray or the user stays)."""
         self.tracking.finish()
+        self.wait_for_checkpoint()
         self.wait_for_everyone()
         shutdown_process_group()
 

@@ -17,7 +17,8 @@ class ProjectConfiguration:
     """Where `save_state` writes, and how automatic checkpoint names rotate.
 
     With `automatic_checkpoint_naming`, checkpoints go to `project_dir/checkpoints/checkpoint_{iteration}` and only the
-    newest `total_limit` are kept.
+    newest `total_limit` are kept. `async_save`: `save_state` returns once the state is copied to host memory and
+    writes it in the background (the default of its `async_save` argument).
     """
 
     project_dir: str | None = None
@@ -26,12 +27,14 @@ class ProjectConfiguration:
     total_limit: int | None = None
     iteration: int = 0
     save_on_each_node: bool = False
+    async_save: bool = False
 
     def __post_init__(self) -> None:
         self.project_dir = checks.path(self.project_dir, "ProjectConfiguration.project_dir")
         self.logging_dir = checks.path(self.logging_dir, "ProjectConfiguration.logging_dir")
         checks.flag(self.automatic_checkpoint_naming, "ProjectConfiguration.automatic_checkpoint_naming")
         checks.flag(self.save_on_each_node, "ProjectConfiguration.save_on_each_node")
+        checks.flag(self.async_save, "ProjectConfiguration.async_save")
         checks.whole(self.total_limit, "ProjectConfiguration.total_limit", minimum=1, optional=True,
                      fix="; None keeps every checkpoint")
         checks.whole(self.iteration, "ProjectConfiguration.iteration")

@@ -3,6 +3,8 @@
     layout.py       every name in a checkpoint directory (and the layout itself, documented there)
     files.py        how bytes are written and read: safetensors weights, torch files, random generator states
     directories.py  staging + rename (a save appears complete or not at all), automatic naming, rotation
+    durable.py      large files hashed while written (for the manifest) and fsynced; safetensors from tensor memory
+    async_save.py   where a save's large writes go: now, or host memory then a writer thread (async save_state)
     state_io.py     CheckpointIO: a set of prepared objects to files and back, the strategy saying what each state is
     safe_load.py    every read of a torch file or a DCP directory, none of which can run code from the file
     inspect.py      `hf-backend checkpoint inspect`: what a checkpoint holds and whether it verifies

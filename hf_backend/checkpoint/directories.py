@@ -14,37 +14,62 @@ from ..collectives import gather_object
 from ..errors import HfBackendError
 from ..log import note
 from ..state import ProcessState
-from . import layout
+from . import durable, layout
+
+
+@dataclasses.dataclass
+class Staging:
+    """A save under way in `<target>.incomplete` (`path`), which nothing loads: `commit` moves it to `target` in one
+    rename once every process has written its part, `abandon` removes it."""
+
+    target: Path
+    path: Path
+    process: ProcessState  # the processes sharing this directory (one, when each process names its own)
+    everyone: ProcessState  # every process
+
+    def commit(self, seal: Callable[[Path], None]) -> None:
+        """Every process: wait for all, then the main one seals, fsyncs and renames (durable once it returns)."""
+        self.process.wait_for_everyone()
+        if self.process.is_main_process:
+            durable.fsync_tree(self.path)
+            seal(self.path)
+            previous = layout.previous_dir(self.target)
+            if self.target.exists():
+                shutil.rmtree(previous, ignore_errors=True)
+                self.target.rename(previous)
+            self.path.rename(self.target)
+            durable.fsync_dir(self.target.parent)
+            shutil.rmtree(previous, ignore_errors=True)
+        self.everyone.wait_for_everyone()
+
+    def abandon(self) -> None:
+        """Every process: remove the staged files of a failed save (an older checkpoint at `target` stays)."""
+        self.process.wait_for_everyone()
+        if self.process.is_main_process:
+            shutil.rmtree(self.path, ignore_errors=True)
+        self.everyone.wait_for_everyone()
+
+
+def stage(target: Path, process: ProcessState) -> Staging:
+    """Every process: a fresh staging directory for `target`. When the processes name different directories (each its
+    own, as Accelerate allows), each process stages, seals and renames its own, holding its part of the checkpoint."""
+    own = process.distributed and len(set(gather_object(str(target.resolve())))) > 1
+    sharing = dataclasses.replace(process, num_processes=1, process_index=0) if own else process
+    staging = layout.staging_dir(target)
+    if sharing.is_main_process:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+    process.wait_for_everyone()
+    return Staging(target, staging, sharing, process)
 
 
 def staged_write(target: Path, process: ProcessState, write: Callable[[Path], None],
                  seal: Callable[[Path], None]) -> None:
     """Run `write(staging_dir)` on every process, then `seal(staging_dir)` on the main one, then move the staging dir
-    to `target` in one rename.
-
-    When the processes name different directories (each its own, as Accelerate allows), each process stages, seals
-    and renames its own, holding its part of the checkpoint."""
-    own = process.distributed and len(set(gather_object(str(target.resolve())))) > 1
-    if own:
-        staged_write(target, dataclasses.replace(process, num_processes=1, process_index=0), write, seal)
-        process.wait_for_everyone()
-        return
-    staging = layout.staging_dir(target)
-    if process.is_main_process:
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-    process.wait_for_everyone()
-    write(staging)
-    process.wait_for_everyone()
-    if process.is_main_process:
-        seal(staging)
-        previous = layout.previous_dir(target)
-        if target.exists():
-            shutil.rmtree(previous, ignore_errors=True)
-            target.rename(previous)
-        staging.rename(target)
-        shutil.rmtree(previous, ignore_errors=True)
-    process.wait_for_everyone()
+    to `target` in one rename."""
+    staging = stage(target, process)
+    write(staging.path)
+    staging.commit(seal)
 
 
 def automatic_dir(config: Any) -> Path:
@@ -56,6 +81,19 @@ def automatic_dir(config: Any) -> Path:
         raise HfBackendError("save_state(): automatic checkpoint naming needs project_dir; pass "
                              "Accelerator(project_dir=...) or ProjectConfiguration(project_dir=...)")
     return layout.automatic_dir(config.project_dir, config.iteration)
+
+
+def automatic_saved(config: Any, process: ProcessState) -> Callable[[], None]:
+    """Count the automatic checkpoint being saved now (the next save gets the next name, while this one may still be
+    written in the background); returns what runs once it is in place: rotation to the newest `total_limit`."""
+    config.iteration += 1
+
+    def rotate_now() -> None:
+        if config.total_limit is not None and process.is_main_process:
+            rotate(config.project_dir, config.total_limit)
+        process.wait_for_everyone()
+
+    return rotate_now
 
 
 def latest_automatic_dir(config: Any, usable: Callable[[Path], None]) -> Path:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,14 +34,15 @@ def metadata_checksum(meta: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def seal(directory: Path) -> None:
+def seal(directory: Path, digest: Callable[[Path], str] = sha256) -> None:
     """Add the manifest of every file under `directory` to its metadata (main process, after all have written). A
-    directory without metadata (another process's part, when each process names its own directory) has none."""
+    directory without metadata (another process's part, when each process names its own directory) has none.
+    `digest`: a file's SHA-256 (the writer's, when it hashed the bytes as it wrote them)."""
     meta_path = directory / layout.METADATA
     if not meta_path.is_file():
         return
     meta = json.loads(meta_path.read_text())
-    meta["files"] = {str(p.relative_to(directory)): {"size": p.stat().st_size, "sha256": sha256(p)}
+    meta["files"] = {str(p.relative_to(directory)): {"size": p.stat().st_size, "sha256": digest(p)}
                      for p in sorted(directory.rglob("*")) if p.is_file() and p != meta_path}
     meta[SELF_CHECKSUM] = metadata_checksum(meta)
     temporary = meta_path.with_name(meta_path.name + ".tmp")

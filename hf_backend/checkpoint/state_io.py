@@ -16,14 +16,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from ..errors import HfBackendError
 from ..precision import Precision
 from ..prepared import PreparedObjects
 from ..state import ProcessState
-from . import layout, manifest
-from .directories import interrupted_overwrite, staged_write
+from . import async_save as async_save_
+from . import durable, layout, manifest
+from .directories import automatic_saved, interrupted_overwrite, stage
 from .files import (
     capture_rng,
     check_loaded,
@@ -51,6 +51,8 @@ class CheckpointIO:
         self.precision = precision
         self.prepared = prepared
         self.progress = progress  # the facade's counters, written into the metadata
+        self.saves = async_save_.AsyncSaves()  # the async save still under way, if any
+        self._save_group: Any = None
 
     @property
     def sharded(self) -> bool:
@@ -59,36 +61,60 @@ class CheckpointIO:
 
     # -- whole checkpoints ---------------------------------------------------------------------------------------------
     def save(self, target: str | os.PathLike, objects: PreparedObjects | None = None, *,
-             safe_serialization: bool = True, on_each_node: bool = False) -> Path:
-        """`write` into a new directory `target`, staged so that it appears complete or not at all.
-        `on_each_node` (ProjectConfiguration.save_on_each_node) is only meaningful on one node."""
+             safe_serialization: bool = True, on_each_node: bool = False, async_save: bool = False,
+             project: Any = None) -> Path:
+        """`write` into a new directory `target`, staged so that it appears complete or not at all, and durable
+        (fsynced) once it does. `on_each_node` (ProjectConfiguration.save_on_each_node) is only meaningful on one
+        node. `async_save`: return once the state is in host memory; the files are written in the background and the
+        checkpoint appears at the next `wait()` (async_save.py). `project`: the ProjectConfiguration whose automatic
+        checkpoint this is: its iteration counts on now, its rotation runs once the checkpoint is in place."""
+        self.wait()
         self.check_on_each_node(on_each_node, "save_state")
         target = Path(target)
         if target.exists() and not target.is_dir():
             raise HfBackendError(f"save_state: {target} is a file, not a checkpoint directory; pass a directory (the "
                                  "file is left as it is)")
-        staged_write(target, self.process, lambda directory: self.write(directory, objects,
-                                                                        safe_serialization=safe_serialization),
-                     manifest.seal)
-        return target
+        writes = async_save_.Writes(async_save, self.save_group() if async_save and self.sharded else None)
+        staging = stage(target, self.process)
+        self.write(staging.path, objects, safe_serialization=safe_serialization, writes=writes)
+        after = automatic_saved(project, self.process) if project else None
+        pending = async_save_.PendingSave(staging, writes, manifest.seal, after)
+        if async_save:
+            self.saves.put(pending)
+            return target
+        return pending.finish()
+
+    def wait(self) -> Path | None:
+        """Finish an async save still under way (every process): its checkpoint is in place when this returns, or
+        its failure raises here. Returns its directory, or None when none was pending."""
+        return self.saves.wait()
+
+    def save_group(self) -> Any:
+        """The gloo group the background writer's `dcp.save` coordinates on, apart from training's (async_save.py);
+        made once, by every process."""
+        if self._save_group is None and self.process.distributed:
+            self._save_group = torch.distributed.new_group(backend="gloo")
+        return self._save_group
 
     def write(self, directory: str | os.PathLike, objects: PreparedObjects | None = None, *, rng: bool = True,
               scaler: bool = True, extra: dict[str, Any] | None = None, safe_serialization: bool = True,
-              on_each_node: bool = False) -> None:
+              on_each_node: bool = False, writes: async_save_.Writes | None = None) -> None:
         """Write `objects` (default: everything prepared and registered) into the existing `directory`, unstaged;
         `rng` / `scaler`: also this process's random states / the fp16 loss scaler (hf_backend.Trainer leaves both to
         transformers); `extra` replaces the facade's counters in the metadata. `on_each_node`: the files the main
         process writes are written by each node's local main process (nodes without a shared filesystem); models
-        and optimizers cannot be, their states are gathered to (or coordinated by) global rank 0."""
+        and optimizers cannot be, their states are gathered to (or coordinated by) global rank 0. `writes`: where
+        model and optimizer states go (default: written now)."""
         directory, objects = Path(directory), objects if objects is not None else self.prepared
+        writes = writes if writes is not None else async_save_.Writes()
         if objects.models or objects.optimizers:
             self.check_on_each_node(on_each_node, "save_on_each_node with models or optimizers")
         if rng:
             torch.save(capture_rng(), directory / layout.rng_file(self.process.process_index))
         for i, model in enumerate(objects.models):
-            self.save_weights(model, directory, layout.model_stem(i), safe_serialization)
+            self.save_weights(model, directory, layout.model_stem(i), safe_serialization, writes)
         for i, optimizer in enumerate(objects.optimizers):
-            self.save_optimizer(optimizer, directory, layout.optimizer_stem(i))
+            self.save_optimizer(optimizer, directory, layout.optimizer_stem(i), writes)
         if not (self.process.is_local_main_process if on_each_node else self.process.is_main_process):
             return
         for i, scheduler in enumerate(objects.schedulers):
@@ -152,8 +178,8 @@ class CheckpointIO:
         }
         rng_file = directory / layout.rng_file(self.process.process_index)
         files["rng"] = load_file(rng_file) if rng and rng_file.is_file() else None
-        if self.strategy.native_checkpoints:
-            return files
+        if (directory / layout.native_dir(layout.model_stem(0))).is_dir():  # an earlier version's DeepSpeed files
+            return files  # read by DeepSpeed's engine, model and optimizer together (load_weights)
         for i in range(len(objects.models)):
             if holds_sharded(directory, layout.sharded_dir(layout.model_stem(i))):
                 check_dcp(directory / layout.sharded_dir(layout.model_stem(i)))
@@ -167,17 +193,18 @@ class CheckpointIO:
 
     # -- one model or optimizer ----------------------------------------------------------------------------------------
     def save_weights(self, model: torch.nn.Module, directory: str | os.PathLike, stem: str = "model",
-                     safe_serialization: bool = True) -> None:
+                     safe_serialization: bool = True, writes: async_save_.Writes | None = None) -> None:
         """The model's weights as a checkpoint holds them: each process's shards when `sharded`, else full files."""
-        directory = Path(directory)
+        directory, writes = Path(directory), writes if writes is not None else async_save_.Writes()
         if self.sharded:
-            dcp.save({"model": self.strategy.model_state_dict(model, sharded=True)},
-                     checkpoint_id=str(directory / layout.sharded_dir(stem)))
+            writes.shards({"model": self.strategy.model_state_dict(model, sharded=True)},
+                          directory / layout.sharded_dir(stem))
         else:
             state_dict = self.strategy.checkpoint_state_dict(model)
             if self.process.is_main_process:
-                write_weights(state_dict, directory, filename_stem=stem, safe_serialization=safe_serialization,
-                              tied_keys=tied_weight_keys(self.strategy.unwrap_model(model)))
+                tied = tied_weight_keys(self.strategy.unwrap_model(model))
+                state_dict = writes.snapshot(state_dict)
+                writes.file(lambda: full_weights(state_dict, directory, stem, safe_serialization, tied))
 
     def load_weights(self, model: torch.nn.Module, directory: str | os.PathLike, stem: str = "model") -> None:
         """Weights in either form (or an earlier version's DeepSpeed checkpoint, under DeepSpeed) into the prepared
@@ -195,16 +222,18 @@ class CheckpointIO:
             result = self.strategy.load_model_state_dict(model, read_weights(directory, stem))
             check_loaded(self.strategy.unwrap_model(model), result, directory)
 
-    def save_optimizer(self, optimizer: Any, directory: str | os.PathLike, stem: str = "optimizer") -> None:
+    def save_optimizer(self, optimizer: Any, directory: str | os.PathLike, stem: str = "optimizer",
+                       writes: async_save_.Writes | None = None) -> None:
         inner, model = self._optimizer_and_model(optimizer)
-        directory = Path(directory)
+        directory, writes = Path(directory), writes if writes is not None else async_save_.Writes()
         if self.sharded:
-            dcp.save({"optimizer": self.strategy.optimizer_state_dict(model, inner, sharded=True)},
-                     checkpoint_id=str(directory / layout.sharded_dir(stem)))
+            writes.shards({"optimizer": self.strategy.optimizer_state_dict(model, inner, sharded=True)},
+                          directory / layout.sharded_dir(stem))
             return
         state_dict = self.strategy.optimizer_state_dict(model, inner)
         if self.process.is_main_process:
-            torch.save(state_dict, directory / layout.full_optimizer_file(stem))
+            state_dict = writes.snapshot(state_dict)
+            writes.file(lambda: durable.torch_file(state_dict, directory / layout.full_optimizer_file(stem)))
 
     def load_optimizer(self, optimizer: Any, directory: str | os.PathLike, stem: str = "optimizer",
                        file: str | None = None, state: dict[str, Any] | None = None) -> None:
@@ -265,6 +294,18 @@ class CheckpointIO:
             if any(id(p) in ids for p in model.parameters()):
                 return inner, getattr(model, "_orig_mod", model)  # inside a torch.compile wrapper
         raise HfBackendError("an optimizer's parameters belong to no prepared model; prepare the model with it")
+
+
+def full_weights(state_dict: dict[str, torch.Tensor], directory: Path, stem: str, safe_serialization: bool,
+                 tied: list[str]) -> durable.Digests:
+    """Full weights of a checkpoint: one safetensors file written from the tensors' memory and hashed while written
+    (durable.py); huggingface_hub's writer for `.bin` files, dtypes safetensors lacks, or more than 10 GB."""
+    tensors = durable.without_aliases({k: v.detach().cpu() for k, v in state_dict.items()}, tied)
+    if safe_serialization and durable.writable(tensors) and \
+            sum(t.numel() * t.element_size() for t in tensors.values()) <= 10 * 10**9:
+        return durable.safetensors_file(tensors, directory / f"{stem}.safetensors", {"format": "pt"})
+    write_weights(state_dict, directory, filename_stem=stem, safe_serialization=safe_serialization, tied_keys=tied)
+    return {}
 
 
 def read_metadata(source: str | os.PathLike, checksums: bool = True, caller: str = "load_state") -> dict[str, Any]:
@@ -381,4 +422,4 @@ def apply_load_hooks(hooks: Iterable[Callable], objects: PreparedObjects,
     return objects.with_models(models)
 
 
-__all__ = ["CheckpointIO", "apply_load_hooks", "apply_save_hooks", "keyed_by_name", "read_metadata"]
+__all__ = ["CheckpointIO", "full_weights", "apply_load_hooks", "apply_save_hooks", "keyed_by_name", "read_metadata"]

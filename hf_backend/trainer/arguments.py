@@ -36,6 +36,10 @@ from ..state import get_process_state, process_state_is_set_up
 
 @dataclass
 class TrainingArguments(transformers.TrainingArguments):
+    async_save: bool = dataclasses.field(default=False, metadata={"help": (
+        "hf_backend: a checkpoint's large files are copied to host memory and written in the background while "
+        "training goes on; the checkpoint counts (trainer_state.json, rotation) once every file is written")})
+
     def __post_init__(self) -> None:
         for name in ("gradient_accumulation_steps", "per_device_train_batch_size", "per_device_eval_batch_size"):
             checks.whole(getattr(self, name), f"TrainingArguments.{name}", minimum=1)

@@ -19,6 +19,7 @@ transformers versions it supports (5.17 to 5.23).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -43,6 +44,7 @@ from ..options import (
     TorchDynamoPlugin,
 )
 from ..prepared import PreparedObjects
+from . import async_checkpoint
 from . import transformers_compat as compat
 from .arguments import TrainingArguments
 from .jit_checkpoint import JITCheckpoint
@@ -155,6 +157,9 @@ class Trainer(transformers.Trainer):
                                                                      self.is_fsdp_enabled):
             raise HfBackendError("save_only_model with load_best_model_at_end needs full checkpoints under FSDP and "
                                  "DeepSpeed; drop save_only_model")
+        if args.async_save and self.is_deepspeed_enabled:
+            raise HfBackendError("async_save with DeepSpeed: its engine writes its own checkpoint synchronously; drop "
+                                 "async_save")
         if self.is_deepspeed_enabled and state.deepspeed_plugin.zero_stage == 3 and args.auto_find_batch_size:
             raise HfBackendError("auto_find_batch_size does not work with DeepSpeed ZeRO-3; set the batch size")
 
@@ -211,22 +216,29 @@ class Trainer(transformers.Trainer):
         return bool(self.accelerator.gather(torch.tensor([divides], device=self.args.device)).all())
 
     # -- checkpoints -----------------------------------------------------------------------------------------------
+    _async_writes: Any = None  # while an async checkpoint is being saved: where its large writes go
+
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         """A checkpoint is verified (its manifest) before anything of it is loaded; `True` resumes the newest one
-        that is complete and verifies, passing over newer ones with a note."""
+        that is complete and verifies, passing over newer ones with a note. An async checkpoint still being written
+        is finished first, and the last one is complete when `train()` returns."""
+        self.accelerator.checkpoint_io.wait()
         usable = functools.partial(check_checkpoint, fresh_optimizer=self.args.save_only_model)
         if resume_from_checkpoint is True:
             resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir, usable)
         elif resume_from_checkpoint and os.path.isdir(resume_from_checkpoint):
             usable(resume_from_checkpoint)
         self._verified_checkpoint = resume_from_checkpoint  # its files are not hashed a second time
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        result = super().train(resume_from_checkpoint, *args, **kwargs)
+        self.accelerator.checkpoint_io.wait()
+        return result
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         """transformers' save, then the manifest of every file in the checkpoint (once every process has written).
         With save_only_model the train loader's position is written too, so the manifest has its metadata. A
         directory of the same step left by an earlier run (one a resume passed over) is removed first: transformers
-        would write into it, among its stale or damaged files."""
+        would write into it, among its stale or damaged files. With async_save the large files are written in the
+        background and the manifest is sealed when they are (trainer/async_checkpoint.py)."""
         output_dir = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
         if self.args.should_save and os.path.lexists(output_dir):
             note(f"removing {output_dir}, left by an earlier run, before saving this step again")
@@ -235,20 +247,23 @@ class Trainer(transformers.Trainer):
             else:
                 os.remove(output_dir)
         self.accelerator.wait_for_everyone()
-        super()._save_checkpoint(model, trial)
-        if self.args.save_only_model:
-            self._write_engine_part(output_dir, optimizer_and_scheduler=False)
+        with async_checkpoint.deferred(self, trial) if self.args.async_save else contextlib.nullcontext():
+            super()._save_checkpoint(model, trial)
+            if self.args.save_only_model:
+                self._write_engine_part(output_dir, optimizer_and_scheduler=False)
+        if self.args.async_save:
+            return
         self.accelerator.wait_for_everyone()
         if self.args.should_save:
             checkpoint.manifest.seal(Path(output_dir))
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        if not self._sharded_weights():
+        if not self._sharded_weights() and not (_internal_call and self._async_writes is not None):
             return super().save_model(output_dir, _internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        if _internal_call:  # a checkpoint: each process writes its shards (model_dcp/), no full copy is gathered
+        if _internal_call:  # a checkpoint: shards (model_dcp/, no full copy is gathered), or full weights when async
             os.makedirs(output_dir, exist_ok=True)
-            self.accelerator.checkpoint_io.save_weights(self.model_wrapped, output_dir)
+            self.accelerator.checkpoint_io.save_weights(self.model_wrapped, output_dir, writes=self._async_writes)
             self._save_model_files(output_dir)
         else:  # the user's save: full weights that from_pretrained reads, gathered from the shards (collective)
             state_dict = self.accelerator.get_state_dict(self.model_wrapped)
@@ -270,14 +285,17 @@ class Trainer(transformers.Trainer):
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if not self._engine_writes_optimizer():  # transformers' optimizer.pt / scheduler.pt, or DeepSpeed's checkpoint
-            super()._save_optimizer_and_scheduler(output_dir)
+            if self._async_writes is None:
+                super()._save_optimizer_and_scheduler(output_dir)
+            else:  # optimizer.pt written in the background
+                async_checkpoint.save_optimizer_and_scheduler(self, output_dir, self._async_writes)
         self._write_engine_part(output_dir, self._engine_writes_optimizer())
 
     def _write_engine_part(self, output_dir: str, optimizer_and_scheduler: bool) -> None:
         os.makedirs(output_dir, exist_ok=True)
         self.accelerator.checkpoint_io.write(output_dir, self._engine_objects(optimizer_and_scheduler), rng=False,
                                              scaler=False, extra={"written_by": "hf_backend.Trainer"},
-                                             on_each_node=self.args.save_on_each_node)
+                                             on_each_node=self.args.save_on_each_node, writes=self._async_writes)
 
     def _engine_writes_optimizer(self) -> bool:
         """FSDP's optimizer state is sharded: the engine writes it (and the scheduler beside it). Elsewhere
@@ -319,6 +337,7 @@ class Trainer(transformers.Trainer):
         self.accelerator.checkpoint_io.load_weights(model or self.model_wrapped, resume_from_checkpoint)
 
     def _load_best_model(self) -> None:
+        self.accelerator.checkpoint_io.wait()  # the best checkpoint may be the one still being written
         if not self.is_fsdp_enabled:
             return super()._load_best_model()
         best = self.state.best_model_checkpoint

@@ -1,0 +1,186 @@
+"""Where one save's bytes go: written now, or staged in host memory and written in the background.
+
+`Writes` is handed to `CheckpointIO.write`: the large states (full weights, full optimizer states, DCP shards) go
+through it, everything small is written at once. A synchronous save runs each write as it comes. An async save
+(`save_state(async_save=True)`) first copies each state to host memory (`snapshot`; shards through DCP's own
+stager), so that training may change the live tensors as soon as `save_state` returns, then writes on one thread.
+
+Which thread calls collectives: the writer thread writes and hashes bytes, and runs `dcp.save` for shards, which
+does run collectives (its save plan and metadata). Those go to a gloo group of their own, made once on the main
+thread (`CheckpointIO.save_group`), never the group training's collectives use: two threads issuing collectives
+concurrently on one group can pair one rank's barrier with another rank's all-reduce. For the same reason the DCP
+directories (model, optimizer) are saved one after another on the one writer thread, not by one `dcp.async_save`
+thread each. Everything else that needs
+every process (the barrier saying all ranks are done, the manifest, the renames, fsync, rotation) runs on the main
+thread in `PendingSave.finish`, called by the next save, `load_state`, `wait_for_checkpoint`, `end_training` or
+`free_memory`, which every process calls in the same order, like any other collective. Until then the checkpoint is
+`<dir>.incomplete`, which nothing loads; a failed write removes it and raises one line at that call.
+"""
+
+from __future__ import annotations
+
+import atexit
+import copy
+import threading
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
+
+from ..collectives import gather_object
+from ..errors import HfBackendError
+from ..log import note
+from . import durable
+from .directories import Staging
+
+
+class Writes:
+    """The large writes of one save: run now (`background=False`), or queued and run by `start()` on a thread."""
+
+    def __init__(self, background: bool = False, group: Any = None) -> None:
+        self.background = background
+        self.group = group  # the gloo group of the writer thread's dcp.save (None: one process, or a synchronous save)
+        self.jobs: list[Callable[[], durable.Digests]] = []
+        self.sharded: list[Path] = []
+        self.digests: durable.Digests = {}
+        self.error: str | None = None
+        self.thread: threading.Thread | None = None
+
+    def snapshot(self, state: Any) -> Any:
+        """`state` itself for a synchronous save; for an async one, a copy in host memory that later training steps
+        do not touch (tensors viewing the same memory, tied weights, stay one copy)."""
+        return _host_copy(state, {}) if self.background else state
+
+    def file(self, job: Callable[[], durable.Digests]) -> None:
+        """`job()` writes files of snapshotted state and returns their digests."""
+        if self.background:
+            self.jobs.append(job)
+        else:
+            self.digests.update(job())
+
+    def shards(self, state_dict: dict[str, Any], directory: Path) -> None:
+        """Each process's shards into the DCP directory `directory` (every process calls this). In the background:
+        staged by DCP's own stager now, then `dcp.save` on the writer thread, one directory after another (what
+        `dcp.async_save` does, except that its one thread per call would run two saves' collectives concurrently on
+        one group, and ranks can pair them differently: a deadlock)."""
+        if self.background:
+            staged = BlockingAsyncStager().stage(state_dict)
+            self.sharded.append(directory)
+
+            def save() -> durable.Digests:
+                dcp.save(staged, checkpoint_id=str(directory), process_group=self.group)
+                return {}
+
+            self.jobs.append(save)
+        else:
+            dcp.save(state_dict, checkpoint_id=str(directory))
+            self.sharded.append(directory)
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self._run, name="hf_backend-async-save", daemon=False)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            for job in self.jobs:
+                self.digests.update(job())
+            self.jobs.clear()  # drops the snapshots as soon as they are written
+            for directory in self.sharded:  # complete: DCP's save returns once every rank's files are written
+                self.digests.update(durable.hash_tree(directory))  # DCP fsyncs its files; hash them here, not in seal
+        except BaseException as err:  # noqa: BLE001 - reported on the main thread by finish()
+            self.error = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}".rstrip(": ")
+
+    def join(self) -> str | None:
+        """Wait for the background writes; this process's error as one line, or None."""
+        if self.thread is not None:
+            self.thread.join()
+        return self.error
+
+    def digest(self, path: Path) -> str:
+        """The SHA-256 of a file this save wrote (hashed while writing), or hashed now."""
+        known = self.digests.get(path)
+        if known is not None and known[0] == path.stat().st_size:
+            return known[1]
+        from .manifest import sha256
+
+        return sha256(path)
+
+
+class PendingSave:
+    """A save whose writes are done or under way; `finish()` (every process) seals and renames it, or cleans up.
+    `staging`: a directories.Staging, or what else has its `target`, `path`, `process`, `commit` and `abandon` (a
+    Trainer checkpoint: hf_backend/trainer/async_checkpoint.py)."""
+
+    def __init__(self, staging: Staging | Any, writes: Writes, seal: Callable[[Path, Callable[[Path], str]], None],
+                 after: Callable[[], None] | None) -> None:
+        self.staging, self.writes, self.seal, self.after = staging, writes, seal, after
+
+    def finish(self) -> Path:
+        errors = [e for e in gather_object([self.writes.join()]) if e]  # every rank's outcome, on the main thread
+        if errors:
+            self.staging.abandon()
+            raise HfBackendError(f"async save of {self.staging.target} failed ({errors[0]}); no checkpoint was written "
+                                 "there: fix the cause (disk space, permissions) and save again")
+        self.staging.commit(lambda directory: self.seal(directory, self.writes.digest))
+        if self.after is not None:
+            self.after()
+        return self.staging.target
+
+
+class AsyncSaves:
+    """The one save of a CheckpointIO that may still be under way. A process that exits without `wait()` (no
+    `end_training`) finishes it at exit when it is alone; with several processes that would need a collective at
+    exit, so the bytes are written but the checkpoint stays `.incomplete`, with a note."""
+
+    def __init__(self) -> None:
+        self.pending: PendingSave | None = None
+        _LIVE.add(self)
+
+    def put(self, pending: PendingSave) -> None:
+        pending.writes.start()
+        self.pending = pending
+
+    def wait(self) -> Path | None:
+        """Finish the pending save, if any (every process); its failure raises here, once."""
+        pending, self.pending = self.pending, None
+        return pending.finish() if pending is not None else None
+
+    def at_exit(self) -> None:
+        pending = self.pending
+        if pending is None:
+            return
+        if pending.staging.process.distributed:
+            pending.writes.join()
+            note(f"exiting with the async save of {pending.staging.target} unfinished: call accelerator.end_training() "
+                 f"or wait_for_checkpoint() before exiting; its files stay in {pending.staging.path}")
+            return
+        try:
+            self.wait()
+        except HfBackendError as err:
+            note(str(err))
+
+
+_LIVE: weakref.WeakSet[AsyncSaves] = weakref.WeakSet()
+
+
+@atexit.register
+def _finish_at_exit() -> None:
+    for saves in list(_LIVE):
+        saves.at_exit()
+
+
+def _host_copy(obj: Any, memo: dict) -> Any:
+    if isinstance(obj, torch.Tensor):
+        key = (obj.device, obj.data_ptr(), obj.dtype, tuple(obj.shape), obj.stride()) if obj.numel() else id(obj)
+        if key not in memo:
+            memo[key] = obj.detach().to("cpu", copy=True)
+        return memo[key]
+    if isinstance(obj, dict):
+        return type(obj)((k, _host_copy(v, memo)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
+        return type(obj)(_host_copy(v, memo) for v in obj)
+    return copy.deepcopy(obj)

@@ -1,0 +1,103 @@
+"""hf_backend.Trainer's async checkpoints (`TrainingArguments(async_save=True)`).
+
+transformers' `_save_checkpoint` runs as usual, except that its large writes (the weights, the optimizer state; under
+FSDP the engine's shards) are snapshotted into host memory and queued on checkpoint/async_save.py's writer, and the
+two steps that make a Trainer checkpoint count are held back until every rank's files are written: the
+`trainer_state.json` that marks a `checkpoint-{step}` complete (resume passes over one without it) and the
+rotation of old checkpoints (`save_total_limit`), so a failed async save never costs an older complete checkpoint.
+They run in `TrainerCheckpoint.commit`, on the main thread, at the next save, at the end of `train()`, before the
+best model is loaded, or at `accelerator.wait_for_checkpoint()` / `end_training()`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import transformers
+
+from ..checkpoint import durable, layout, manifest
+from ..checkpoint.async_save import PendingSave, Writes
+from ..state import ProcessState
+
+_HELD = ".incomplete"  # trainer_state.json is written under this suffix and renamed when every file is in place
+
+
+class TrainerCheckpoint:
+    """A `checkpoint-{step}` being written in the background: what `PendingSave` finishes or abandons."""
+
+    def __init__(self, path: Path, process: ProcessState, rotate: Callable[[], None]) -> None:
+        self.target = self.path = path
+        self.process = self.everyone = process
+        self.rotate = rotate
+
+    def commit(self, seal: Callable[[Path], None]) -> None:
+        """Every process: once all have written, the main one fsyncs the files, puts trainer_state.json in place,
+        seals the manifest of every file (as a synchronous Trainer checkpoint has) and rotates old checkpoints."""
+        self.process.wait_for_everyone()
+        if self.process.is_main_process:
+            durable.fsync_tree(self.path)
+            held = self.path / (layout.TRAINER_STATE + _HELD)
+            if held.is_file():
+                os.replace(held, self.path / layout.TRAINER_STATE)
+                durable.fsync_dir(self.path)
+            seal(self.path)
+            self.rotate()
+        self.process.wait_for_everyone()
+
+    def abandon(self) -> None:
+        self.process.wait_for_everyone()
+        if self.process.is_main_process:
+            shutil.rmtree(self.path, ignore_errors=True)
+        self.process.wait_for_everyone()
+
+
+@contextlib.contextmanager
+def deferred(trainer: Any, trial: Any) -> Iterator[Writes]:
+    """Around transformers' `_save_checkpoint`: the writes it routes through the returned `Writes` run in the
+    background; its trainer_state.json and rotation wait for them (module docstring)."""
+    io = trainer.accelerator.checkpoint_io
+    io.wait()  # one checkpoint under way at a time
+    writes = Writes(True, io.save_group() if io.sharded else None)
+    run_dir = Path(trainer._get_output_dir(trial=trial))
+    path = run_dir / f"{transformers.trainer_utils.PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"
+    args, state = trainer.args, trainer.state
+    limit, save_to_json = args.save_total_limit, state.save_to_json
+    state.save_to_json = lambda json_path: save_to_json(str(json_path) + _HELD)
+    args.save_total_limit = None  # transformers' rotation now could count this unfinished checkpoint
+    trainer._async_writes = writes
+    try:
+        yield writes
+    finally:
+        trainer._async_writes = None
+        args.save_total_limit = limit
+        del state.save_to_json
+
+    def rotate() -> None:
+        if limit is not None:
+            _rotate(trainer, run_dir, limit)
+
+    io.saves.put(PendingSave(TrainerCheckpoint(path, io.process, rotate), writes, manifest.seal, None))
+
+
+def save_optimizer_and_scheduler(trainer: Any, output_dir: str, writes: Writes) -> None:
+    """transformers' `optimizer.pt` (queued) and `scheduler.pt` (written now), as its own method writes them."""
+    if not trainer.args.should_save:
+        return
+    state = writes.snapshot(trainer.optimizer.state_dict())
+    writes.file(lambda: durable.torch_file(state, Path(output_dir) / layout.TRAINER_OPTIMIZER))
+    durable.torch_file(trainer.lr_scheduler.state_dict(), Path(output_dir) / layout.TRAINER_SCHEDULER)
+
+
+def _rotate(trainer: Any, run_dir: Path, limit: int) -> None:
+    rotate = getattr(transformers.trainer, "rotate_checkpoints", None)
+    if rotate is not None:
+        rotate(output_dir=str(run_dir), save_total_limit=limit,
+               best_model_checkpoint=trainer.state.best_model_checkpoint, use_mtime=True)
+    else:  # transformers before the module function: the Trainer's method
+        trainer._rotate_checkpoints(use_mtime=True, output_dir=str(run_dir))
+
