@@ -173,7 +173,7 @@ def test_a_completed_save_is_fsynced(tmp_path, monkeypatch):
     assert str(tmp_path) in synced  # the rename into the parent directory
 
 
-@pytest.mark.parametrize("mode", ["ddp", "sharded"])
+@pytest.mark.parametrize("mode", ["ddp", "sharded", "zero2"])
 def test_two_processes_async_save(tmp_path, mode):
     run_script("async_save.py", ["--mode", mode, "--root", str(tmp_path / "ck"), "--out", str(tmp_path / "r")],
                nproc=2, timeout=240)
@@ -182,7 +182,7 @@ def test_two_processes_async_save(tmp_path, mode):
         assert report["equal"] and report["saved_is_loaded"] and report["live_differs"], report
         assert report["last_complete"] and report["leftovers"] == []
     assert reports[0]["staged_only"]
-    layout = {"ddp": "model.safetensors", "sharded": "model_dcp/__1_0.distcp"}[mode]
+    layout = {"ddp": "model.safetensors", "sharded": "model_dcp/__1_0.distcp", "zero2": "optimizer.bin"}[mode]
     assert layout in reports[0]["files"]
 
 
@@ -236,6 +236,8 @@ def test_trainer_async_save_writes_in_the_background_and_counts_once_complete(tm
     files = {p.name for p in (out / "checkpoint-6").iterdir()}
     assert {"trainer_state.json", "model.safetensors", "optimizer.pt", "scheduler.pt"} <= files
     assert not any(name.endswith(".incomplete") for name in files)
+    sealed = json.loads((out / "checkpoint-6" / "hf_backend_checkpoint.json").read_text())["files"]
+    assert set(sealed) == files - {"hf_backend_checkpoint.json"}  # the manifest, sealed once the files were in place
     saved, reloaded = trainer.model.state_dict(), load_file(out / "checkpoint-6" / "model.safetensors")
     assert all(torch.equal(reloaded[k], saved[k]) for k in saved)
     resumed = Trainer(model=Regression(), args=arguments(8), train_dataset=Rows())

@@ -1,7 +1,7 @@
 """An async save_state under 2 processes, checked against a synchronous one (tests/test_async_save.py).
 
-`async_save.py --mode ddp|sharded --root DIR --out F`: DDP writes full files, FSDP with SHARDED_STATE_DICT writes DCP
-shards through DCP's async_save. Each process writes its report to `F.rank{rank}.json`.
+`async_save.py --mode ddp|sharded|zero2 --root DIR --out F`: DDP writes full files, FSDP with SHARDED_STATE_DICT writes
+DCP shards on the writer thread, DeepSpeed ZeRO-2 writes full files gathered from its partitions. Each process writes its report to `F.rank{rank}.json`.
 """
 
 from __future__ import annotations
@@ -12,22 +12,24 @@ from pathlib import Path
 
 import torch
 
-from hf_backend import Accelerator, FullyShardedDataParallelPlugin
+from hf_backend import Accelerator, DeepSpeedPlugin, FullyShardedDataParallelPlugin
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--mode", choices=("ddp", "sharded"), required=True)
+parser.add_argument("--mode", choices=("ddp", "sharded", "zero2"), required=True)
 parser.add_argument("--root", required=True)
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
 root = Path(args.root)
 
-plugin = None if args.mode == "ddp" else FullyShardedDataParallelPlugin(state_dict_type="SHARDED_STATE_DICT",
-                                                                       transformer_cls_names_to_wrap=["Linear"])
-acc = Accelerator(cpu=True, fsdp_plugin=plugin)
+plugins = {"ddp": {}, "zero2": {"deepspeed_plugin": DeepSpeedPlugin(zero_stage=2)},
+           "sharded": {"fsdp_plugin": FullyShardedDataParallelPlugin(state_dict_type="SHARDED_STATE_DICT",
+                                                                     transformer_cls_names_to_wrap=["Linear"])}}
+acc = Accelerator(cpu=True, **plugins[args.mode])
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
 optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-model, optimizer = acc.prepare(model, optimizer)
+loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(16, 16)), batch_size=8)  # DeepSpeed's
+model, optimizer, _ = acc.prepare(model, optimizer, loader)  # batch size comes from the training loader
 
 
 def step(seed: int) -> None:
