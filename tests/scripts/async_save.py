@@ -1,7 +1,8 @@
 """An async save_state under 2 processes, checked against a synchronous one (tests/test_async_save.py).
 
 `async_save.py --mode ddp|sharded|zero2 --root DIR --out F`: DDP writes full files, FSDP with SHARDED_STATE_DICT writes
-DCP shards on the writer thread, DeepSpeed ZeRO-2 writes full files gathered from its partitions. Each process writes its report to `F.rank{rank}.json`.
+DCP shards on the writer thread, DeepSpeed ZeRO-2 writes full files gathered from its partitions. Each process
+writes its report to `F.rank{rank}.json`.
 """
 
 from __future__ import annotations
