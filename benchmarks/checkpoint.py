@@ -33,7 +33,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hf_backend import Accelerator, FullyShardedDataParallelPlugin
-from hf_backend.checkpoint import durable, manifest, read_metadata
+from hf_backend.checkpoint import manifest, read_metadata
 from hf_backend.utils import set_seed
 
 
@@ -116,7 +116,7 @@ def plain_tensors(accelerator, model, optimizer, sharded: bool) -> tuple[dict, d
 
 
 class NoHash:
-    """hashlib.sha256's stand-in for the variant without the manifest's hashing."""
+    """The manifest checksum's stand-in for the variant without hashing."""
 
     def __init__(self, *args) -> None:
         pass
@@ -170,8 +170,8 @@ def throughput(accelerator, model, optimizer, root: Path, sharded: bool, repeats
             if not fsync:
                 stack.enter_context(mock.patch.object(os, "fsync", lambda fd: None))
             if not hashing:
-                stack.enter_context(mock.patch.object(durable.hashlib, "sha256", NoHash))
-                stack.enter_context(mock.patch.object(manifest, "sha256", lambda path: ""))
+                stack.enter_context(mock.patch.object(manifest, "new_digest", NoHash))
+                stack.enter_context(mock.patch.object(manifest, "file_digest", lambda path, *a: ""))
             accelerator.save_state(root / "ours")
 
     t: dict[str, list] = {k: [] for k in VARIANTS}

@@ -68,7 +68,7 @@ def test_inspect_a_one_process_checkpoint(one):
     assert done.returncode == 0, done.stderr
     assert "strategy: NO, 1 process(es)" in done.stdout
     assert "model: full (safetensors), 2 tensors, 10 parameters" in done.stdout
-    assert "verified: yes, every file matches the manifest's size and SHA-256" in done.stdout
+    assert "verified: yes, every file matches the manifest's size and checksum" in done.stdout
     report = inspect_json(one)
     assert report["rc"] == 0 and report["verified"] and report["manifest"]
     assert report["files"]["model.safetensors"] == (one / "model.safetensors").stat().st_size

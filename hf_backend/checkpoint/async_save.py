@@ -101,13 +101,13 @@ class Writes:
         return self.error
 
     def digest(self, path: Path) -> str:
-        """The SHA-256 of a file this save wrote (hashed while writing), or hashed now."""
+        """The checksum of a file this save wrote (hashed while writing), or hashed now."""
         known = self.digests.get(path)
         if known is not None and known[0] == path.stat().st_size:
             return known[1]
-        from .manifest import sha256
+        from .manifest import file_digest
 
-        return sha256(path)
+        return file_digest(path)
 
 
 class PendingSave:

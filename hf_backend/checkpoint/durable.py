@@ -1,54 +1,45 @@
 """Bytes written once, hashed while they are written, and fsynced.
 
-The manifest (manifest.py) needs every file's SHA-256. Hashing after writing reads every byte back: on a disk that
-writes at the speed SHA-256 hashes, a save takes twice as long. Here each large buffer is hashed on a helper thread
-while the same buffer is written on this one (hashlib and file writes both release the GIL), so hashing costs
-little on a machine with a spare core. Full weights are written as safetensors straight from the tensors' memory
-(no serialized copy of the whole state dict, as `safetensors.torch.save` and huggingface_hub make); the optimizer's
-torch file goes through the same hashing file. Each file is fsynced when closed, and the checkpoint's directories
-after its renames (`fsync_tree`, `fsync_dir`): a completed save survives a power cut, not only a killed process.
+The manifest (manifest.py) needs every file's checksum. Hashing after writing would read every byte back; here each
+buffer is hashed as it is written (XXH3 runs at memory speed, so inline). Full weights are written as safetensors
+straight from the tensors' memory (no serialized copy of the whole state dict, as `safetensors.torch.save` and
+huggingface_hub make); the optimizer's torch file goes through the same hashing file. Each file is fsynced when
+closed, and the checkpoint's directories after its renames (`fsync_tree`, `fsync_dir`): a completed save survives a
+power cut, not only a killed process.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import struct
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
-Digests = dict[Path, tuple[int, str]]  # path -> (size, sha256), for manifest.seal
+from . import manifest
 
-_PARALLEL_MIN = 1 << 20  # smaller writes are hashed inline: a thread hand-off costs more than hashing them
+Digests = dict[Path, tuple[int, str]]  # path -> (size, checksum), for manifest.seal
+
 _DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
            torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
            torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
 
 
 class HashingFile:
-    """A binary file open for writing whose SHA-256 is computed as it is written; `close()` fsyncs it."""
-
-    _hasher_pool: ThreadPoolExecutor | None = None
+    """A binary file open for writing whose checksum is computed as it is written; `close()` fsyncs it."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.file = open(path, "wb")  # noqa: SIM115 - closed by close()
-        self.digest = hashlib.sha256()
+        self.digest = manifest.new_digest()
         self.size = 0
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
-        hashed = HashingFile._submit(self.digest.update, view) if view.nbytes >= _PARALLEL_MIN else None
-        if hashed is not None:
-            self.file.write(view)
-            hashed.result()  # the buffer is the caller's again once write() returns
-        else:
-            self.digest.update(view)
-            self.file.write(view)
+        self.digest.update(view)
+        self.file.write(view)
         self.size += view.nbytes
         return view.nbytes
 
@@ -61,16 +52,6 @@ class HashingFile:
         self.file.close()
         return self.size, self.digest.hexdigest()
 
-    @classmethod
-    def _submit(cls, update: Any, view: memoryview) -> Future | None:
-        """`update(view)` on the hashing thread; None once the interpreter is shutting down (an async save finishing
-        at exit), when the caller hashes inline."""
-        if cls._hasher_pool is None:
-            cls._hasher_pool = ThreadPoolExecutor(1, thread_name_prefix="hf_backend-hash")
-        try:
-            return cls._hasher_pool.submit(update, view)
-        except RuntimeError:
-            return None
 
 
 def torch_file(obj: Any, path: Path) -> Digests:
@@ -127,9 +108,7 @@ def without_aliases(tensors: dict[str, torch.Tensor], tied_keys: list[str] | Non
 
 def hash_tree(directory: Path) -> Digests:
     """Every file under `directory` hashed (read back): for files another writer (DCP) wrote."""
-    from .manifest import sha256
-
-    return {p: (p.stat().st_size, sha256(p)) for p in sorted(directory.rglob("*")) if p.is_file()}
+    return {p: (p.stat().st_size, manifest.file_digest(p)) for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
 def fsync_tree(directory: Path) -> None:

@@ -200,7 +200,7 @@ def describe(report: dict[str, Any]) -> list[str]:
     if report.get("unlisted"):
         lines.append(f"not in the manifest (added after the save): {', '.join(report['unlisted'])}")
     if report["verified"]:
-        how = ("every file matches the manifest's size and SHA-256" if report["manifest"] else
+        how = ("every file matches the manifest's size and checksum" if report["manifest"] else
                "without checksums: it has no manifest (written before hf_backend recorded one, or by a Trainer); "
                "the files its metadata names are there and read as plain data")
         lines.append(f"verified: yes, {how}")

@@ -10,7 +10,7 @@ A state checkpoint (`save_state`; object i > 0 of a kind gets an `_i` suffix):
     scheduler.bin  dataloader.bin  custom_checkpoint_0.pkl  scaler.pt
     rng_state_{rank}.pt          python, numpy, torch (and CUDA) generator states of each process
 
-The metadata of a `save_state` checkpoint also lists every file with its size and SHA-256 (manifest.py), added once
+The metadata of a `save_state` checkpoint also lists every file with its size and checksum (manifest.py), added once
 every process has written its part and verified before anything is loaded.
 
 Automatic checkpoints (`ProjectConfiguration(automatic_checkpoint_naming=True)`) are `project_dir/checkpoints/

@@ -1,8 +1,14 @@
-"""The manifest a checkpoint carries: every file with its size and SHA-256, and a checksum of the metadata itself,
+"""The manifest a checkpoint carries: every file with its size and checksum, and a checksum of the metadata itself,
 written into the metadata once every process has written its part, and verified before anything is loaded. A
 damaged or incomplete checkpoint is one line naming the file and what is wrong, never weights loaded from damaged
 bytes. `save_state` checkpoints carry one, and so do hf_backend.Trainer's `checkpoint-{step}` directories (over
-transformers' files too)."""
+transformers' files too).
+
+The files' checksum is XXH3-128: it catches what damages checkpoints (truncation, flipped bits, a torn or replaced
+file) and runs at memory speed (about 26 GB/s on one core here, against 1.7 GB/s for SHA-256, which would make
+verifying a checkpoint slower than reading it). A cryptographic hash would buy nothing: the manifest is not signed,
+so whoever can change a file can rewrite the manifest too (safe_load.py is what keeps a changed file from running
+code). Entries sealed with SHA-256 (before XXH3) still verify."""
 
 from __future__ import annotations
 
@@ -13,18 +19,28 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import xxhash
+
 from ..errors import HfBackendError
 from . import layout
 
-_CHUNK = 1 << 20
+_CHUNK = 8 << 20
 SELF_CHECKSUM = "metadata_sha256"  # of the metadata's other keys: a changed count or a dropped manifest shows
+DIGEST = "xxh3_128"  # the key of a file's checksum in a manifest entry
+_ALGORITHMS: dict[str, Callable[[], Any]] = {DIGEST: xxhash.xxh3_128, "sha256": hashlib.sha256}
 
 
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
+def new_digest() -> Any:
+    """An incremental checksum (`update(bytes)`, `hexdigest()`) of the kind `seal` records."""
+    return _ALGORITHMS[DIGEST]()
+
+
+def file_digest(path: Path, algorithm: str = DIGEST) -> str:
+    digest = _ALGORITHMS[algorithm]()
+    buffer = memoryview(bytearray(_CHUNK))
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            digest.update(buffer[:n])
     return digest.hexdigest()
 
 
@@ -34,15 +50,15 @@ def metadata_checksum(meta: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def seal(directory: Path, digest: Callable[[Path], str] = sha256) -> None:
+def seal(directory: Path, digest: Callable[[Path], str] = file_digest) -> None:
     """Add the manifest of every file under `directory` to its metadata (main process, after all have written). A
     directory without metadata (another process's part, when each process names its own directory) has none.
-    `digest`: a file's SHA-256 (the writer's, when it hashed the bytes as it wrote them)."""
+    `digest`: a file's checksum (the writer's, when it hashed the bytes as it wrote them)."""
     meta_path = directory / layout.METADATA
     if not meta_path.is_file():
         return
     meta = json.loads(meta_path.read_text())
-    meta["files"] = {str(p.relative_to(directory)): {"size": p.stat().st_size, "sha256": digest(p)}
+    meta["files"] = {str(p.relative_to(directory)): {"size": p.stat().st_size, DIGEST: digest(p)}
                      for p in sorted(directory.rglob("*")) if p.is_file() and p != meta_path}
     meta[SELF_CHECKSUM] = metadata_checksum(meta)
     temporary = meta_path.with_name(meta_path.name + ".tmp")
@@ -61,7 +77,7 @@ def check_metadata(meta_path: Path, meta: dict[str, Any], caller: str = "load_st
 
 
 def verify(directory: Path, files: Any, checksums: bool = True, caller: str = "load_state") -> None:
-    """Every file the manifest lists is there with its size (and, with `checksums`, its SHA-256)."""
+    """Every file the manifest lists is there with its size (and, with `checksums`, its checksum)."""
     if not isinstance(files, dict):
         raise HfBackendError(f"{caller}: {directory / layout.METADATA} has a damaged manifest; use another "
                              "checkpoint")
@@ -73,7 +89,8 @@ def verify(directory: Path, files: Any, checksums: bool = True, caller: str = "l
 
 
 def _problem(path: Path, expected: Any, checksums: bool) -> str | None:
-    if not isinstance(expected, dict) or not {"size", "sha256"} <= set(expected):
+    algorithm = next((a for a in _ALGORITHMS if isinstance(expected, dict) and a in expected), None)
+    if algorithm is None or "size" not in expected:
         return "has a damaged manifest entry"
     try:
         if path.is_dir():
@@ -83,7 +100,7 @@ def _problem(path: Path, expected: Any, checksums: bool) -> str | None:
         size = path.stat().st_size
         if size != expected["size"]:
             return f"has {size} bytes where {expected['size']} were written (truncated or replaced)"
-        if checksums and sha256(path) != expected["sha256"]:
+        if checksums and file_digest(path, algorithm) != expected[algorithm]:
             return "does not match its checksum (changed since it was written)"
     except OSError as err:  # a directory on the way that this process may not enter, a file it may not read
         return f"cannot be read ({type(err).__name__})"
