@@ -1,7 +1,8 @@
 """What the test modules share (imported as `helpers`; tests/conftest.py holds the fixtures): running a script in
 one process or under torchrun with 2 gloo processes and reading its JSON report, the `hf-backend` command line, the
-BERT-shaped loop's arguments, the GLUE recipes' smoke-run data, the Transformers docs' FSDP config file, and running
-a function as an ordinary user (file permissions that hold for root too)."""
+BERT-shaped loop's arguments, the GLUE recipes' smoke-run data, the Transformers docs' FSDP config file, running
+a function as an ordinary user (file permissions that hold for root too), and the tiny regression model the Trainer
+tests train."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import warm_processes
 from warm_processes import free_port  # noqa: F401 - re-exported: tests pick a port through helpers too
 
@@ -189,3 +191,17 @@ def as_ordinary_user(function: Callable[[], Any]) -> Any:
         pytest.skip(f"running as root and {value}: no way to make a file unreadable to this process")
     assert status == "ok", value
     return value
+
+
+class Regression(torch.nn.Module):
+    """One linear layer the Trainer can train: `forward(x, labels)` returns transformers' {"loss", "logits"} (no loss
+    without labels); the same weights every time it is built."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = torch.nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> dict:
+        out = self.linear(x).squeeze(-1)
+        return {"loss": None if labels is None else ((out - labels) ** 2).mean(), "logits": out}

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 import torch
-from helpers import run_script
+from helpers import Regression, run_script
 from safetensors.torch import load_file, save_file
 
 from hf_backend import Accelerator, HfBackendError, ProjectConfiguration
@@ -186,15 +186,6 @@ def test_two_processes_async_save(tmp_path, mode):
     assert layout in reports[0]["files"]
 
 
-class Regression(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.linear = torch.nn.Linear(4, 1)
-
-    def forward(self, x, labels=None):
-        out = self.linear(x).squeeze(-1)
-        return {"loss": ((out - labels) ** 2).mean(), "logits": out}
 
 
 class Rows(torch.utils.data.Dataset):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
+from helpers import Regression
 from transformers import TrainerCallback
 
 from hf_backend import HfBackendError, Trainer, TrainingArguments
@@ -22,15 +22,6 @@ from hf_backend.checkpoint import read_metadata
 STEPS, EVERY = 6, 2
 
 
-class Regression(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.linear = nn.Linear(4, 1)
-
-    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> dict:
-        out = self.linear(x).squeeze(-1)
-        return {"loss": None if labels is None else ((out - labels) ** 2).mean(), "logits": out}
 
 
 def rows() -> list[dict]:

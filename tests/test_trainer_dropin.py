@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import Regression
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
@@ -14,16 +15,6 @@ from hf_backend.options import GradientAccumulationPlugin
 ROWS, BATCH = 66, 8  # the last batch holds 2 rows
 
 
-class Regression(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.linear = nn.Linear(4, 1)
-
-    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> dict:
-        out = self.linear(x).squeeze(-1)
-        loss = None if labels is None else ((out - labels) ** 2).mean()
-        return {"loss": loss, "logits": out}
 
 
 class Stream(IterableDataset):
