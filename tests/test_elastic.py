@@ -151,13 +151,13 @@ def _wait(events: Path, condition, nodes: list[subprocess.Popen], limit: float) 
 
 
 def test_a_two_node_job_shrinks_to_one_node_and_grows_back_keeping_the_global_batch(tmp_path):
-    script = ["--samples", "768", "--step-delay", "0.25", "--keep-global-batch"]
-    _, whole = _launch(tmp_path, "whole", [], script[:2])
+    script = ["--samples", "1280", "--steps", "80", "--step-delay", "0.25", "--keep-global-batch"]
+    _, whole = _launch(tmp_path, "whole", [], script[:4])
     events, out, port = tmp_path / "elastic.jsonl", tmp_path / "elastic.json", str(free_port())
     common = [*CLI, "launch", "--cpu", "--num_processes", "2", "--nnodes", "1:2", "--main_process_ip", "127.0.0.1",
               "--main_process_port", port, "--num_cpu_threads_per_process", "1", "--max_restarts", "3",
               "--monitor_interval", "0.5",
-              "--rdzv_conf", "last_call_timeout=1,join_timeout=60,keep_alive_interval=1,keep_alive_max_attempt=2",
+              "--rdzv_conf", "last_call_timeout=1,join_timeout=60,keep_alive_interval=1,keep_alive_max_attempt=5",
               SCRIPT, "--project", str(tmp_path / "elastic"), "--events", str(events), "--out", str(out), *script]
     logs, nodes = [], []
 
@@ -176,7 +176,7 @@ def test_a_two_node_job_shrinks_to_one_node_and_grows_back_keeping_the_global_ba
               nodes, 90)
         killed_at = time.time()
         _kill_tree(leaving)
-        seen = _wait(events, lambda seen: sum(e["event"] == "step" and e["world"] == 1 for e in seen) >= 6,
+        seen = _wait(events, lambda seen: sum(e["event"] == "step" and e["world"] == 1 for e in seen) >= 3,
                      [survivor], 90)
         shrunk_at = min(e["t"] for e in seen if e["event"] == "step" and e["world"] == 1)
         rejoined_at = time.time()
@@ -202,9 +202,17 @@ def test_a_two_node_job_shrinks_to_one_node_and_grows_back_keeping_the_global_ba
     reference = {e["step"]: e["lr"] for e in whole["events"] if e["event"] == "step"}
     assert all(reference[e["step"]] == e["lr"] for e in seen if e["event"] == "step")
     report = json.loads(out.read_text())
-    assert report["steps"] == whole["report"]["steps"] == 48 and report["world"] == 2
-    difference = max(abs(a - b) for a, b in zip(report["params"], whole["report"]["params"]))
-    assert difference <= 1e-5, difference  # the world-1 steps sum the two halves' gradients in another order
+    assert report["steps"] == whole["report"]["steps"] == 80 and report["world"] == 2
+    # bitwise: one process accumulating loss/2 of each half sums g1/2 + g2/2, DDP averages (g1 + g2)/2, and halving
+    # is exact in floating point (barring underflow); with a world ratio that is not a power of two it is not
+    assert report["sha256"] == whole["report"]["sha256"]
+    redone = []
+    for before, after in ((2, 1), (1, 2)):
+        start = min(e["t"] for e in seen if e["event"] == "start" and e["world"] == after
+                    and e["t"] > (killed_at if after == 1 else rejoined_at))
+        reached = max(e["step"] for e in seen if e["event"] == "step" and e["world"] == before and e["t"] < start)
+        resumed = next(e["resumed"] for e in seen if e["event"] == "start" and e["t"] >= start)
+        redone.append(reached - resumed)
+    assert all(0 <= n <= EVERY for n in redone), redone
     print(f"shrink: {shrunk_at - killed_at:.1f} s from the kill to training on one node; grow: "
-          f"{grown_at - rejoined_at:.1f} s from the new node's start to training on two; weights differ by at most "
-          f"{difference:.2e} (bitwise equal: {report['sha256'] == whole['report']['sha256']})")
+          f"{grown_at - rejoined_at:.1f} s from the new node's start to training on two; steps redone {redone}")

@@ -52,6 +52,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--samples", type=int, default=384)
     p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--steps", type=int, default=24, help="optimizer steps of the run (one epoch at global batch 16)")
     p.add_argument("--every", type=int, default=4)
     p.add_argument("--step-delay", type=float, default=0.0)
     p.add_argument("--keep-global-batch", action="store_true")
@@ -87,7 +88,7 @@ def main() -> None:
     resumed = accelerator.resume_from_checkpoint(keep_global_batch=args.keep_global_batch)
     emit(event="start", resumed=progress.step, checkpoint=resumed,
          accumulation=accelerator.gradient_accumulation_steps, pid=os.getpid())
-    for xb, yb in loader:
+    for xb, yb in loader if progress.step < args.steps else []:  # a restart after the last save has nothing to do
         with accelerator.accumulate(model):
             loss = torch.nn.functional.mse_loss(model(xb), yb)
             accelerator.backward(loss)
