@@ -19,6 +19,7 @@ import os
 import signal
 import time
 
+import psutil
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -86,8 +87,8 @@ def main() -> None:
 
     progress.emit = emit
     resumed = accelerator.resume_from_checkpoint(keep_global_batch=args.keep_global_batch)
-    emit(event="start", resumed=progress.step, checkpoint=resumed,
-         accumulation=accelerator.gradient_accumulation_steps, pid=os.getpid())
+    emit(event="start", resumed=progress.step, checkpoint=resumed, accumulation=accelerator.gradient_accumulation_steps,
+         pid=os.getpid(), created=psutil.Process().create_time())  # the process's start: the restart's breakdown
     for xb, yb in loader if progress.step < args.steps else []:  # a restart after the last save has nothing to do
         with accelerator.accumulate(model):
             loss = torch.nn.functional.mse_loss(model(xb), yb)
