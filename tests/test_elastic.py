@@ -9,6 +9,7 @@ import argparse
 import json
 import random
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -123,6 +124,20 @@ def test_resume_from_checkpoint_needs_automatic_checkpoints_and_starts_fresh_wit
         model.weight.fill_(0.0)
     assert accelerator.resume_from_checkpoint() == str(tmp_path / "checkpoints" / "checkpoint_0")
     assert model.weight.eq(3.0).all()
+
+
+@pytest.mark.parametrize("launcher", ["hf-backend launch", "notebook_launcher"])
+def test_a_restarted_group_forms_again(launcher, tmp_path):
+    """The restarted rank 0 comes late: on a store shared across rendezvous rounds, rank 1 would read its old address
+    and fail with "connectFullMesh failed ... Connection refused" (tests/scripts/notebook_restart.py)."""
+    out, script = tmp_path / "out.txt", str(SCRIPTS / "notebook_restart.py")
+    if launcher == "notebook_launcher":
+        proc = subprocess.run([sys.executable, script, str(out), str(free_port())], capture_output=True, text=True,
+                              timeout=120, env=cli_env(OMP_NUM_THREADS="1"))
+    else:
+        proc = cli("launch", "--cpu", "--num_processes", "2", "--max_restarts", "1", script, str(out), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert out.read_text() == "1 4"  # restarted once, and both processes took part in both collectives
 
 
 # -- a world that shrinks and grows: two launchers on loopback as two nodes ------------------------------------------
