@@ -77,13 +77,7 @@ def resume(accelerator: Any, keep_global_batch: bool = False) -> str | None:
             note(f"restart {accelerator.restart_count}: no checkpoint under {config.project_dir}/checkpoints yet; "
                  "starting from the beginning")
         return None
-    try:
-        accelerator.load_state()
-    except HfBackendError as err:
-        if "no usable checkpoint" not in str(err):
-            raise
-        note(f"{err}; starting from the beginning")
-        return None
+    accelerator.load_state()  # when every checkpoint is damaged it raises: starting over would hide that
     loaded = str(checkpoint.layout.automatic_dir(config.project_dir, config.iteration - 1))
     meta = checkpoint.read_metadata(loaded, checksums=False, caller="resume_from_checkpoint")
     if keep_global_batch:

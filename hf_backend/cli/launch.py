@@ -125,8 +125,11 @@ def torchrun_arguments(config: LaunchConfig, args: argparse.Namespace) -> list[s
                           "cannot re-form the group; use --rdzv_backend c10d (the default)")
     out = [f"--nproc_per_node={per_machine}", f"--nnodes={nodes}", f"--max_restarts={args.max_restarts}",
            f"--monitor_interval={getattr(args, 'monitor_interval', 0.1)}"]
-    if getattr(args, "rdzv_conf", None):
-        out.append(f"--rdzv_conf={args.rdzv_conf}")
+    conf = [getattr(args, "rdzv_conf", None)]
+    if config.num_machines == 1 and config.main_process_port is not None:
+        conf.insert(0, "is_host=1")  # its store here: a taken port fails instead of being joined as a client
+    if any(conf):
+        out.append(f"--rdzv_conf={','.join(filter(None, conf))}")
     if config.num_machines == 1 and config.main_process_port is None:
         out.append("--standalone")  # c10d on a free port
     elif static:
