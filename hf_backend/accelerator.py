@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader
 from torch.utils.hooks import RemovableHandle
 
-from . import checkpoint, checks, collectives, compat
+from . import checkpoint, checks, collectives, compat, elastic
 from .config import environment as env
 from .config.backend import choose_backend
 from .data import PreparedDataLoader, prepare_dataloader, skip_first_batches
@@ -51,7 +51,7 @@ from .trigger import Trigger, uneven_inputs
 _HANDLER_SLOTS = dict(zip(KWARGS_HANDLERS, ("ddp", "scaler", "init", "autocast", "profile")))
 
 
-class Accelerator(ProcessView, compat.AccelerateMembers):
+class Accelerator(ProcessView, compat.AccelerateMembers, elastic.ElasticMembers):
     def __init__(
         self,
         device_placement: bool = True,
@@ -417,7 +417,7 @@ class Accelerator(ProcessView, compat.AccelerateMembers):
 
     def _progress(self) -> dict[str, Any]:
         """The counters a checkpoint keeps besides the objects' states (restored by `load_state`)."""
-        return {"accumulation_step": self.step, "iteration": self.project_configuration.iteration}
+        return {"accumulation_step": self.step, **elastic.progress(self)}
 
     def load_state(self, input_dir: str | os.PathLike | None = None) -> None:
         """Restore what `save_state` wrote. The next pass over each prepared dataloader continues with the batch after

@@ -93,11 +93,15 @@ def _launch(name: str, function: Callable[..., Any], args: Iterable[Any], num_pr
         threads = max(1, (os.cpu_count() or 1) // nproc)
         settings["OMP_NUM_THREADS"] = str(threads)
     settings["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"  # torch elastic's own CUDA checks must not initialize CUDA here
+    # a store per rendezvous round, so that restarts re-form the group (hf_backend.cli.launch.process_environment)
+    settings["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     conf = dict(rdzv_conf or {})
     if port_number == 0:  # torchrun --standalone: a c10d rendezvous on a port the store picks
         rdzv_backend, endpoint, run_id = "c10d", f"{master_addr}:0", uuid.uuid4().hex
     else:
         endpoint, run_id = rdzv_endpoint or f"{master_addr}:{port_number}", str(rdzv_id)
+        if rdzv_backend == "static" and nodes == 1:  # one machine: c10d, which restarts can enter again, its store
+            rdzv_backend, conf["is_host"] = "c10d", True  # here (a taken port must fail, not be joined as a client)
         if rdzv_backend == "static":
             conf["rank"] = node
     with _environment(settings, restore_all=True), _signal_handlers_kept():
@@ -129,7 +133,7 @@ def _run_elastic(name: str, function: Callable[..., Any], args: tuple, threads: 
         raise
     except Exception as err:  # the rendezvous, before any worker started: a taken port, machine 0 unreachable
         text = str(err)
-        if "EADDRINUSE" in text:
+        if "EADDRINUSE" in text or "EADDRINUSE" in str(err.__cause__):
             raise HfBackendError(f"{name}: {endpoint} is in use (another job, or a worker left from an earlier "
                                  "launch); pass another use_port, or use_port=0 for a free one") from None
         if type(err).__module__.startswith("torch.distributed"):

@@ -164,6 +164,21 @@ def test_sigkill_then_resume_under_ddp(ddp, tmp_path):
     assert max_abs(resumed["params"], ddp["params"]) <= 1e-6
 
 
+def test_a_killed_trainer_restarts_by_itself_and_resumes_the_newest_checkpoint(ddp, tmp_path):
+    """`launch --max_restarts 1` and `train(resume_from_checkpoint=True)`: the first start has no checkpoint and
+    trains from the beginning; both processes are SIGKILLed 2 steps after checkpoint-8; the restart resumes it."""
+    args = [*DDP_ARGS, "--batch-size", "8", "--kill-after-checkpoint", "8", "--resume"]
+    out = tmp_path / "run.json"
+    proc = cli("launch", "--cpu", "--num_processes", "2", "--max_restarts", "1", str(SCRIPTS / SCRIPT), "--out",
+               str(out), "--output-dir", str(tmp_path / "run"), *args, timeout=300, **OFFLINE)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "no complete checkpoint" in proc.stderr and "(exitcode: -9)" in proc.stderr  # fresh start, then killed
+    resumed = json.loads(out.read_text())
+    assert resumed["global_step"] == ddp["global_step"] and resumed["adam_steps"] == ddp["adam_steps"]
+    assert relative(losses(resumed, after=8), losses(ddp, after=8)) <= 1e-6
+    assert max_abs(resumed["params"], ddp["params"]) <= 1e-6
+
+
 def test_sigkill_then_resume_under_fsdp_from_sharded_checkpoints(ddp, tmp_path):
     from safetensors.torch import load_file
 
@@ -243,6 +258,7 @@ def test_resume_true_takes_the_newest_complete_checkpoint(tmp_path):
     assert last_complete_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-8")
     with pytest.raises(HfBackendError, match="no complete checkpoint-"):
         last_complete_checkpoint(str(tmp_path / "empty"))
+    assert last_complete_checkpoint(str(tmp_path / "empty"), none_ok=True) is None  # under torch elastic
 
 
 def test_with_no_backend_argument_the_launchers_choice_applies(tmp_path, monkeypatch):

@@ -36,6 +36,11 @@ def add_parser(sub: Any) -> None:
                        choices=meta["choices"] if name != "num_processes" else None)
     p.add_argument("--cpu", action="store_true", default=None, help="train on the CPU (gloo) even with GPUs")
     p.add_argument("--max_restarts", type=int, default=0, help="restart the workers this many times after a failure")
+    p.add_argument("--nnodes", default=None, metavar="MIN:MAX",
+                   help="an elastic job of MIN to MAX machines (c10d rendezvous; --num_processes counts MAX machines)")
+    p.add_argument("--rdzv_conf", default=None, metavar="K=V,...",
+                   help="rendezvous options (c10d: join_timeout, last_call_timeout, close_timeout)")
+    p.add_argument("--monitor_interval", type=float, default=0.1, help="seconds between the agent's worker checks")
     p.add_argument("--num_cpu_threads_per_process", type=int, default=None,
                    help="OMP threads per process (default: the cores divided by the processes on this machine)")
     p.add_argument("--debug", action="store_true", default=None,
@@ -73,6 +78,8 @@ def effective_config(args: argparse.Namespace) -> tuple[LaunchConfig, str | None
             raw[name] = flags[name]
     if args.cpu:
         raw["use_cpu"] = True
+    if args.nnodes is not None:
+        raw["num_machines"] = elastic_range(args.nnodes)[1]
     if args.debug:
         raw["debug"] = True
     for section, model in (("fsdp_config", FsdpSection), ("deepspeed_config", DeepSpeedSection)):
@@ -102,20 +109,43 @@ def _settle_distributed_type(config: LaunchConfig) -> LaunchConfig:
     return config
 
 
+def elastic_range(text: str) -> tuple[int, int]:
+    """`--nnodes MIN:MAX` (or N) as two whole numbers, 1 <= MIN <= MAX."""
+    low, _, high = text.partition(":")
+    try:
+        bounds = int(low), int(high or low)
+    except ValueError:
+        bounds = (0, 0)
+    if not 1 <= bounds[0] <= bounds[1]:
+        raise ConfigError(f"launch: --nnodes {text!r} is not MIN:MAX with 1 <= MIN <= MAX; e.g. --nnodes 1:2")
+    return bounds
+
+
 def torchrun_arguments(config: LaunchConfig, args: argparse.Namespace) -> list[str]:
+    """A rendezvous that restarts can re-enter: c10d (a static one is set up once, so a restarted worker group cannot
+    form); `static` only when asked for with several machines."""
     per_machine = config.num_processes // config.num_machines
-    out = [f"--nproc_per_node={per_machine}", f"--nnodes={config.num_machines}", f"--max_restarts={args.max_restarts}",
-           "--monitor_interval=0.1"]
+    nodes = getattr(args, "nnodes", None) or str(config.num_machines)
+    static = config.rdzv_backend == "static" and config.num_machines > 1 and ":" not in nodes
+    if config.rdzv_backend == "static" and (":" in nodes or (static and args.max_restarts)):
+        raise ConfigError("launch: rdzv_backend static cannot be entered again, so restarts and --nnodes MIN:MAX "
+                          "cannot re-form the group; use --rdzv_backend c10d (the default)")
+    out = [f"--nproc_per_node={per_machine}", f"--nnodes={nodes}", f"--max_restarts={args.max_restarts}",
+           f"--monitor_interval={getattr(args, 'monitor_interval', 0.1)}"]
+    conf = [getattr(args, "rdzv_conf", None)]
+    if config.num_machines == 1 and config.main_process_port is not None:
+        conf.insert(0, "is_host=1")  # its store here: a taken port fails instead of being joined as a client
+    if any(conf):
+        out.append(f"--rdzv_conf={','.join(filter(None, conf))}")
     if config.num_machines == 1 and config.main_process_port is None:
-        out.append("--standalone")
-    else:
+        out.append("--standalone")  # c10d on a free port
+    elif static:
         address, port = config.main_process_ip or "127.0.0.1", config.main_process_port or 29500
-        if config.rdzv_backend == "static":
-            out += [f"--node_rank={config.machine_rank}", f"--master_addr={address}", f"--master_port={port}"]
-        else:
-            # With a dynamic rendezvous torch elastic assigns the node ranks itself.
-            out += [f"--rdzv_backend={config.rdzv_backend}", f"--rdzv_endpoint={address}:{port}",
-                    "--rdzv_id=hf-backend"]
+        out += [f"--node_rank={config.machine_rank}", f"--master_addr={address}", f"--master_port={port}"]
+    else:  # torch elastic assigns the node ranks itself
+        address, port = config.main_process_ip or "127.0.0.1", config.main_process_port or 29500
+        backend = "c10d" if config.rdzv_backend == "static" else config.rdzv_backend
+        out += [f"--rdzv_backend={backend}", f"--rdzv_endpoint={address}:{port}", "--rdzv_id=hf-backend"]
     target = ["--module", args.training_script] if args.module else [args.training_script]
     # The agent runs in this process, so it is every worker's parent: the worker dies with it (worker.py).
     return [*out, "-m", "hf_backend.cli.worker", "--parent", str(os.getpid()), *target, *args.training_script_args]
@@ -137,6 +167,9 @@ def process_environment(config: LaunchConfig, args: argparse.Namespace, path: st
         out[hang_watch.TIMEOUT_VARIABLE] = f"{args.hang_timeout:g}"
     else:
         hang_watch.hang_timeout()  # one inherited from the environment is checked here, not in every worker
+    # Each rendezvous round gets a store of its own: on the store torch elastic shares across rounds (the default),
+    # a restarted group can read its peers' addresses of the round before and fail ("connectFullMesh failed").
+    out["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if config.gpu_ids and config.gpu_ids != "all":
         out["CUDA_VISIBLE_DEVICES"] = config.gpu_ids
     return out

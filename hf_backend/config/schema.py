@@ -106,7 +106,8 @@ class LaunchConfig:
                                       question="IP address of machine 0")
     main_process_port: int | None = key(None, "port on machine 0 (free port chosen on one machine when unset)",
                                         minimum=1, maximum=65535, question="Port on machine 0")
-    rdzv_backend: str = key("static", "torch elastic rendezvous", choices=("static", "c10d", "etcd", "etcd-v2"))
+    rdzv_backend: str = key("c10d", "torch elastic rendezvous (static: no restarts across several machines)",
+                            choices=("static", "c10d", "etcd", "etcd-v2"))
     same_network: bool = key(True, "machines share a network (informational)")
     gpu_ids: str | None = key(None, "GPUs to use, 'all' or a comma-separated list (sets CUDA_VISIBLE_DEVICES)")
     gradient_accumulation_steps: int = key(1, "micro steps per optimizer step", minimum=1, maximum=MAX_ACCUMULATION)

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import transformers
 
-from .. import checkpoint
+from .. import checkpoint, elastic
 from ..accelerator import Accelerator
 from ..config.loader import ConfigError
 from ..errors import HfBackendError
@@ -224,8 +224,8 @@ class Trainer(transformers.Trainer):
         is finished first, and the last one is complete when `train()` returns."""
         self.accelerator.checkpoint_io.wait()
         usable = functools.partial(check_checkpoint, fresh_optimizer=self.args.save_only_model)
-        if resume_from_checkpoint is True:
-            resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir, usable)
+        if resume_from_checkpoint is True:  # under torch elastic a first start has none yet: it starts fresh
+            resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir, usable, elastic.under_elastic())
         elif resume_from_checkpoint and os.path.isdir(resume_from_checkpoint):
             usable(resume_from_checkpoint)
         self._verified_checkpoint = resume_from_checkpoint  # its files are not hashed a second time
@@ -352,12 +352,18 @@ def _loss_of(outputs: Any) -> torch.Tensor:
 RESUME = "resume_from_checkpoint"
 
 
-def last_complete_checkpoint(output_dir: str, usable: Callable[[str], None] | None = None) -> str:
+def last_complete_checkpoint(output_dir: str, usable: Callable[[str], None] | None = None,
+                             none_ok: bool = False) -> str | None:
     """The newest `checkpoint-{step}` in `output_dir` whose save finished (and that `usable` accepts); newer,
-    interrupted or damaged ones are passed over with a note."""
+    interrupted or damaged ones are passed over with a note. None when there is none and `none_ok` (a process
+    started by torch elastic, whose first start has no checkpoint yet), else an error as transformers raises."""
     found = checkpoint.last_complete_trainer_checkpoint(output_dir, usable)
     if found is not None:
         return str(found)
+    if none_ok:
+        note(f"resume_from_checkpoint=True: no complete checkpoint in {output_dir} yet (restart "
+             f"{elastic.restart_count()}); training from the beginning")
+        return None
     raise ConfigError(f"resume_from_checkpoint=True: No valid checkpoint found in output directory ({output_dir}): "
                       "no complete checkpoint-* directory there; train without resuming or pass a checkpoint path")
 
