@@ -98,7 +98,8 @@ def test_the_rendezvous_can_be_entered_again():
         with pytest.raises(ConfigError, match="--nnodes"):
             elastic_range(bad)
     # each rendezvous round gets its own store (the shared one hands a restarted group stale peer addresses)
-    env = process_environment(LaunchConfig(), argparse.Namespace(num_cpu_threads_per_process=1), None)
+    options = argparse.Namespace(num_cpu_threads_per_process=1, hang_timeout=None)
+    env = process_environment(LaunchConfig(), options, None)
     assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
 
 

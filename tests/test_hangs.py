@@ -158,7 +158,7 @@ if accelerator.is_main_process:
     while time.monotonic() < end:
         torch.randn(64, 64) @ torch.randn(64, 64)
 accelerator.wait_for_everyone()
-os.write(1, f"finished {accelerator.process_index}\n".encode())  # one write: the ranks' lines do not interleave
+os.write(1, f"finished {accelerator.process_index}\\n".encode())  # one write: the ranks' lines do not interleave
 if sys.argv[2] == "hang" and accelerator.is_main_process:
     accelerator.reduce(torch.ones(2))
 accelerator.wait_for_everyone()
