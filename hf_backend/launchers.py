@@ -93,8 +93,8 @@ def _launch(name: str, function: Callable[..., Any], args: Iterable[Any], num_pr
         threads = max(1, (os.cpu_count() or 1) // nproc)
         settings["OMP_NUM_THREADS"] = str(threads)
     settings["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"  # torch elastic's own CUDA checks must not initialize CUDA here
-    # a store per rendezvous round, so that restarts re-form the group (hf_backend.cli.launch.process_environment)
-    settings["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    if restarts:  # a store per rendezvous round, so that restarts re-form the group (cli/launch.process_environment)
+        settings["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     conf = dict(rdzv_conf or {})
     if port_number == 0:  # torchrun --standalone: a c10d rendezvous on a port the store picks
         rdzv_backend, endpoint, run_id = "c10d", f"{master_addr}:0", uuid.uuid4().hex

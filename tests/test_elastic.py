@@ -97,10 +97,13 @@ def test_the_rendezvous_can_be_entered_again():
     for bad in ("2:1", "0:2", "a:b"):
         with pytest.raises(ConfigError, match="--nnodes"):
             elastic_range(bad)
-    # each rendezvous round gets its own store (the shared one hands a restarted group stale peer addresses)
-    options = argparse.Namespace(num_cpu_threads_per_process=1, hang_timeout=None)
-    env = process_environment(LaunchConfig(), options, None)
-    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    # with restarts each rendezvous round gets its own store (the shared one hands a restarted group stale peer
+    # addresses); without, the shared store stays (it outlives a rank that exits first)
+    for restarts, nnodes, own_store in ((1, None, True), (0, "1:2", True), (0, None, False)):
+        options = argparse.Namespace(num_cpu_threads_per_process=1, hang_timeout=None, max_restarts=restarts,
+                                     nnodes=nnodes)
+        env = process_environment(LaunchConfig(), options, None)
+        assert (env.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1") == own_store
 
 
 def test_resume_from_checkpoint_needs_automatic_checkpoints_and_starts_fresh_without_one(tmp_path):

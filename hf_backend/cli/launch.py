@@ -167,9 +167,12 @@ def process_environment(config: LaunchConfig, args: argparse.Namespace, path: st
         out[hang_watch.TIMEOUT_VARIABLE] = f"{args.hang_timeout:g}"
     else:
         hang_watch.hang_timeout()  # one inherited from the environment is checked here, not in every worker
-    # Each rendezvous round gets a store of its own: on the store torch elastic shares across rounds (the default),
-    # a restarted group can read its peers' addresses of the round before and fail ("connectFullMesh failed").
-    out["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    # A job that can restart (or change members) gets a store per rendezvous round: on the store torch elastic shares
+    # across rounds (the default), a restarted group can read its peers' addresses of the round before and fail
+    # ("connectFullMesh failed"). Without restarts the shared store stays: it lives in the launcher, so it outlives
+    # a rank that exits first (the hang watchdog's and --debug's exchange of call sites runs through it).
+    if getattr(args, "max_restarts", 0) or ":" in str(getattr(args, "nnodes", None) or ""):
+        out["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if config.gpu_ids and config.gpu_ids != "all":
         out["CUDA_VISIBLE_DEVICES"] = config.gpu_ids
     return out
