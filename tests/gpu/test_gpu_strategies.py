@@ -135,7 +135,7 @@ def test_deepspeed_zero_in_bf16_on_the_gpu(nccl_of_one, stage):
     model = tiny_bert(dropout=0.0)
     engine, optimizer = _prepare(strategy, model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     assert engine is strategy.engine and engine.bfloat16_enabled() and engine.zero_optimization_stage() == stage
-    assert engine.device == CUDA0
+    assert {p.device for p in engine.module.parameters()} == {CUDA0}
     if stage == 3:
         assert all(hasattr(p, "ds_numel") for p in engine.module.parameters())  # partitioned by ZeRO-3
     before = _full(strategy.model_state_dict(engine))
