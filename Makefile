@@ -3,7 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test test-oldest lint bench bench-checkpoint demo clean
+.PHONY: setup test test-oldest test-gpu lint bench bench-checkpoint bench-gpu demo clean
 
 setup: $(STAMP)
 
@@ -35,6 +35,20 @@ lint: setup
 
 test: lint
 	$(PY) -m pytest -q
+
+# The GPU lane (docs/gpu.md): tests/gpu only, refused without a CUDA device (so green means they ran; `make test`
+# collects them too and skips each with "no CUDA device"). No `setup` prerequisite: a GPU machine may have no network,
+# so it uses .venv when there is one, else GPU_PY (default python3) with torch, transformers and pytest installed.
+GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
+NEED_CUDA = $(GPU_PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else '$@: no CUDA device here')"
+
+test-gpu:
+	@$(NEED_CUDA)
+	$(GPU_PY) -m pytest -q -p no:cacheprovider tests/gpu
+
+bench-gpu:  # BERT-base-sized, bf16, sequence 128: bare loop vs transformers.Trainer vs hf_backend.Trainer
+	@$(NEED_CUDA)
+	$(GPU_PY) benchmarks/gpu_trainer.py --json gpu_bench.json
 
 bench: setup
 	$(PY) benchmarks/run.py
