@@ -4,7 +4,7 @@
 "no CUDA device", on a machine without one (CI never has one); `make test-gpu` runs only this directory and refuses
 to start without a GPU, so a green `make test-gpu` always means the tests ran.
 
-What the modules share is in gpu_helpers.py (this directory is on sys.path while its tests run).
+What the modules share is in tests/helpers.py, as for every test.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ continues as if never interrupted."""
 from __future__ import annotations
 
 import torch
-from gpu_helpers import bert_rows, tiny_bert
+from helpers import bert_rows, tiny_bert
 from torch.utils.data import default_collate
 
 from hf_backend import Accelerator

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from gpu_helpers import bert_rows, tiny_bert
+from helpers import bert_rows, tiny_bert
 from torch.utils.data import DataLoader, default_collate
 
 from hf_backend import Accelerator, DataLoaderConfiguration

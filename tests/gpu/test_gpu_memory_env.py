@@ -7,8 +7,7 @@ from __future__ import annotations
 import gc
 
 import torch
-from gpu_helpers import bert_rows, tiny_bert
-from helpers import cli
+from helpers import bert_rows, cli, tiny_bert
 from torch.utils.data import default_collate
 
 from hf_backend import Accelerator

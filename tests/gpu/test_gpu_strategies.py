@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from gpu_helpers import bert_rows, tiny_bert
+from helpers import bert_rows, tiny_bert
 from torch.utils.data import default_collate
 
 from hf_backend import Accelerator, DeepSpeedPlugin, FullyShardedDataParallelPlugin

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from gpu_helpers import bert_rows, tiny_bert
+from helpers import bert_rows, tiny_bert
 
 from hf_backend import Accelerator, Trainer, TrainingArguments
 
