@@ -75,7 +75,8 @@ def start(group_timeout: datetime.timedelta | None = None) -> None:
     except (RuntimeError, ValueError):  # a group set up without a store: nothing to share waits through
         return
     _watchdog = _Watchdog(store, dist.get_rank(), dist.get_world_size(), seconds, threading.get_ident())
-    threading.Thread(target=_watchdog.run, name="hf-backend-hang-watchdog", daemon=True).start()
+    _watchdog.thread = threading.Thread(target=_watchdog.run, name="hf-backend-hang-watchdog", daemon=True)
+    _watchdog.thread.start()
     atexit.register(stop, exited=True)
 
 
@@ -85,6 +86,11 @@ def stop(exited: bool = False) -> None:
     watchdog, _watchdog = _watchdog, None
     if watchdog is not None:
         watchdog.stopped.set()
+        if watchdog.thread is not None and watchdog.thread is not threading.current_thread():
+            # Ended before the group is destroyed and the interpreter finalizes: a daemon thread still running then
+            # can be stopped inside torch's C++ code, and the process aborts ("terminate called without an active
+            # exception"), failing a run that had finished.
+            watchdog.thread.join(timeout=5)
         if exited:
             watchdog.publish({"state": "exited"})
 
@@ -105,6 +111,7 @@ class _Watchdog:
         self.store, self.rank, self.world, self.timeout, self.thread_id = store, rank, world, timeout, thread_id
         self.stopped = threading.Event()
         self.published = False
+        self.thread: threading.Thread | None = None
 
     def publish(self, record: dict | None) -> None:
         """This rank's record (None: it moves again). Store errors mean the job is going away: nothing to report."""
