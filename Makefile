@@ -54,6 +54,7 @@ bench: setup
 	$(PY) benchmarks/run.py
 	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/distributed.py
 	$(PY) benchmarks/trainer.py
+	$(PY) benchmarks/startup.py
 
 bench-checkpoint: setup  # about 4 and 6 minutes on the 2-core box
 	$(PY) benchmarks/checkpoint.py --repeats 5
