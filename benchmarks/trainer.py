@@ -14,14 +14,20 @@ Reports the median of:
     .venv/bin/python benchmarks/trainer.py [--repeats 3] [--steps 150] [--nproc 1 2] [--json out.json]
     .venv/bin/python benchmarks/trainer.py --tiny --batch 4 --steps 600 --nproc 1   # per-step overhead: a model so
                                                                                     # small the loop's own code shows
+    .venv/bin/python benchmarks/trainer.py --profile [--steps 150]   # where a step goes, one process, under cProfile
+
+Besides the medians, "paired" is the median over repeats of each repeat's ratio to the bare loop run just before it
+(less sensitive to the machine's load drifting during the run).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
 import platform
+import pstats
 import random
 import statistics
 import subprocess
@@ -121,6 +127,44 @@ def _trainer(variant, model, tok, data, steps, batch, stamps, workdir) -> None:
             data_collator=DataCollatorWithPadding(tok), callbacks=[Stamp()]).train()
 
 
+def _profile(steps: int, batch: int, tiny: bool) -> None:
+    """Each variant once in this process under cProfile: per step, the time of each call the loop makes (the loop's
+    own callees, and those of transformers' `training_step`), largest first, over all steps (the first ones include
+    warm-up). cProfile adds about a microsecond per Python call, so Python-heavy rows are inflated against torch's
+    kernels; the step time printed is the profiled one."""
+    loops = {"bare": ("_bare_loop",), "hf_backend": ("_run_epoch", "training_step"),
+             "transformers": ("_run_epoch", "training_step")}
+    for variant, parents in loops.items():
+        workdir = Path(tempfile.mkdtemp())
+        tok, data, model = _setup(workdir, tiny)
+        profiler, stamps = cProfile.Profile(), []
+        profiler.enable()
+        if variant == "bare":
+            _bare_loop(model, tok, data, steps, batch, stamps)
+        else:
+            _trainer(variant, model, tok, data, steps, batch, stamps, workdir)
+        profiler.disable()
+        measured = len(stamps)
+        rows = []
+        for function, (_, _, _, _, callers) in pstats.Stats(profiler).stats.items():  # type: ignore[attr-defined]
+            for caller, (_, calls, _, cumulative) in callers.items():
+                if caller[2] in parents:
+                    rows.append((cumulative / measured * 1e6, calls / measured, f"{caller[2]} -> {_name(function)}"))
+        print(f"\n{variant}: {(stamps[-1] - stamps[9]) / (measured - 10) * 1e3:.2f} ms a step under cProfile "
+              f"(steps 10..{measured})\n{'us/step':>9}{'calls/step':>12}  call")
+        for us, calls, name in sorted(rows, reverse=True)[:25]:
+            print(f"{us:>9.1f}{calls:>12.2f}  {name}")
+
+
+def _name(function: tuple) -> str:
+    path, line, name = function
+    if path == "~":
+        return name
+    parts = Path(path).parts
+    return f"{'/'.join(parts[parts.index('site-packages') + 1:] if 'site-packages' in parts else parts[-2:])}:{line}" \
+        f"({name})"
+
+
 def _run(variant: str, nproc: int, steps: int, batch: int, tiny: bool) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "r.json"
@@ -149,7 +193,11 @@ def main() -> int:
     p.add_argument("--json", default=None)
     p.add_argument("--worker", choices=VARIANTS, default=None)
     p.add_argument("--out", default=None)
+    p.add_argument("--profile", action="store_true", help="where a step goes (one process, cProfile), no timing runs")
     args = p.parse_args()
+    if args.profile:
+        _profile(args.steps, args.batch, args.tiny)
+        return 0
     if args.worker:
         _worker(args.worker, args.steps, args.batch, Path(args.out), args.tiny)
         return 0
@@ -162,16 +210,18 @@ def main() -> int:
             for variant in VARIANTS:
                 samples[variant].append(_run(variant, nproc, args.steps, args.batch, args.tiny))
         rows = {v: {"samples_per_s": statistics.median(r["samples_per_s"] for r in runs),
+                    "paired_vs_bare": statistics.median(r["samples_per_s"] / b["samples_per_s"]
+                                                        for r, b in zip(runs, samples["bare"])),
                     "first_step_s": statistics.median(r["first_step_s"] for r in runs),
                     "crashed_at_exit": sum(r["crashed_at_exit"] for r in runs)} for v, runs in samples.items()}
         results["runs"][f"{nproc} process" + ("es" if nproc > 1 else "")] = rows
         print(f"\n{nproc} process(es), batch {args.batch} per process, {args.steps} steps, median of {args.repeats}")
-        print(f"{'variant':<14}{'samples/s':>11}{'vs bare':>9}{'vs transformers':>17}{'first step s':>14}"
-              f"{'exit crashes':>14}")
+        print(f"{'variant':<14}{'samples/s':>11}{'vs bare':>9}{'paired':>8}{'vs transformers':>17}"
+              f"{'first step s':>14}{'exit crashes':>14}")
         for v, row in rows.items():
             print(f"{v:<14}{row['samples_per_s']:>11.1f}{row['samples_per_s'] / rows['bare']['samples_per_s']:>9.3f}"
-                  f"{row['samples_per_s'] / rows['transformers']['samples_per_s']:>17.3f}{row['first_step_s']:>14.2f}"
-                  f"{row['crashed_at_exit']:>10}/{len(samples[v])}")
+                  f"{row['paired_vs_bare']:>8.3f}{row['samples_per_s'] / rows['transformers']['samples_per_s']:>17.3f}"
+                  f"{row['first_step_s']:>14.2f}{row['crashed_at_exit']:>10}/{len(samples[v])}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 from pathlib import Path
 
 import pytest
@@ -32,3 +33,19 @@ def tiny(tmp_path_factory) -> tuple[Path, Path]:
     (data_dir / "train.tsv").write_text(HEADER + mrpc_rows(64, 0), encoding="utf-8")
     (data_dir / "dev.tsv").write_text(HEADER + mrpc_rows(21, 1), encoding="utf-8")
     return model_dir, data_dir
+
+
+# -- seconds per test file, printed at the end of every run (the README's table of the suite comes from it) ------------
+_seconds_per_file: collections.Counter[str] = collections.Counter()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _seconds_per_file[report.nodeid.split("::")[0]] += report.duration  # setup, call and teardown
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    if not _seconds_per_file:
+        return
+    terminalreporter.write_sep("=", f"seconds per test file ({sum(_seconds_per_file.values()):.0f} s in all)")
+    for path, seconds in _seconds_per_file.most_common():
+        terminalreporter.write_line(f"{seconds:8.1f}  {path}")
