@@ -142,10 +142,12 @@ def test_deepspeed_config(ddp, tmp_path):
 
 
 def _kill_and_resume(tmp: Path, args: list[str], nproc: int, launcher: bool = False) -> dict:
+    """SIGKILLed 2 steps after checkpoint-8 (through `hf-backend launch` with `launcher`), then resumed in forked
+    processes (a launcher resuming a run: test_a_killed_trainer_restarts_by_itself_...)."""
     run(tmp, "run", [*args, "--kill-after-checkpoint", "8"], nproc=nproc, expect_kill=True, launcher=launcher)
     assert (tmp / "run" / "checkpoint-8" / "trainer_state.json").is_file()
     assert not (tmp / "run" / "checkpoint-12").exists()
-    return run(tmp, "run", [*args, "--resume"], nproc=nproc, launcher=launcher)
+    return run(tmp, "run", [*args, "--resume"], nproc=nproc)
 
 
 def test_sigkill_then_resume_is_bitwise_in_one_process(tmp_path):
@@ -159,7 +161,7 @@ def test_sigkill_then_resume_is_bitwise_in_one_process(tmp_path):
 def test_sigkill_then_resume_under_ddp(ddp, tmp_path):
     # with activation checkpointing (recomputation changes nothing without dropout)
     resumed = _kill_and_resume(tmp_path, [*DDP_ARGS, "--batch-size", "8", "--activation-checkpointing"], nproc=2,
-                               launcher=True)  # as a user would: the launcher names the killed rank, then resume
+                               launcher=True)  # as a user would: the launcher names the killed rank
     assert relative(losses(resumed, after=8), losses(ddp, after=8)) <= 1e-6
     assert max_abs(resumed["params"], ddp["params"]) <= 1e-6
 
