@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import collections
+import os
 from pathlib import Path
 
 import pytest
 from helpers import BERT_LOOP, BERT_TRAIN, HEADER, WORDS, mrpc_rows, run_report
+
+# threadpoolctl sets this (setdefault) when this process first imports it, which some test does sooner or later; set
+# from the start, so that the warm process server (tests/warm_processes.py, which restarts when a variable read at
+# import changes) is not started a second time when it appears.
+os.environ.setdefault("KMP_DUPLICATE_LIB_OK", "True")
 
 
 @pytest.fixture(scope="session")

@@ -31,8 +31,10 @@ EPOCHS = 3
 def ray_cluster():
     """Two workers of one CPU each; the cluster has one CPU more for Ray Data's own tasks."""
     # Ray Train's controller polls its workers every 2 s by default: each fit would wait that long to notice the end
-    # (or a crash) of its workers.
-    settings = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5", **OFFLINE}
+    # (or a crash) of its workers. Its preemption watcher (a process more per worker group, about 1.5 s of CPU to
+    # start) watches for the node being drained, which a local cluster never is.
+    settings = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
+                "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", **OFFLINE}
     saved = {k: os.environ.get(k) for k in ("PYTHONPATH", *settings)}
     # The workers import the test scripts and recipes; the local cluster's processes inherit the driver's environment.
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SCRIPTS), *map(str, RECIPE_DIRS),
@@ -104,14 +106,22 @@ def test_dataloader_path_matches_the_launcher_and_resumes_after_a_crash(launched
     assert result.metrics["epoch"] == EPOCHS
 
 
-def test_ray_data_shards_are_not_split_again(tmp_path):
-    from ray_loop import samples, train
+@pytest.fixture(scope="module")
+def ray_data_run(tmp_path_factory):
+    """One worker group for both Ray Data tests: the loop on the dataset "loop" (2 epochs), then hf_backend.Trainer on
+    the dataset "trainer" (tests/scripts/ray_loop.py: ray_data_jobs)."""
+    from ray_loop import ray_data_jobs, samples, trainer_rows
 
-    out = tmp_path / "out"
+    root = tmp_path_factory.mktemp("ray_data")
+    out = root / "out"
     out.mkdir()
-    dataset = ray.data.from_items(samples())
-    result = fit(train, {"out": str(out), "ray": True, "epochs": 2, "data": "ray"}, tmp_path / "storage",
-                 datasets={"train": dataset})
+    datasets = {"loop": ray.data.from_items(samples()), "trainer": ray.data.from_items(trainer_rows())}
+    result = fit(ray_data_jobs, {"out": str(out), "epochs": 2}, root / "storage", datasets=datasets)
+    return out, result
+
+
+def test_ray_data_shards_are_not_split_again(ray_data_run):
+    out, result = ray_data_run
     assert result.error is None
     ranks = records(out)
     assert [r["world"] for r in ranks] == [2, 2]
@@ -155,19 +165,14 @@ def test_deepspeed_zero3_checkpoints_resume_inside_ray(launched, tmp_path):
     assert_close_params(ranks[0]["full_params"], launched[0]["full_params"], tol=1e-4)
 
 
-def test_the_trainer_inside_ray_with_ray_data(tmp_path):
-    from ray_loop import trainer_job, trainer_rows
-
-    out = tmp_path / "out"
-    out.mkdir()
-    result = fit(trainer_job, {"out": str(out)}, tmp_path / "storage", datasets={"train": ray.data.from_items(
-        trainer_rows())})
+def test_the_trainer_inside_ray_with_ray_data(ray_data_run):
+    out, result = ray_data_run
     assert result.error is None
     ranks = [json.loads((out / f"trainer_rank{r}.json").read_text()) for r in range(2)]
     assert [r["world"] for r in ranks] == [2, 2] and {r["wrapped"] for r in ranks} == {"DistributedDataParallel"}
     assert [(r["steps"], r["rows"]) for r in ranks] == [(4, 32), (4, 32)]  # 64 rows: half to each, not split again
     assert ranks[0]["params"] == ranks[1]["params"]
-    with result.checkpoint.as_directory() as directory:  # what Ray's RayTrainReportCallback reported
+    with result.checkpoint.as_directory() as directory:  # what Ray's RayTrainReportCallback reported (the last)
         assert (Path(directory) / "checkpoint" / "trainer_state.json").is_file()
 
 

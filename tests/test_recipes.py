@@ -1,53 +1,54 @@
 """The GLUE recipes: seconds-long smoke runs of both flavours (a tiny BERT built from a config, a few steps) so they
-cannot rot, their data reader's one-line errors, and the metric module against known values."""
+cannot rot, their data reader's one-line errors, and the metric module against known values.
+
+`python recipe.py ...` runs in a process forked from the suite's warm interpreter (tests/warm_processes.py: the script
+runs as `python` would run it, without importing torch and transformers again); the loop recipe's first run goes
+through `hf-backend launch`, as its docs say."""
 
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import HEADER, OFFLINE, cli, mrpc_rows, recipe_args
+from helpers import HEADER, OFFLINE, cli, mrpc_rows, recipe_args, run_script
 
 pytest.importorskip("evaluate")
 RECIPES = Path(__file__).parent.parent / "recipes" / "glue"
 import glue_data  # noqa: E402 - recipes/glue, on the path through pyproject's pytest `pythonpath`
 
 
-def _python(*args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=240,
-                          env={**env, "OMP_NUM_THREADS": "1", **OFFLINE})
+def _python(script: str, *args: str, nproc: int = 1):
+    """`python recipes/glue/<script> args` (offline), or the same under torchrun's environment in `nproc` processes."""
+    return run_script(RECIPES / script, list(args), nproc=nproc, check=False)
 
 
 def test_trainer_recipe_smoke_run(tiny, tmp_path):
     out = tmp_path / "run"
-    proc = _python(str(RECIPES / "run_glue.py"), *recipe_args(tiny, out))
+    proc = _python("run_glue.py", *recipe_args(tiny, out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     assert results["task"] == "mrpc" and results["world_size"] == 1 and results["flavour"] == "hf_backend.Trainer"
     assert set(results["metrics"]["dev"]) >= {"accuracy", "f1"} and results["train_samples_per_second"] > 0
     assert results["args"]["lr"] == 5e-5 and any("loss" in h for h in results["history"])
-    report = _python(str(RECIPES / "report.py"), str(out))
+    report = _python("report.py", str(out))
     assert report.returncode == 0, report.stderr[-2000:]
     assert (out / "curves.png").stat().st_size > 1000 and "from_pretrained loads it" in report.stdout
 
 
 def test_loop_recipe_smoke_run_on_two_processes_and_resume(tiny, tmp_path):
     out = tmp_path / "run"
-    args = [str(RECIPES / "run_glue_loop.py"), *recipe_args(tiny, out), "--checkpointing_steps", "2"]
-    proc = cli("launch", "--cpu", "--num_processes", "2", *args, timeout=300, **OFFLINE)
+    args = [*recipe_args(tiny, out), "--checkpointing_steps", "2"]
+    proc = cli("launch", "--cpu", "--num_processes", "2", str(RECIPES / "run_glue_loop.py"), *args, timeout=300,
+               **OFFLINE)
     assert proc.returncode == 0, proc.stderr[-3000:]
     first = json.loads((out / "results.json").read_text())
     assert first["world_size"] == 2 and first["flavour"] == "hf_backend.Accelerator loop"
     assert set(first["metrics"]["dev"]) == {"accuracy", "f1"}
     # saved at steps 2, 4, 6, 8 (4 steps an epoch); total_limit=2 keeps the newest two
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["checkpoint_2", "checkpoint_3"]
-    proc = cli("launch", "--cpu", "--num_processes", "2", *args, "--epochs", "3", "--resume", timeout=300, **OFFLINE)
+    proc = _python("run_glue_loop.py", *args, "--epochs", "3", "--resume", nproc=2)  # 2 processes again
     assert proc.returncode == 0, proc.stderr[-3000:]
     resumed = json.loads((out / "results.json").read_text())
     steps = [h["step"] for h in resumed["history"] if "loss" in h]
@@ -80,7 +81,7 @@ def test_bad_input_is_one_line_naming_the_file_and_row(tiny, tmp_path):
     with pytest.raises(glue_data.DataError, match=r"dev.tsv: missing; a GLUE mrpc folder holds train.tsv, dev.tsv"):
         glue_data.load(task, str(bad))
 
-    proc = _python(str(RECIPES / "run_glue.py"), "--task", "mrpc", "--data_dir", str(bad), "--model", str(tiny[0]))
+    proc = _python("run_glue.py", "--task", "mrpc", "--data_dir", str(bad), "--model", str(tiny[0]))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == f"error: {bad / 'dev.tsv'}: missing; a GLUE mrpc folder holds " \
                                                    "train.tsv, dev.tsv"

@@ -142,10 +142,12 @@ def test_deepspeed_config(ddp, tmp_path):
 
 
 def _kill_and_resume(tmp: Path, args: list[str], nproc: int, launcher: bool = False) -> dict:
+    """SIGKILLed 2 steps after checkpoint-8 (through `hf-backend launch` with `launcher`), then resumed in forked
+    processes (a launcher resuming a run: test_a_killed_trainer_restarts_by_itself_...)."""
     run(tmp, "run", [*args, "--kill-after-checkpoint", "8"], nproc=nproc, expect_kill=True, launcher=launcher)
     assert (tmp / "run" / "checkpoint-8" / "trainer_state.json").is_file()
     assert not (tmp / "run" / "checkpoint-12").exists()
-    return run(tmp, "run", [*args, "--resume"], nproc=nproc, launcher=launcher)
+    return run(tmp, "run", [*args, "--resume"], nproc=nproc)
 
 
 def test_sigkill_then_resume_is_bitwise_in_one_process(tmp_path):
@@ -159,7 +161,7 @@ def test_sigkill_then_resume_is_bitwise_in_one_process(tmp_path):
 def test_sigkill_then_resume_under_ddp(ddp, tmp_path):
     # with activation checkpointing (recomputation changes nothing without dropout)
     resumed = _kill_and_resume(tmp_path, [*DDP_ARGS, "--batch-size", "8", "--activation-checkpointing"], nproc=2,
-                               launcher=True)  # as a user would: the launcher names the killed rank, then resume
+                               launcher=True)  # as a user would: the launcher names the killed rank
     assert relative(losses(resumed, after=8), losses(ddp, after=8)) <= 1e-6
     assert max_abs(resumed["params"], ddp["params"]) <= 1e-6
 
@@ -290,9 +292,20 @@ def _resume(tmp: Path, checkpoint: Path, name: str, reader: list[str], args: lis
     return run(tmp, name, [*reader, *args, "--resume"], nproc=nproc)
 
 
-def test_ours_writes_transformers_file_names(tmp_path):
-    run(tmp_path, "run", [*DDP_ARGS, "--batch-size", "16", "--kill-after-checkpoint", "4"], expect_kill=True)
-    files = {p.name for p in (tmp_path / "run" / "checkpoint-4").iterdir()}
+@pytest.fixture(scope="module")
+def ours_checkpoint_4(tmp_path_factory) -> Path:
+    """Ours in one process, global batch 16: its checkpoint-4 (read by two tests; _resume resumes a copy)."""
+    return _checkpoint_4(tmp_path_factory.mktemp("ours_one"), [], [*DDP_ARGS, "--batch-size", "16"], 1)
+
+
+@pytest.fixture(scope="module")
+def ours_ddp_checkpoint_4(tmp_path_factory) -> Path:
+    """Ours under DDP (2 processes of batch 8): its checkpoint-4 (read by two tests; _resume resumes a copy)."""
+    return _checkpoint_4(tmp_path_factory.mktemp("ours_ddp"), [], [*DDP_ARGS, "--batch-size", "8"], 2)
+
+
+def test_ours_writes_transformers_file_names(ours_checkpoint_4):
+    files = {p.name for p in ours_checkpoint_4.iterdir()}
     assert {"optimizer.pt", "scheduler.pt", "model.safetensors", "rng_state.pth", "trainer_state.json",
             "hf_backend_checkpoint.json", "dataloader.bin"} <= files, files
     assert not files & {"optimizer.bin", "scheduler.bin"}
@@ -303,9 +316,9 @@ def stock_one_process(tmp_path_factory) -> dict:
     return run(tmp_path_factory.mktemp("stock"), "stock", ["--stock", *DDP_ARGS, "--batch-size", "16"])
 
 
-def test_transformers_resumes_ours_in_one_process(one_process, stock_one_process, tmp_path):
+def test_transformers_resumes_ours_in_one_process(one_process, stock_one_process, ours_checkpoint_4, tmp_path):
     args = [*DDP_ARGS, "--batch-size", "16"]
-    resumed = _resume(tmp_path, _checkpoint_4(tmp_path, [], args, 1), "stock", ["--stock"], args, 1)
+    resumed = _resume(tmp_path, ours_checkpoint_4, "stock", ["--stock"], args, 1)
     assert resumed["adam_steps"] == one_process["adam_steps"] == STEPS  # the optimizer state came back
     assert relative(losses(resumed, after=4), losses(stock_one_process, after=4)) <= 1e-5
     assert max_abs(resumed["params"], stock_one_process["params"]) <= 1e-5
@@ -319,7 +332,7 @@ def test_ours_resumes_transformers_in_one_process(one_process, tmp_path):
     assert max_abs(resumed["params"], one_process["params"]) <= 1e-5
 
 
-def test_both_ways_under_ddp(tmp_path):
+def test_both_ways_under_ddp(ours_ddp_checkpoint_4, tmp_path):
     """transformers 5.23 under DDP backpropagates BERT's mean loss times the world size (test_trainer.py), so its
     runs are no reference for ours after the checkpoint; it must resume our checkpoint with the optimizer restored
     (Adam has taken every step, the 4 before the checkpoint too). Ours resumes its checkpoint in 2 processes and
@@ -328,8 +341,7 @@ def test_both_ways_under_ddp(tmp_path):
 
     args = [*DDP_ARGS, "--batch-size", "8"]
     if STOCK_TRAINER_RESUMES_UNDER_CPU_DDP:  # transformers 5.17's own Trainer cannot (transformers_compat.py)
-        ours_written = _checkpoint_4(tmp_path / "ours", [], args, 2)
-        stock = _resume(tmp_path, ours_written, "stock_resumed", ["--stock"], args, 2)
+        stock = _resume(tmp_path, ours_ddp_checkpoint_4, "stock_resumed", ["--stock"], args, 2)
         assert (stock["distributed_type"], stock["model_wrapped"]) == ("MULTI_CPU", "DistributedDataParallel")
         assert stock["adam_steps"] == stock["global_step"] == STEPS
         assert [h["step"] for h in stock["log_history"] if "loss" in h] == list(range(2, STEPS + 1, 2))  # on from 4
@@ -342,11 +354,10 @@ def test_both_ways_under_ddp(tmp_path):
     assert max_abs(two["params"], one["params"]) <= 1e-5
 
 
-def test_a_ddp_checkpoint_resumes_under_fsdp(ddp, tmp_path):
+def test_a_ddp_checkpoint_resumes_under_fsdp(ddp, ours_ddp_checkpoint_4, tmp_path):
     """transformers' optimizer.pt (numbered parameters) from DDP, sharded onto FSDP2's parameters on resume."""
     args = [*DDP_ARGS, "--batch-size", "8"]
-    written = _checkpoint_4(tmp_path / "ddp", [], args, 2)
-    resumed = _resume(tmp_path, written, "fsdp", [], [*args, "--fsdp-config", "plugin"], 2)
+    resumed = _resume(tmp_path, ours_ddp_checkpoint_4, "fsdp", [], [*args, "--fsdp-config", "plugin"], 2)
     assert resumed["model_wrapped"] != "DistributedDataParallel" and resumed["adam_steps"] == STEPS
     assert relative(losses(resumed, after=4), losses(ddp, after=4)) <= 1e-5
     assert max_abs(resumed["params"], ddp["params"]) <= 1e-5

@@ -5,7 +5,8 @@ A small MLP with dropout regresses 64 fixed samples, 4 per batch per process, fo
 out/rank{r}.json: what it saw of the world, the sample ids of each epoch, its parameters at the end. Inside Ray it
 reports a checkpoint after every epoch and restores Ray's latest one at start; `crash_after` makes the first attempt
 fail right after reporting that epoch, so Ray restarts the workers and the run continues from the checkpoint.
-`trainer_job` does the same for hf_backend.Trainer with Ray's own report callback.
+`trainer_job` does the same for hf_backend.Trainer with Ray's own report callback; `ray_data_jobs` runs the loop on
+Ray Data and then `trainer_job` in the same workers (one worker group for both).
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def train(config: dict) -> None:
     if config.get("data") == "ray":
         import ray.train
 
-        batches = ray.train.get_dataset_shard("train").iter_torch_batches(
+        batches = ray.train.get_dataset_shard(config.get("dataset", "train")).iter_torch_batches(
             batch_size=4, dtypes={"x": torch.float32, "y": torch.float32, "id": torch.int64})
     else:
         batches = DataLoader(Samples(), batch_size=4, shuffle=True)
@@ -144,7 +145,7 @@ def trainer_job(config: dict) -> None:
     from hf_backend import Trainer, TrainingArguments
 
     out = Path(config["out"])
-    shard = ray.train.get_dataset_shard("train").iter_torch_batches(batch_size=8)
+    shard = ray.train.get_dataset_shard(config.get("dataset", "train")).iter_torch_batches(batch_size=8)
     args = TrainingArguments(output_dir=str(out / "trainer"), per_device_train_batch_size=8, max_steps=4,
                              learning_rate=1e-3, save_strategy="steps", save_steps=4, logging_steps=1,
                              report_to="none", seed=0, use_cpu=True)
@@ -166,6 +167,13 @@ def trainer_job(config: dict) -> None:
               "steps": trainer.state.global_step, "rows": sum(seen),
               "params": [p.detach().flatten().tolist() for p in trainer.model.parameters()][-2:]}
     (out / f"trainer_rank{rank}.json").write_text(json.dumps(record))
+
+
+def ray_data_jobs(config: dict) -> None:
+    """`train` on Ray Data's shards of the dataset "loop", then `trainer_job` on those of "trainer", one after the
+    other in the same worker processes (Ray's process group stays up between them)."""
+    train({**config, "ray": True, "data": "ray", "dataset": "loop"})
+    trainer_job({**config, "dataset": "trainer"})
 
 
 def main() -> int:
