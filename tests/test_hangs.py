@@ -5,17 +5,22 @@ launch` and plain torchrun alike; no process is left behind."""
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+import weakref
 from pathlib import Path
+from types import FrameType
 
 import psutil
 import pytest
+import torch
 from helpers import CLI, SCRIPTS, cli, cli_env
 
 from hf_backend import hang_watch
@@ -248,3 +253,67 @@ def test_where_falls_back_to_library_code_when_no_frame_is_the_users():
         event.set()
         thread.join(5)
     assert op == "wait" and site.rsplit(":", 1)[0] == threading.__file__
+
+
+def _blocked_in_wait(thread: threading.Thread, not_this: object = None) -> FrameType:
+    """The thread's innermost frame once it waits inside threading's Condition.wait (a frame other than `not_this`)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        frame = sys._current_frames().get(thread.ident)
+        if frame is not None and frame.f_code.co_name == "wait" and frame is not not_this:
+            return frame
+        time.sleep(0.01)
+    raise AssertionError("the thread never waited")
+
+
+def test_the_watchdog_keeps_no_frame_of_a_call_that_returned():
+    """A frame held after its call returned keeps that call's locals alive, and its callers' (a model in its forward,
+    free_memory's arguments): the watchdog notes where the watched thread is without holding its frame (under load,
+    test_free_memory.py::test_ddp saw the model outlive free_memory when every sample was held)."""
+    leave = threading.Event()
+
+    def forward(model: torch.nn.Module) -> None:
+        leave.wait(30)
+
+    model = torch.nn.Linear(2, 2)
+    probe = weakref.ref(model)
+    thread = threading.Thread(target=forward, args=(model,))
+    del model
+    thread.start()
+    _blocked_in_wait(thread)
+    watchdog = hang_watch._Watchdog(None, 0, 2, 300.0, thread.ident)
+    assert watchdog.look() and watchdog.look()  # the same spot twice, well short of half the timeout
+    leave.set()
+    thread.join(30)
+    gc.collect()
+    assert probe() is None
+
+
+def test_the_watchdog_holds_a_frame_that_stood_still_and_tells_a_new_call_at_its_spot_apart():
+    """After half the timeout at one spot the frame is held: a new call of the same code at the same offset (which
+    could reuse the address of a returned frame) is progress, not more of the same wait."""
+    gate, calls = threading.Semaphore(0), []
+
+    def loop() -> None:
+        for _ in range(2):
+            calls.append(1)
+            gate.acquire(timeout=30)
+
+    thread = threading.Thread(target=loop)
+    thread.start()
+    try:
+        first = _blocked_in_wait(thread)
+        watchdog = hang_watch._Watchdog(None, 0, 2, 0.2, thread.ident)
+        assert watchdog.look() and watchdog.held is None
+        time.sleep(0.15)
+        assert watchdog.look() and watchdog.held is first
+        gate.release()
+        second = _blocked_in_wait(thread, not_this=first)
+        assert len(calls) == 2 and second.f_code is first.f_code
+        del first, second
+        since = watchdog.since
+        assert watchdog.look() and watchdog.held is None and watchdog.since > since
+    finally:
+        gate.release()
+        thread.join(30)
+    assert not watchdog.look()  # the watched thread ended
