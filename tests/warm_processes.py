@@ -162,6 +162,13 @@ def _serve() -> None:
             importlib.import_module(optional)
         except ImportError:
             pass
+    try:  # py-cpuinfo answers every call from an interpreter it starts (1.5 s here), and DeepSpeed's CPU Adam asks
+        import cpuinfo.cpuinfo as cpu  # three times a process: the CPU stays the same, ask once
+
+        answer = cpu.get_cpu_info_json()
+        cpu.get_cpu_info_json = lambda: answer
+    except ImportError:
+        pass
     threads = {Path(f"/proc/self/task/{task}/comm").read_text().strip() for task in os.listdir("/proc/self/task")
                if int(task) != os.getpid()}
     if threads - _THREADS_SAFE_TO_FORK:
