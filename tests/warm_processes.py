@@ -169,6 +169,8 @@ def _serve() -> None:
         cpu.get_cpu_info_json = lambda: answer
     except ImportError:
         pass
+    if "deepspeed" in sys.modules and sys.modules["deepspeed"].get_accelerator().device_name() == "cpu":
+        sys.modules["deepspeed"].ops.__compatible_ops__  # noqa: B018 - probed on first use (compilers run: 0.5 s a job)
     threads = {Path(f"/proc/self/task/{task}/comm").read_text().strip() for task in os.listdir("/proc/self/task")
                if int(task) != os.getpid()}
     if threads - _THREADS_SAFE_TO_FORK:
