@@ -112,6 +112,13 @@ class _Watchdog:
         self.stopped = threading.Event()
         self.published = False
         self.thread: threading.Thread | None = None
+        # Where the watched thread was: its innermost frame's identity, code and offset, and since when. The frame
+        # itself is held only once it has stood still for half the timeout: a frame held after its call returned
+        # keeps that call's locals (and its callers', through f_back) alive, and a model freed just then (its
+        # forward, free_memory's arguments) would outlive the gc.collect that should free it.
+        self.spot: tuple | None = None
+        self.held: FrameType | None = None
+        self.since = time.monotonic()
 
     def publish(self, record: dict | None) -> None:
         """This rank's record (None: it moves again). Store errors mean the job is going away: nothing to report."""
@@ -128,27 +135,40 @@ class _Watchdog:
         import torch.distributed as dist
 
         interval = min(1.0, self.timeout / 10)
-        last: FrameType | None = None  # held, so that a new call cannot reuse its identity
-        last_offset, since = -1, time.monotonic()
-        while not self.stopped.wait(interval):
-            frame = sys._current_frames().get(self.thread_id)
-            if frame is None or not dist.is_initialized():
-                return  # the watched thread ended, or the group was destroyed
-            if frame is not last or frame.f_lasti != last_offset:
-                last, last_offset, since = frame, frame.f_lasti, time.monotonic()
-                if self.published:
-                    self.publish(None)
-                continue
-            waited = time.monotonic() - since
-            if waited < self.timeout:
-                continue
-            if not self.published:
-                op, site = where(frame)
-                self.publish({"state": "waiting", "op": op, "site": site})
-            records = self._records()
-            if records is not None and not self.stopped.is_set():
-                self._report(records, frame, waited)
-            del frame
+        try:
+            while not self.stopped.wait(interval):
+                if not dist.is_initialized() or not self.look():
+                    return  # the group was destroyed, or the watched thread ended
+        finally:
+            self.held = None
+
+    def look(self) -> bool:
+        """Sample the watched thread once (False: it ended); report a hang once every rank has stood still for the
+        timeout. Holds no frame when it returns, but one that has stood still for half the timeout."""
+        frame = sys._current_frames().get(self.thread_id)
+        if frame is None:
+            return False
+        spot = (id(frame), frame.f_code, frame.f_lasti)
+        # A new call can reuse a returned frame's address: the same spot is the same frame only while it is held.
+        if spot != self.spot or (self.held is not None and frame is not self.held):
+            self.spot, self.held, self.since = spot, None, time.monotonic()
+            if self.published:
+                self.publish(None)
+            return True
+        waited = time.monotonic() - self.since
+        if self.held is None:
+            if waited >= self.timeout / 2:
+                self.held = frame  # from here on, a call that returned and a new one at its address are told apart
+            return True
+        if waited < self.timeout:
+            return True
+        if not self.published:
+            op, site = where(frame)
+            self.publish({"state": "waiting", "op": op, "site": site})
+        records = self._records()
+        if records is not None and not self.stopped.is_set():
+            self._report(records, frame, waited)
+        return True
 
     def _stacks(self) -> str:
         """Every thread's stack but this watchdog's, the watched thread first, each line prefixed as torch prefixes a

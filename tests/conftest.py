@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import collections
+import hashlib
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,13 @@ from helpers import BERT_LOOP, BERT_TRAIN, HEADER, WORDS, mrpc_rows, run_report
 # from the start, so that the warm process server (tests/warm_processes.py, which restarts when a variable read at
 # import changes) is not started a second time when it appears.
 os.environ.setdefault("KMP_DUPLICATE_LIB_OK", "True")
+# DeepSpeed compiles its CPU ops (CPU Adam, the shared-memory collectives) on first use into torch's extension cache,
+# by default one directory for every virtualenv of this Python version. The build command names the virtualenv's
+# paths, so a run from another one (a second clone, .venv-oldest) changed it and ninja rebuilt both ops (about 70 s,
+# minutes under load) the next time any of them ran: one cache per virtualenv, set before any process is started.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(
+    Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torch_extensions"
+    / f"py{sys.version_info.major}{sys.version_info.minor}-{hashlib.sha1(sys.prefix.encode()).hexdigest()[:12]}"))
 
 
 @pytest.fixture(scope="session")

@@ -9,13 +9,12 @@ import argparse
 import json
 import random
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import psutil
 import pytest
-from helpers import CLI, SCRIPTS, cli, cli_env, free_port
+from helpers import CLI, SCRIPTS, cli, cli_env, free_port, run_script
 
 from hf_backend.cli.launch import elastic_range, process_environment, torchrun_arguments
 from hf_backend.config.loader import ConfigError
@@ -37,8 +36,16 @@ def _launch(tmp: Path, name: str, launch: list[str], script: list[str]) -> tuple
     return proc, {"report": json.loads(out.read_text()), "events": _events(events)}
 
 
+def _uninterrupted(tmp: Path, script: list[str]) -> dict:
+    """The reference run: the same script in 2 processes forked warm (tests/warm_processes.py), not through the
+    launcher (whose restarts are what the tests check), so no interpreter starts for it."""
+    out, events = tmp / "whole.json", tmp / "whole.jsonl"
+    run_script(SCRIPT, ["--project", str(tmp / "whole"), "--events", str(events), "--out", str(out), *script], nproc=2)
+    return {"report": json.loads(out.read_text()), "events": _events(events)}
+
+
 def test_killed_workers_restart_and_resume_to_the_uninterrupted_weights_bitwise(tmp_path):
-    _, whole = _launch(tmp_path, "whole", [], [])
+    whole = _uninterrupted(tmp_path, [])
     # three kills, each in a later round of restarts: a step of rank 0 or 1, a save (rank 0, inside save_state,
     # after the weights are staged), another step; the steps are drawn at random
     r = random.Random(20)
@@ -135,9 +142,8 @@ def test_a_restarted_group_forms_again(launcher, tmp_path):
     """The restarted rank 0 comes late: on a store shared across rendezvous rounds, rank 1 would read its old address
     and fail with "connectFullMesh failed ... Connection refused" (tests/scripts/notebook_restart.py)."""
     out, script = tmp_path / "out.txt", str(SCRIPTS / "notebook_restart.py")
-    if launcher == "notebook_launcher":
-        proc = subprocess.run([sys.executable, script, str(out), str(free_port())], capture_output=True, text=True,
-                              timeout=120, env=cli_env(OMP_NUM_THREADS="1"))
+    if launcher == "notebook_launcher":  # the notebook forked warm: its workers fork from it, as in a notebook
+        proc = run_script(script, [str(out), str(free_port())], timeout=120, check=False)
     else:
         proc = cli("launch", "--cpu", "--num_processes", "2", "--max_restarts", "1", script, str(out), timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -171,12 +177,21 @@ def _wait(events: Path, condition, nodes: list[subprocess.Popen], limit: float) 
     raise AssertionError(f"waited {limit} s; events: {_events(events)[-6:]}")
 
 
+def _listening(port: int) -> bool:
+    return any(c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN
+               for c in psutil.net_connections(kind="tcp"))
+
+
 def test_a_two_node_job_shrinks_to_one_node_and_grows_back_keeping_the_global_batch(tmp_path):
-    script = ["--samples", "1920", "--steps", "120", "--step-delay", "0.25", "--keep-global-batch"]
-    _, whole = _launch(tmp_path, "whole", [], script[:4])
-    events, out, port = tmp_path / "elastic.jsonl", tmp_path / "elastic.json", str(free_port())
+    # Steps paced (0.25 s) until the job has grown back: the kill, the shrink and the new node all come while it
+    # trains; then it runs out its 120 steps at full speed.
+    grown = tmp_path / "grown"
+    script = ["--samples", "1920", "--steps", "120", "--step-delay", "0.25", "--delay-until", str(grown),
+              "--keep-global-batch"]
+    whole = _uninterrupted(tmp_path, script[:4])
+    events, out, port = tmp_path / "elastic.jsonl", tmp_path / "elastic.json", free_port()
     common = [*CLI, "launch", "--cpu", "--num_processes", "2", "--nnodes", "1:2", "--main_process_ip", "127.0.0.1",
-              "--main_process_port", port, "--num_cpu_threads_per_process", "1", "--max_restarts", "3",
+              "--main_process_port", str(port), "--num_cpu_threads_per_process", "1", "--max_restarts", "3",
               "--monitor_interval", "0.5",
               "--rdzv_conf", "last_call_timeout=1,join_timeout=60,keep_alive_interval=1,keep_alive_max_attempt=5",
               SCRIPT, "--project", str(tmp_path / "elastic"), "--events", str(events), "--out", str(out), *script]
@@ -191,7 +206,9 @@ def test_a_two_node_job_shrinks_to_one_node_and_grows_back_keeping_the_global_ba
 
     try:
         survivor = start("a")  # first: it hosts the rendezvous store, so it must be the one that survives
-        time.sleep(1.0)
+        deadline = time.monotonic() + 60
+        while not _listening(port) and survivor.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
         leaving = start("b")
         _wait(events, lambda seen: any(e["event"] == "step" and e["world"] == 2 and e["step"] >= 6 for e in seen),
               nodes, 90)
@@ -205,6 +222,7 @@ def test_a_two_node_job_shrinks_to_one_node_and_grows_back_keeping_the_global_ba
         seen = _wait(events, lambda seen: any(e["event"] == "step" and e["world"] == 2 and e["t"] > rejoined_at
                                               for e in seen), [survivor], 90)
         grown_at = min(e["t"] for e in seen if e["event"] == "step" and e["world"] == 2 and e["t"] > rejoined_at)
+        grown.touch()
         deadline = time.monotonic() + 120
         while any(node.poll() is None for node in nodes[-1:] + [survivor]) and time.monotonic() < deadline:
             time.sleep(0.2)

@@ -5,18 +5,23 @@ launch` and plain torchrun alike; no process is left behind."""
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+import weakref
 from pathlib import Path
+from types import FrameType
 
 import psutil
 import pytest
-from helpers import CLI, SCRIPTS, cli, cli_env
+import torch
+from helpers import CLI, SCRIPTS, cli, cli_env, run_script
 
 from hf_backend import hang_watch
 
@@ -74,7 +79,8 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
             "--monitor_interval", "0.1"]
 MISMATCH = (f"collective mismatch: rank 0 calls all_reduce (ALLREDUCE of Float[5]) at {SCRIPT}:{BACKWARD}; "
             f"rank 1 calls barrier at {SCRIPT}:{BARRIER}")
-HANG = (f"hang: no rank made progress for 5 s: rank 0 waiting in backward at {SCRIPT}:{BACKWARD}; "
+TIMEOUT = 2  # the hang timeout of the tests that wait for one: well above a step of early_stop_hang.py
+HANG = (f"hang: no rank made progress for {TIMEOUT} s: rank 0 waiting in backward at {SCRIPT}:{BACKWARD}; "
         f"rank 1 waiting in barrier at {SCRIPT}:{BARRIER}")
 
 
@@ -99,20 +105,20 @@ def test_debug_names_the_mismatch_at_once(tmp_path):
 
 
 def test_a_hang_ends_after_the_timeout_naming_every_rank(tmp_path):
-    code, output, ended = _run(tmp_path, [*LAUNCH, "--hang_timeout", "5", SCRIPT, str(tmp_path)])
+    code, output, ended = _run(tmp_path, [*LAUNCH, "--hang_timeout", str(TIMEOUT), SCRIPT, str(tmp_path)])
     assert code == 1, output[-4000:]
     assert output.strip().splitlines()[-1] == (f"hf-backend launch: {HANG}; every rank's stacks are above; "
                                                "the workers were stopped")
     _assert_stacks(output)
     assert "Connection closed" not in output  # a rank whose peer finished reporting first stays quiet
     took = ended - _hang_started(tmp_path)
-    print(f"from the hang to the launcher's exit (timeout 5 s): {took:.2f} s")
-    assert 5 <= took < 5 + 8
+    print(f"from the hang to the launcher's exit (timeout {TIMEOUT} s): {took:.2f} s")
+    assert TIMEOUT <= took < TIMEOUT + 8
 
 
 @pytest.mark.parametrize("debug", [False, True], ids=["hang", "mismatch"])
 def test_plain_torchrun_gets_the_same_report_from_the_ranks(tmp_path, debug):
-    env = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"} if debug else {hang_watch.TIMEOUT_VARIABLE: "5"}
+    env = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"} if debug else {hang_watch.TIMEOUT_VARIABLE: str(TIMEOUT)}
     code, output, ended = _run(tmp_path, [*TORCHRUN, SCRIPT, str(tmp_path)], **env)
     assert code == 1, output[-4000:]
     lines = output.splitlines()
@@ -120,7 +126,7 @@ def test_plain_torchrun_gets_the_same_report_from_the_ranks(tmp_path, debug):
     if not debug:
         _assert_stacks(output)
     took = ended - _hang_started(tmp_path)
-    assert took < (4 if debug else 5 + 8)
+    assert took < (4 if debug else TIMEOUT + 8)
 
 
 # Rank 1 is done (its loop ended a step early) while rank 0 reduces once more.
@@ -144,7 +150,7 @@ def test_debug_names_a_rank_that_exited(tmp_path):
                                                "done.py:8; rank 1 exited; the workers were stopped")
 
 
-# Rank 0 computes for 3 s (its frames move) while rank 1 waits in a barrier: not a hang, even with a 1 s timeout.
+# Rank 0 computes for 2 s (its frames move) while rank 1 waits in a barrier: not a hang, even with a 1 s timeout.
 # Then (with "hang"), a real one: rank 1 skips a reduce and waits at the end.
 BUSY = """\
 import os, sys, time
@@ -154,7 +160,7 @@ accelerator = Accelerator(cpu=True)
 with open(os.path.join(sys.argv[1], f"pid{accelerator.process_index}"), "w") as f:
     f.write(str(os.getpid()))
 if accelerator.is_main_process:
-    end = time.monotonic() + 3
+    end = time.monotonic() + 2
     while time.monotonic() < end:
         torch.randn(64, 64) @ torch.randn(64, 64)
 accelerator.wait_for_everyone()
@@ -176,13 +182,15 @@ def test_a_busy_rank_is_progress_and_the_watchdog_still_sees_a_later_hang(tmp_pa
 
 
 def test_a_timeout_past_the_groups_is_a_warning(tmp_path):
-    (tmp_path / "busy.py").write_text(BUSY)
-    code, output, _ = _run(tmp_path, [*TORCHRUN, "busy.py", str(tmp_path), "no"],
-                           **{hang_watch.TIMEOUT_VARIABLE: "1800"})
-    assert code == 0 and "finished 0" in output and "finished 1" in output, output[-4000:]
+    """The main process warns as its watchdog starts (no launcher involved: the ranks are forked warm)."""
+    script = tmp_path / "busy.py"
+    script.write_text(BUSY)
+    proc = run_script(script, [str(tmp_path), "no"], nproc=2, env={hang_watch.TIMEOUT_VARIABLE: "1800"})
+    output = proc.stdout + proc.stderr
+    assert "finished 0" in output and "finished 1" in output, output[-4000:]
     warning = (f"hf_backend: {hang_watch.TIMEOUT_VARIABLE}=1800 s is not below the process group's timeout (1800 s): "
                "a hung collective times out first, without the ranks' stacks; lower it, or raise the group's timeout")
-    assert warning in output.splitlines(), output[-4000:]
+    assert [line for line in output.splitlines() if "is not below" in line] == [warning], output[-4000:]  # rank 0
 
 
 def test_the_timeout_is_read_once_and_checked(monkeypatch):
@@ -248,3 +256,67 @@ def test_where_falls_back_to_library_code_when_no_frame_is_the_users():
         event.set()
         thread.join(5)
     assert op == "wait" and site.rsplit(":", 1)[0] == threading.__file__
+
+
+def _blocked_in_wait(thread: threading.Thread, not_this: object = None) -> FrameType:
+    """The thread's innermost frame once it waits inside threading's Condition.wait (a frame other than `not_this`)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        frame = sys._current_frames().get(thread.ident)
+        if frame is not None and frame.f_code.co_name == "wait" and frame is not not_this:
+            return frame
+        time.sleep(0.01)
+    raise AssertionError("the thread never waited")
+
+
+def test_the_watchdog_keeps_no_frame_of_a_call_that_returned():
+    """A frame held after its call returned keeps that call's locals alive, and its callers' (a model in its forward,
+    free_memory's arguments): the watchdog notes where the watched thread is without holding its frame (under load,
+    test_free_memory.py::test_ddp saw the model outlive free_memory when every sample was held)."""
+    leave = threading.Event()
+
+    def forward(model: torch.nn.Module) -> None:
+        leave.wait(30)
+
+    model = torch.nn.Linear(2, 2)
+    probe = weakref.ref(model)
+    thread = threading.Thread(target=forward, args=(model,))
+    del model
+    thread.start()
+    _blocked_in_wait(thread)
+    watchdog = hang_watch._Watchdog(None, 0, 2, 300.0, thread.ident)
+    assert watchdog.look() and watchdog.look()  # the same spot twice, well short of half the timeout
+    leave.set()
+    thread.join(30)
+    gc.collect()
+    assert probe() is None
+
+
+def test_the_watchdog_holds_a_frame_that_stood_still_and_tells_a_new_call_at_its_spot_apart():
+    """After half the timeout at one spot the frame is held: a new call of the same code at the same offset (which
+    could reuse the address of a returned frame) is progress, not more of the same wait."""
+    gate, calls = threading.Semaphore(0), []
+
+    def loop() -> None:
+        for _ in range(2):
+            calls.append(1)
+            gate.acquire(timeout=30)
+
+    thread = threading.Thread(target=loop)
+    thread.start()
+    try:
+        first = _blocked_in_wait(thread)
+        watchdog = hang_watch._Watchdog(None, 0, 2, 0.2, thread.ident)
+        assert watchdog.look() and watchdog.held is None
+        time.sleep(0.15)
+        assert watchdog.look() and watchdog.held is first
+        gate.release()
+        second = _blocked_in_wait(thread, not_this=first)
+        assert len(calls) == 2 and second.f_code is first.f_code
+        del first, second
+        since = watchdog.since
+        assert watchdog.look() and watchdog.held is None and watchdog.since > since
+    finally:
+        gate.release()
+        thread.join(30)
+    assert not watchdog.look()  # the watched thread ended

@@ -155,11 +155,22 @@ def _serve() -> None:
 
     import hf_backend.trainer  # noqa: F401
 
-    for optional in ("datasets", "deepspeed"):
+    # DeepSpeed's ZeRO engine imports its Muon optimizer on every prepare (is_zero_supported_optimizer), and that
+    # imports torch.compile's inductor: 2-5 s per process here.
+    for optional in ("datasets", "deepspeed", "deepspeed.runtime.zero.muon.muon_optimizer"):
         try:
             importlib.import_module(optional)
         except ImportError:
             pass
+    try:  # py-cpuinfo answers every call from an interpreter it starts (1.5 s here), and DeepSpeed's CPU Adam asks
+        import cpuinfo.cpuinfo as cpu  # three times a process: the CPU stays the same, ask once
+
+        answer = cpu.get_cpu_info_json()
+        cpu.get_cpu_info_json = lambda: answer
+    except ImportError:
+        pass
+    if "deepspeed" in sys.modules and sys.modules["deepspeed"].get_accelerator().device_name() == "cpu":
+        sys.modules["deepspeed"].ops.__compatible_ops__  # noqa: B018 - probed on first use (compilers run: 0.5 s a job)
     threads = {Path(f"/proc/self/task/{task}/comm").read_text().strip() for task in os.listdir("/proc/self/task")
                if int(task) != os.getpid()}
     if threads - _THREADS_SAFE_TO_FORK:

@@ -4,7 +4,8 @@
 One epoch over a fixed data set (a 2-layer MLP, AdamW, a linear LR schedule, dropout off), a checkpoint every
 `--every` optimizer steps (automatic naming). Each process appends one JSON line per event to `--events`:
 `start` (restart count, world size, the step it resumed from), `step` (each optimizer step, with its time), `kill`
-(just before it SIGKILLs itself). `--kill RESTART:RANK:STEP:WHERE` (repeatable): in the run of that restart count,
+(just before it SIGKILLs itself). `--step-delay` paces the steps (until the file
+`--delay-until` names exists). `--kill RESTART:RANK:STEP:WHERE` (repeatable): in the run of that restart count,
 that rank SIGKILLs itself after optimizer step STEP (`step`), or inside the save of that step's checkpoint, after
 the weights and optimizer are written and before it is sealed (`save`, main process only). Rank 0 writes the final
 weights (exact floats and a SHA-256 of their bytes) to `--out`.
@@ -56,6 +57,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=24, help="optimizer steps of the run (one epoch at global batch 16)")
     p.add_argument("--every", type=int, default=4)
     p.add_argument("--step-delay", type=float, default=0.0)
+    p.add_argument("--delay-until", default=None, help="sleep --step-delay after each step only until this file exists")
     p.add_argument("--keep-global-batch", action="store_true")
     p.add_argument("--kill", action="append", default=[])
     args = p.parse_args()
@@ -105,7 +107,8 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         if progress.step % args.every == 0:
             accelerator.save_state()
-        time.sleep(args.step_delay)
+        if not (args.delay_until and os.path.exists(args.delay_until)):
+            time.sleep(args.step_delay)
     params = [float(v) for t in accelerator.unwrap_model(model).state_dict().values() for v in t.flatten()]
     digest = hashlib.sha256(b"".join(t.detach().contiguous().view(torch.uint8).numpy().tobytes()
                                      for t in accelerator.unwrap_model(model).state_dict().values())).hexdigest()
