@@ -49,6 +49,25 @@ def uninterrupted(tmp_path_factory):
     return run
 
 
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A strategy's (and precision's) checkpoint after STOP steps and its run's report, saved once per module: the
+    cases that resume the same checkpoint elsewhere only read it."""
+    runs: dict[tuple, tuple[dict, Path]] = {}
+
+    def run(strategy: str, nproc: int, precision: str | None) -> tuple[dict, Path]:
+        key = (strategy, nproc, precision)
+        if key not in runs:
+            directory = tmp_path_factory.mktemp("saved")
+            report = run_report(SCRIPT, directory / "a.json", ["--strategy", strategy, *_precision(precision),
+                                                               "--stop-after", str(STOP), "--checkpoint",
+                                                               str(directory / "ckpt")], nproc=nproc)
+            runs[key] = report, directory / "ckpt"
+        return runs[key]
+
+    return run
+
+
 def _precision(precision: str | None) -> list[str]:
     return ["--mixed-precision", precision] if precision else []
 
@@ -58,7 +77,7 @@ def _relative(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("saved, a, resumed, b, precision", [
+@pytest.mark.parametrize("source, a, resumed, b, precision", [
     ("zero2", 2, "single", 1, None),  # ZeRO -> one process
     ("single", 1, "zero3", 2, None),  # one process -> ZeRO
     ("zero3", 2, "single", 1, None),
@@ -70,11 +89,9 @@ def _relative(a: list[float], b: list[float]) -> float:
     ("zero0", 2, "single", 1, None),  # DeepSpeed without ZeRO
     ("single", 1, "zero2_offload", 2, None),  # into DeepSpeed's CPU Adam (compiled on first use, then cached)
 ])
-def test_a_checkpoint_resumes_under_another_strategy_and_world_size(uninterrupted, tmp_path, saved, a, resumed, b,
-                                                                      precision):
-    checkpoint = tmp_path / "ckpt"
-    first = run_report(SCRIPT, tmp_path / "a.json", ["--strategy", saved, *_precision(precision), "--stop-after",
-                                                     str(STOP), "--checkpoint", str(checkpoint)], nproc=a)
+def test_a_checkpoint_resumes_under_another_strategy_and_world_size(uninterrupted, saved, tmp_path, source, a,
+                                                                      resumed, b, precision):
+    first, checkpoint = saved(source, a, precision)
     native = ["--native", str(tmp_path / "native")] if resumed.startswith("zero") and resumed != "zero0" else []
     second = run_report(SCRIPT, tmp_path / "b.json", ["--strategy", resumed, *_precision(precision), "--resume",
                                                       str(checkpoint), "--done", str(STOP), "--final",
@@ -82,7 +99,7 @@ def test_a_checkpoint_resumes_under_another_strategy_and_world_size(uninterrupte
     reference = uninterrupted(resumed, b, precision)
     kinds = {"single": "NO", "ddp": "MULTI_CPU", "fsdp": "FSDP"}
     assert [first["distributed_type"], second["distributed_type"]] == [
-        kinds.get(name, "DEEPSPEED") for name in (saved, resumed)]
+        kinds.get(name, "DEEPSPEED") for name in (source, resumed)]
     assert len(first["losses"]) == STOP and len(second["losses"]) == len(reference["losses"]) - STOP
     assert second["lrs"] == reference["lrs"][STOP:]  # the schedule continues where it stopped
     assert _relative(second["losses"], reference["losses"][STOP:]) <= TOLERANCE
@@ -100,7 +117,7 @@ def test_a_checkpoint_resumes_under_another_strategy_and_world_size(uninterrupte
         assert sorted(merged) == sorted(final) and all(torch.equal(merged[k], final[k]) for k in final)
     # what every strategy writes and reads: full fp32 weights and the optimizer state keyed by parameter name
     names = {p.name for p in checkpoint.iterdir()}
-    if saved != "fsdp":
+    if source != "fsdp":
         assert {"model.safetensors", "optimizer.bin"} <= names and "model_deepspeed" not in names, names
         weights = load_file(checkpoint / "model.safetensors")
         assert {v.dtype for v in weights.values() if v.is_floating_point()} == {torch.float32}
