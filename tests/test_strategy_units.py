@@ -128,3 +128,32 @@ def test_full_optimizer_state_is_keyed_by_parameter_names(world_of_one, kind):
     train_step(strategy, model, optimizer)
     state = strategy.optimizer_state_dict(model, optimizer)
     assert sorted(state["state"]) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+
+
+def fsdp_model(process: ProcessState, **plugin) -> tuple[FSDPStrategy, torch.nn.Module]:
+    """Two FSDP blocks (the Linears) under a root without parameters of its own."""
+    strategy = FSDPStrategy(process, Precision("no", process.device, None, None), Handlers(),
+                            FullyShardedDataParallelPlugin(auto_wrap_policy="SIZE_BASED_WRAP", min_num_params=16,
+                                                           **plugin))
+    torch.manual_seed(0)
+    return strategy, strategy.setup_model(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(),
+                                                              torch.nn.Linear(8, 2)))
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
+def test_fsdp_clip_grad_norm_reduces_the_local_shards(world_of_one, monkeypatch, norm_type):
+    strategy, model = fsdp_model(world_of_one)
+    model(torch.arange(8.0).reshape(2, 4)).pow(2).sum().backward()
+    reference = [torch.nn.Parameter(torch.empty_like(p.grad.to_local())) for p in model.parameters()]
+    for r, p in zip(reference, model.parameters()):
+        r.grad = p.grad.to_local().clone()
+    expected = torch.nn.utils.clip_grad_norm_(reference, 1.0, norm_type)
+    assert expected > 1.0  # so the gradients are scaled
+
+    def dtensor_clip(*args, **kwargs):
+        raise AssertionError("torch's clip_grad_norm_ over DTensors dispatches per gradient")
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", dtensor_clip)
+    torch.testing.assert_close(strategy.clip_grad_norm_(model.parameters(), 1.0, norm_type), expected)
+    for p, r in zip(model.parameters(), reference):
+        torch.testing.assert_close(p.grad.to_local(), r.grad)
