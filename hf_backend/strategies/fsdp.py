@@ -27,6 +27,7 @@ from ..options import Handlers
 from ..precision import Precision
 from ..state import DistributedType, ProcessState
 from .base import Strategy
+from .fsdp_overlap import schedule
 
 
 class FSDPStrategy(Strategy):
@@ -74,11 +75,13 @@ class FSDPStrategy(Strategy):
         for block in blocks:
             fully_shard(block, **kwargs)
         fully_shard(model, **kwargs)
-        if self.options.fsdp_forward_prefetch:
-            for block, following in zip(blocks, blocks[1:]):
-                block.set_modules_to_forward_prefetch([following])
         if efficient:
             self._receive_rank0_weights(model, full)
+        on_cpu = self.process.device.type == "cpu" and not self.options.fsdp_offload_params  # offloading: left to FSDP2
+        prefetch = self.options.fsdp_forward_prefetch  # unset: where nothing else overlaps forward's all-gathers
+        schedule(model, blocks, reshard_after_forward=self.options.fsdp_reshard_after_forward,
+                 forward_prefetch=on_cpu if prefetch is None else prefetch, on_cpu=on_cpu,
+                 replicated=kwargs["mesh"].ndim > 1)
         self._new_params.update({id(old): new for old, new in zip(before, model.parameters())})
         return model
 
