@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import json
+import math
 import os
 import pickle
 import subprocess
@@ -56,6 +57,7 @@ BERT_TRAIN = ["--batch-size", "4", "--grad-accum", "2", "--epochs", "2"]
 
 def relative_difference(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b)
+    assert all(math.isfinite(x) for x in [*a, *b]), "a NaN would slip through max()"
     return max(abs(x - y) / abs(x) for x, y in zip(a, b))
 
 

@@ -128,3 +128,77 @@ def test_full_optimizer_state_is_keyed_by_parameter_names(world_of_one, kind):
     train_step(strategy, model, optimizer)
     state = strategy.optimizer_state_dict(model, optimizer)
     assert sorted(state["state"]) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+
+
+def fsdp_model(process: ProcessState, **plugin) -> tuple[FSDPStrategy, torch.nn.Module]:
+    """Two FSDP blocks (the Linears) under a root without parameters of its own."""
+    strategy = FSDPStrategy(process, Precision("no", process.device, None, None), Handlers(),
+                            FullyShardedDataParallelPlugin(auto_wrap_policy="SIZE_BASED_WRAP", min_num_params=16,
+                                                           **plugin))
+    torch.manual_seed(0)
+    return strategy, strategy.setup_model(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(),
+                                                              torch.nn.Linear(8, 2)))
+
+
+def test_fsdp_keeps_the_last_block_gathered_only_when_a_backward_follows(world_of_one):
+    from torch.distributed.tensor import DTensor
+
+    _, model = fsdp_model(world_of_one)
+    sharded = lambda: [isinstance(model[i].weight, DTensor) for i in (0, 2)]  # noqa: E731 - gathered: a plain tensor
+    loss = model(torch.ones(2, 4)).sum()
+    assert sharded() == [True, False]  # backward starts with the last block: it stays gathered
+    loss.backward()
+    assert sharded() == [True, True]
+    with torch.no_grad():
+        model(torch.ones(2, 4))
+    assert sharded() == [True, True]  # no backward follows an evaluation: nothing is left gathered
+    _, shard_grad_op = fsdp_model(world_of_one, sharding_strategy="SHARD_GRAD_OP")
+    shard_grad_op(torch.ones(2, 4))
+    assert not any(isinstance(shard_grad_op[i].weight, DTensor) for i in (0, 2))
+
+
+@pytest.mark.parametrize("prefetch", [None, False, True])
+def test_fsdp_on_the_cpu_gathers_and_reduces_asynchronously(world_of_one, prefetch):
+    from hf_backend.strategies.fsdp_overlap import _OverlappedReduceScatter
+
+    _, model = fsdp_model(world_of_one, **({} if prefetch is None else {"forward_prefetch": prefetch}))
+    groups = [g for m in (model[0], model[2]) for g in m._get_fsdp_state()._fsdp_param_groups]  # FSDP2 internals
+    assert len(groups) == 2 and all(g.unshard_async_op for g in groups)
+    assert all(isinstance(g._reduce_scatter_comm, _OverlappedReduceScatter) for g in groups)
+    chain = model[0]._get_fsdp_state()._states_to_forward_prefetch
+    assert chain == ([] if prefetch is False else [model[2]._get_fsdp_state()])  # unset: on, on the CPU
+
+
+def test_overlapped_reduce_scatter_waits_at_once_where_fsdp_reads_its_output():
+    from hf_backend.strategies.fsdp_overlap import _InFlight, _OverlappedReduceScatter
+
+    param = torch.nn.Parameter(torch.ones(2))
+    comm = _OverlappedReduceScatter([param], _InFlight())
+    avg, out = dist.ReduceOp.AVG, torch.empty(1)
+    assert not comm._read_at_once(out, avg)
+    assert comm._read_at_once(out, dist.ReduceOp.SUM)  # fp16 reductions divide the output afterwards
+    assert comm._read_at_once(out.to(torch.bfloat16), avg)  # cast back to the parameter's dtype
+    param.grad = torch.zeros(2)  # the new gradient is added to this one
+    assert comm._read_at_once(out, avg)
+    param.grad = None
+    param.register_post_accumulate_grad_hook(lambda p: None)
+    assert comm._read_at_once(out, avg)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
+def test_fsdp_clip_grad_norm_reduces_the_local_shards(world_of_one, monkeypatch, norm_type):
+    strategy, model = fsdp_model(world_of_one)
+    model(torch.arange(8.0).reshape(2, 4)).pow(2).sum().backward()
+    reference = [torch.nn.Parameter(torch.empty_like(p.grad.to_local())) for p in model.parameters()]
+    for r, p in zip(reference, model.parameters()):
+        r.grad = p.grad.to_local().clone()
+    expected = torch.nn.utils.clip_grad_norm_(reference, 1.0, norm_type)
+    assert expected > 1.0  # so the gradients are scaled
+
+    def dtensor_clip(*args, **kwargs):
+        raise AssertionError("torch's clip_grad_norm_ over DTensors dispatches per gradient")
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", dtensor_clip)
+    torch.testing.assert_close(strategy.clip_grad_norm_(model.parameters(), 1.0, norm_type), expected)
+    for p, r in zip(model.parameters(), reference):
+        torch.testing.assert_close(p.grad.to_local(), r.grad)

@@ -55,7 +55,8 @@ class FsdpSection:
     fsdp_backward_prefetch: str = key("BACKWARD_PRE", "prefetch of the next unit's parameters in backward",
                                       choices=("BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"),
                                       aliases=("fsdp_backward_prefetch_policy",))
-    fsdp_forward_prefetch: bool = key(False, "prefetch the next unit's parameters in forward")
+    fsdp_forward_prefetch: bool | None = key(
+        None, "prefetch the next unit's parameters in forward (unset: on the CPU yes, on GPUs FSDP2's own overlap)")
     fsdp_state_dict_type: str = key("FULL_STATE_DICT", "checkpoint format of save_state",
                                     choices=("FULL_STATE_DICT", "SHARDED_STATE_DICT"),  # FSDP2 has no local one
                                     question="State dict type")

@@ -9,6 +9,7 @@ SHARDED_STATE_DICT writes DCP directories (each rank its shards); FULL_STATE_DIC
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -16,7 +17,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..config.environment import set_ram_efficient_loading_variables
 from ..config.plugins import FsdpOptions, FullyShardedDataParallelPlugin
@@ -26,6 +27,7 @@ from ..options import Handlers
 from ..precision import Precision
 from ..state import DistributedType, ProcessState
 from .base import Strategy
+from .fsdp_overlap import schedule
 
 
 class FSDPStrategy(Strategy):
@@ -73,11 +75,13 @@ class FSDPStrategy(Strategy):
         for block in blocks:
             fully_shard(block, **kwargs)
         fully_shard(model, **kwargs)
-        if self.options.fsdp_forward_prefetch:
-            for block, following in zip(blocks, blocks[1:]):
-                block.set_modules_to_forward_prefetch([following])
         if efficient:
             self._receive_rank0_weights(model, full)
+        on_cpu = self.process.device.type == "cpu" and not self.options.fsdp_offload_params  # offloading: left to FSDP2
+        prefetch = self.options.fsdp_forward_prefetch  # unset: where nothing else overlaps forward's all-gathers
+        schedule(model, blocks, reshard_after_forward=self.options.fsdp_reshard_after_forward,
+                 forward_prefetch=on_cpu if prefetch is None else prefetch, on_cpu=on_cpu,
+                 replicated=kwargs["mesh"].ndim > 1)
         self._new_params.update({id(old): new for old, new in zip(before, model.parameters())})
         return model
 
@@ -159,8 +163,35 @@ class FSDPStrategy(Strategy):
 
     def clip_grad_norm_(self, parameters: Iterable[torch.nn.Parameter], max_norm: float,
                         norm_type: float = 2.0) -> torch.Tensor:
-        norm = torch.nn.utils.clip_grad_norm_(list(parameters), max_norm, norm_type=norm_type)
-        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+        """The global norm from the local shards and one all-reduce of a scalar; then the shards are scaled in
+        place. Mirrors DTensor's partial-norm reduction (x^p, sum, x^(1/p)), so the result is the same as torch's
+        `clip_grad_norm_` over the DTensors, without a DTensor dispatch per gradient."""
+        parameters = list(parameters)
+        grads = [p.grad for p in parameters if p.grad is not None]
+        groups = _shard_groups(grads)
+        norm_type = float(norm_type)
+        if groups is None or not (norm_type == math.inf or norm_type > 0):
+            norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+            return norm.full_tensor() if isinstance(norm, DTensor) else norm
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for grad in grads:
+            local_grad = grad.to_local()
+            by_dtype.setdefault(local_grad.dtype, []).append(local_grad)
+        norms = [norm for same in by_dtype.values() for norm in torch._foreach_norm(same, norm_type)]
+        local = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+        if norm_type == math.inf:
+            for group in groups:
+                torch.distributed.all_reduce(local, op=torch.distributed.ReduceOp.MAX, group=group)
+            total = local
+        else:
+            powered = local ** norm_type
+            for group in groups:
+                torch.distributed.all_reduce(powered, group=group)
+            total = powered ** (1.0 / norm_type)
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for dtype, same in by_dtype.items():
+            torch._foreach_mul_(same, coefficient.to(dtype))
+        return total
 
     def state_plugins(self) -> dict[str, Any]:
         return {"fsdp_plugin": self.plugin}
@@ -183,6 +214,19 @@ class FSDPStrategy(Strategy):
 
     def reset(self) -> None:
         self._new_params.clear()
+
+
+def _shard_groups(grads: list[torch.Tensor]) -> list[Any] | None:
+    """The process groups a norm over these gradients' shards is summed across (one per sharded mesh dimension),
+    or None where they are not all DTensors laid out alike (Shard / Replicate on one mesh): torch's path then."""
+    if not grads or not all(isinstance(g, DTensor) for g in grads):
+        return None
+    mesh, placements = grads[0].device_mesh, grads[0].placements
+    if any((g.device_mesh is not mesh and g.device_mesh != mesh) or g.placements != placements for g in grads):
+        return None
+    if not all(isinstance(p, (Shard, Replicate)) for p in placements):
+        return None
+    return [mesh.get_group(dim) for dim, p in enumerate(placements) if isinstance(p, Shard) and mesh.size(dim) > 1]
 
 
 def _dtype(value: Any) -> torch.dtype | None:

@@ -39,6 +39,37 @@ def local_bytes(tensors) -> int:
     return total
 
 
+def _defer_reduce_scatter() -> dict[str, int]:
+    """Every reduce-scatter the FSDP strategy issues completes only when waited for (its output NaN until then), so
+    anything reading an output early reads NaN; counts those the strategy left running past the call."""
+    from hf_backend.strategies import fsdp_overlap
+
+    counts = {"issued": 0, "left_running": 0}
+    real, call = fsdp_overlap._reduce_scatter, fsdp_overlap._OverlappedReduceScatter.__call__
+
+    class Deferred:
+        def __init__(self, output: torch.Tensor, result: torch.Tensor) -> None:
+            self.output, self.result = output, result
+
+        def wait(self) -> None:
+            self.output.copy_(self.result)
+
+    def reduce_scatter(output, input, op, group, async_op):
+        result = torch.empty_like(output)
+        real(result, input, op=op, group=group)
+        output.fill_(float("nan"))
+        counts["issued"] += 1
+        return Deferred(output, result)
+
+    def counted_call(self, *args, **kwargs):
+        call(self, *args, **kwargs)
+        counts["left_running"] += self.in_flight.work is not None
+
+    fsdp_overlap._reduce_scatter = reduce_scatter
+    fsdp_overlap._OverlappedReduceScatter.__call__ = counted_call
+    return counts
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -62,7 +93,10 @@ def main() -> int:
     p.add_argument("--seed-per-rank", action="store_true", help="seed each rank's model differently")
     p.add_argument("--meta-elsewhere", action="store_true",
                    help="cpu_ram_efficient_loading: ranks other than 0 build the model on the meta device")
+    p.add_argument("--deferred-reduce-scatter", action="store_true",
+                   help="FSDP on the CPU: a reduce-scatter's output is NaN until it is waited for")
     args = p.parse_args()
+    deferred = _defer_reduce_scatter() if args.deferred_reduce_scatter else None
 
     plugin = None
     if args.docs_plugin:
@@ -141,6 +175,8 @@ def main() -> int:
         if steps == args.stop_after:
             break
 
+    if deferred is not None:
+        report["reduce_scatters"] = deferred
     report["bytes_params"] = local_bytes(model.parameters())
     report["bytes_optim"] = local_bytes(v for s in optimizer.state.values() for v in s.values()
                                         if isinstance(v, torch.Tensor) and v.ndim > 0)
