@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import OFFLINE, SCRIPTS, cli, recipe_args
+from helpers import CLI, OFFLINE, SCRIPTS, cli_env, recipe_args
 
 ray = pytest.importorskip("ray")
 from ray.train import FailureConfig, RunConfig, ScalingConfig  # noqa: E402
@@ -27,13 +28,31 @@ pytestmark = pytest.mark.timeout(400)
 EPOCHS = 3
 
 
+@pytest.fixture(scope="module")
+def reference_launch(request, tmp_path_factory):
+    """The launcher's run that `launched` reads, started with the module (before the cluster) so that it runs while
+    Ray starts and trains the Ray Data tests; not started when no selected test needs it."""
+    if not any("launched" in item.fixturenames for item in request.session.items if item.module is request.module):
+        yield None
+        return
+    out, logs = tmp_path_factory.mktemp("launched"), tmp_path_factory.mktemp("launcher_log")
+    with (logs / "output.txt").open("w") as sink:
+        proc = subprocess.Popen([*CLI, "launch", "--cpu", "--num_processes", "2", str(SCRIPTS / "ray_loop.py"), "--out",
+                                 str(out), "--epochs", str(EPOCHS)], stdout=sink, stderr=subprocess.STDOUT,
+                                env=cli_env())
+    yield proc, out, logs / "output.txt"
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
 @pytest.fixture(scope="module", autouse=True)
-def ray_cluster():
+def ray_cluster(reference_launch):
     """Two workers of one CPU each; the cluster has one CPU more for Ray Data's own tasks."""
     # Ray Train's controller polls its workers every 2 s by default: each fit would wait that long to notice the end
     # (or a crash) of its workers. Its preemption watcher (a process more per worker group, about 1.5 s of CPU to
     # start) watches for the node being drained, which a local cluster never is.
-    settings = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
+    settings = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2",
                 "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", **OFFLINE}
     saved = {k: os.environ.get(k) for k in ("PYTHONPATH", *settings)}
     # The workers import the test scripts and recipes; the local cluster's processes inherit the driver's environment.
@@ -63,12 +82,16 @@ def records(out: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory) -> list[dict]:
+def launched(reference_launch) -> list[dict]:
     """The same loop and seed under `hf-backend launch --num_processes 2`."""
-    out = tmp_path_factory.mktemp("launched")
-    proc = cli("launch", "--cpu", "--num_processes", "2", str(SCRIPTS / "ray_loop.py"), "--out", str(out),
-               "--epochs", str(EPOCHS), timeout=240)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc, out, output = reference_launch
+    try:
+        proc.wait(timeout=240)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        pytest.fail(f"hf-backend launch ray_loop.py: killed after 240 s\n{output.read_text()[-4000:]}")
+    assert proc.returncode == 0, output.read_text()[-4000:]
     return records(out)
 
 
@@ -77,6 +100,43 @@ def assert_close_params(a: dict, b: dict, tol: float = 1e-5) -> None:
     for name in a:
         diff = (torch.tensor(a[name]) - torch.tensor(b[name])).abs().max().item()
         assert diff <= tol, f"{name} differs by {diff}"
+
+
+@pytest.fixture(scope="module")
+def ray_data_run(tmp_path_factory):
+    """One worker group for both Ray Data tests: the loop on the dataset "loop" (2 epochs), then hf_backend.Trainer on
+    the dataset "trainer" (tests/scripts/ray_loop.py: ray_data_jobs)."""
+    from ray_loop import ray_data_jobs, samples, trainer_rows
+
+    root = tmp_path_factory.mktemp("ray_data")
+    out = root / "out"
+    out.mkdir()
+    datasets = {"loop": ray.data.from_items(samples()), "trainer": ray.data.from_items(trainer_rows())}
+    result = fit(ray_data_jobs, {"out": str(out), "epochs": 2}, root / "storage", datasets=datasets)
+    return out, result
+
+
+def test_ray_data_shards_are_not_split_again(ray_data_run):
+    out, result = ray_data_run
+    assert result.error is None
+    ranks = records(out)
+    assert [r["world"] for r in ranks] == [2, 2]
+    assert {r["batches_type"].split(".")[0] for r in ranks} == {"ray"}  # prepare() handed it back as it was
+    for epoch in ("0", "1"):
+        halves = [r["ids"][epoch] for r in ranks]
+        assert [len(h) for h in halves] == [32, 32] and sorted(halves[0] + halves[1]) == list(range(64))
+    assert ranks[0]["local_params"] == ranks[1]["local_params"]
+
+
+def test_the_trainer_inside_ray_with_ray_data(ray_data_run):
+    out, result = ray_data_run
+    assert result.error is None
+    ranks = [json.loads((out / f"trainer_rank{r}.json").read_text()) for r in range(2)]
+    assert [r["world"] for r in ranks] == [2, 2] and {r["wrapped"] for r in ranks} == {"DistributedDataParallel"}
+    assert [(r["steps"], r["rows"]) for r in ranks] == [(4, 32), (4, 32)]  # 64 rows: half to each, not split again
+    assert ranks[0]["params"] == ranks[1]["params"]
+    with result.checkpoint.as_directory() as directory:  # what Ray's RayTrainReportCallback reported (the last)
+        assert (Path(directory) / "checkpoint" / "trainer_state.json").is_file()
 
 
 def test_dataloader_path_matches_the_launcher_and_resumes_after_a_crash(launched, tmp_path):
@@ -104,32 +164,6 @@ def test_dataloader_path_matches_the_launcher_and_resumes_after_a_crash(launched
         assert {"hf_backend_checkpoint.json", "rng_state_0.pt", "rng_state_1.pt", "model"} <= files
         assert (Path(directory) / "model" / "model.safetensors").is_file()
     assert result.metrics["epoch"] == EPOCHS
-
-
-@pytest.fixture(scope="module")
-def ray_data_run(tmp_path_factory):
-    """One worker group for both Ray Data tests: the loop on the dataset "loop" (2 epochs), then hf_backend.Trainer on
-    the dataset "trainer" (tests/scripts/ray_loop.py: ray_data_jobs)."""
-    from ray_loop import ray_data_jobs, samples, trainer_rows
-
-    root = tmp_path_factory.mktemp("ray_data")
-    out = root / "out"
-    out.mkdir()
-    datasets = {"loop": ray.data.from_items(samples()), "trainer": ray.data.from_items(trainer_rows())}
-    result = fit(ray_data_jobs, {"out": str(out), "epochs": 2}, root / "storage", datasets=datasets)
-    return out, result
-
-
-def test_ray_data_shards_are_not_split_again(ray_data_run):
-    out, result = ray_data_run
-    assert result.error is None
-    ranks = records(out)
-    assert [r["world"] for r in ranks] == [2, 2]
-    assert {r["batches_type"].split(".")[0] for r in ranks} == {"ray"}  # prepare() handed it back as it was
-    for epoch in ("0", "1"):
-        halves = [r["ids"][epoch] for r in ranks]
-        assert [len(h) for h in halves] == [32, 32] and sorted(halves[0] + halves[1]) == list(range(64))
-    assert ranks[0]["local_params"] == ranks[1]["local_params"]
 
 
 def test_fsdp_sharded_checkpoints_resume_inside_ray(launched, tmp_path):
@@ -163,17 +197,6 @@ def test_deepspeed_zero3_checkpoints_resume_inside_ray(launched, tmp_path):
         names = {p.name for p in Path(directory).iterdir()}
     assert {"model.safetensors", "optimizer.bin"} <= names  # gathered from the ZeRO partitions by rank 0
     assert_close_params(ranks[0]["full_params"], launched[0]["full_params"], tol=1e-4)
-
-
-def test_the_trainer_inside_ray_with_ray_data(ray_data_run):
-    out, result = ray_data_run
-    assert result.error is None
-    ranks = [json.loads((out / f"trainer_rank{r}.json").read_text()) for r in range(2)]
-    assert [r["world"] for r in ranks] == [2, 2] and {r["wrapped"] for r in ranks} == {"DistributedDataParallel"}
-    assert [(r["steps"], r["rows"]) for r in ranks] == [(4, 32), (4, 32)]  # 64 rows: half to each, not split again
-    assert ranks[0]["params"] == ranks[1]["params"]
-    with result.checkpoint.as_directory() as directory:  # what Ray's RayTrainReportCallback reported (the last)
-        assert (Path(directory) / "checkpoint" / "trainer_state.json").is_file()
 
 
 def test_the_glue_recipe_on_ray_both_data_paths(tiny, tmp_path):
