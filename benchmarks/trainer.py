@@ -2,7 +2,7 @@
 
 Same recipe for each: a small BERT (2 layers, hidden 128) fine-tuned for sequence classification on made-up
 sentences (tokenized, padded per batch by DataCollatorWithPadding), AdamW with linear decay, clipping at 1.0, batch
-16 per process, no evaluation or checkpoints. With several processes all three train data-parallel with DDP (gloo):
+16 per process, no evaluation or checkpoints. With several processes all variants train data-parallel with DDP (gloo):
 the bare loop wraps the model itself, and both Trainers get `use_cpu=True` (without it, transformers.Trainer under
 torchrun on a CPU-only machine does not wrap the model in DDP at all: each process trains its own copy).
 Each variant runs in fresh processes (so process-group setup counts), in turns, repeat after repeat.
@@ -15,6 +15,10 @@ Reports the median of:
     .venv/bin/python benchmarks/trainer.py --tiny --batch 4 --steps 600 --nproc 1   # per-step overhead: a model so
                                                                                     # small the loop's own code shows
     .venv/bin/python benchmarks/trainer.py --profile [--steps 150]   # where a step goes, one process, under cProfile
+    .venv/bin/python benchmarks/trainer.py --phases [--steps 150]    # the same, wall clock per phase, no profiler
+
+With several processes a fourth variant, hf_backend_static, is hf_backend.Trainer with
+ddp_find_unused_parameters=False (see VARIANTS).
 
 Besides the medians, "paired" is the median over repeats of each repeat's ratio to the bare loop run just before it
 (less sensitive to the machine's load drifting during the run).
@@ -36,7 +40,10 @@ import tempfile
 import time
 from pathlib import Path
 
-VARIANTS = ("bare", "transformers", "hf_backend")
+VARIANTS = ("bare", "transformers", "hf_backend", "hf_backend_static")
+# hf_backend_static: hf_backend.Trainer with ddp_find_unused_parameters=False (transformers' default is True for a
+# PreTrainedModel without gradient checkpointing: DDP then walks the autograd graph after every forward). Only run
+# with several processes; in one there is no DDP.
 WORDS = ["good", "great", "fine", "nice", "bad", "awful", "poor", "sad", "the", "a", "movie", "film", "plot", "was",
          "is", "very", "quite", "story", "acting", "actors", "music", "scene", "long", "short", "funny", "boring"]
 
@@ -110,7 +117,7 @@ def _bare_loop(model, tok, data, steps, batch, stamps) -> None:
 def _trainer(variant, model, tok, data, steps, batch, stamps, workdir) -> None:
     from transformers import DataCollatorWithPadding, TrainerCallback
 
-    if variant == "hf_backend":
+    if variant.startswith("hf_backend"):
         from hf_backend import Trainer, TrainingArguments
     else:
         from transformers import Trainer, TrainingArguments
@@ -122,7 +129,8 @@ def _trainer(variant, model, tok, data, steps, batch, stamps, workdir) -> None:
     args = TrainingArguments(output_dir=str(workdir / "out"), per_device_train_batch_size=batch, max_steps=steps,
                              use_cpu=True,
                              learning_rate=5e-5, save_strategy="no", eval_strategy="no", logging_steps=10_000,
-                             report_to="none", disable_tqdm=True)
+                             report_to="none", disable_tqdm=True,
+                             **({"ddp_find_unused_parameters": False} if variant == "hf_backend_static" else {}))
     Trainer(model=model, args=args, train_dataset=data, processing_class=tok,
             data_collator=DataCollatorWithPadding(tok), callbacks=[Stamp()]).train()
 
@@ -154,6 +162,84 @@ def _profile(steps: int, batch: int, tiny: bool) -> None:
               f"(steps 10..{measured})\n{'us/step':>9}{'calls/step':>12}  call")
         for us, calls, name in sorted(rows, reverse=True)[:25]:
             print(f"{us:>9.1f}{calls:>12.2f}  {name}")
+
+
+# Phase name -> the calls timed for it (module or class, attribute). Only the outermost call of a phase counts, so a
+# phase that nests (Trainer._clip_grad_norm around torch's clip, Module.train recursing) is timed once.
+BATCH = "next batch (DataLoader, collate)"
+PHASES = {
+    BATCH: [("torch.utils.data.dataloader:_BaseDataLoaderIter", "__next__")],
+    "get_batch_samples (loader included)": [("transformers:Trainer", "get_batch_samples")],
+    "forward (loss included)": [("torch.nn.modules.module:Module", "__call__")],
+    "backward": [("torch:Tensor", "backward")],
+    "clip_grad_norm_": [("transformers:Trainer", "_clip_grad_norm"), ("torch.nn.utils", "clip_grad_norm_")],
+    "optimizer.step": [("torch.optim:AdamW", "step")],
+    "scheduler.step": [("torch.optim.lr_scheduler:LRScheduler", "step")],
+    "zero_grad (model's or optimizer's)": [("torch.nn.modules.module:Module", "zero_grad"),
+                                            ("torch.optim:Optimizer", "zero_grad")],
+    "model.train()": [("torch.nn.modules.module:Module", "train")],
+    "callbacks": [("transformers.trainer_callback:CallbackHandler", "call_event")],
+    "_prepare_inputs": [("transformers:Trainer", "_prepare_inputs")],
+    "floating_point_ops": [("transformers:Trainer", "floating_point_ops"),
+                           ("hf_backend:Trainer", "floating_point_ops")],
+}
+
+
+def _phases(steps: int, batch: int, tiny: bool) -> None:
+    """Each variant once in this process (bare, hf_backend, transformers, then bare and hf_backend again) with the
+    calls in PHASES timed by wrappers (wall clock, about 1 µs per wrapped call): ms per step for each phase over steps
+    10..end, and what is left ("the rest": the loop's own code and everything not listed). Rows nest where noted
+    (get_batch_samples contains the next batch)."""
+    import importlib
+
+    totals = {name: 0.0 for name in PHASES}
+    depth = {name: 0 for name in PHASES}
+
+    def timed(original, phase):
+        def call(*args, **kwargs):
+            depth[phase] += 1
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                depth[phase] -= 1
+                if not depth[phase]:
+                    totals[phase] += time.perf_counter() - start
+        return call
+
+    for phase, targets in PHASES.items():
+        for target, attribute in targets:
+            module, _, cls = target.partition(":")
+            owner = importlib.import_module(module)
+            owner = getattr(owner, cls) if cls else owner
+            setattr(owner, attribute, timed(getattr(owner, attribute), phase))
+
+    class Stamps(list):
+        """The loop's step stamps; keeps the phase totals as they were at the 10th."""
+
+        def append(self, stamp: float) -> None:
+            super().append(stamp)
+            if len(self) == 10:
+                self.at_ten = dict(totals)
+
+    columns: dict[str, dict[str, float]] = {}
+    for n, variant in enumerate(("bare", "hf_backend", "transformers", "bare", "hf_backend")):
+        workdir = Path(tempfile.mkdtemp())
+        tok, data, model = _setup(workdir, tiny)
+        stamps = Stamps()
+        if variant == "bare":
+            _bare_loop(model, tok, data, steps, batch, stamps)
+        else:
+            _trainer(variant, model, tok, data, steps, batch, stamps, workdir)
+        measured = len(stamps) - 10
+        column = {phase: (totals[phase] - stamps.at_ten[phase]) / measured * 1e3 for phase in PHASES}
+        nested = column[BATCH] if column["get_batch_samples (loader included)"] else 0.0  # counted in it
+        column["step"] = (stamps[-1] - stamps[9]) / measured * 1e3
+        column["the rest"] = column["step"] - (sum(column[phase] for phase in PHASES) - nested)
+        columns[f"{variant} ({n // 3 + 1})" if variant != "transformers" else variant] = column
+    print(f"\nms per step, steps 10..{steps}, one process\n{'phase':<38}" + "".join(f"{v:>16}" for v in columns))
+    for phase in ["step", *PHASES, "the rest"]:
+        print(f"{phase:<38}" + "".join(f"{c[phase]:>16.3f}" for c in columns.values()))
 
 
 def _name(function: tuple) -> str:
@@ -194,9 +280,13 @@ def main() -> int:
     p.add_argument("--worker", choices=VARIANTS, default=None)
     p.add_argument("--out", default=None)
     p.add_argument("--profile", action="store_true", help="where a step goes (one process, cProfile), no timing runs")
+    p.add_argument("--phases", action="store_true", help="wall time per phase of a step (one process), no timing runs")
     args = p.parse_args()
     if args.profile:
         _profile(args.steps, args.batch, args.tiny)
+        return 0
+    if args.phases:
+        _phases(args.steps, args.batch, args.tiny)
         return 0
     if args.worker:
         _worker(args.worker, args.steps, args.batch, Path(args.out), args.tiny)
@@ -205,9 +295,10 @@ def main() -> int:
     results: dict = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "steps": args.steps, "tiny": args.tiny,
                      "batch_per_process": args.batch, "runs": {}}
     for nproc in args.nproc:
-        samples: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+        variants = [v for v in VARIANTS if nproc > 1 or v != "hf_backend_static"]
+        samples: dict[str, list[dict]] = {v: [] for v in variants}
         for _ in range(args.repeats):
-            for variant in VARIANTS:
+            for variant in variants:
                 samples[variant].append(_run(variant, nproc, args.steps, args.batch, args.tiny))
         rows = {v: {"samples_per_s": statistics.median(r["samples_per_s"] for r in runs),
                     "paired_vs_bare": statistics.median(r["samples_per_s"] / b["samples_per_s"]
@@ -216,10 +307,10 @@ def main() -> int:
                     "crashed_at_exit": sum(r["crashed_at_exit"] for r in runs)} for v, runs in samples.items()}
         results["runs"][f"{nproc} process" + ("es" if nproc > 1 else "")] = rows
         print(f"\n{nproc} process(es), batch {args.batch} per process, {args.steps} steps, median of {args.repeats}")
-        print(f"{'variant':<14}{'samples/s':>11}{'vs bare':>9}{'paired':>8}{'vs transformers':>17}"
+        print(f"{'variant':<19}{'samples/s':>11}{'vs bare':>9}{'paired':>8}{'vs transformers':>17}"
               f"{'first step s':>14}{'exit crashes':>14}")
         for v, row in rows.items():
-            print(f"{v:<14}{row['samples_per_s']:>11.1f}{row['samples_per_s'] / rows['bare']['samples_per_s']:>9.3f}"
+            print(f"{v:<19}{row['samples_per_s']:>11.1f}{row['samples_per_s'] / rows['bare']['samples_per_s']:>9.3f}"
                   f"{row['paired_vs_bare']:>8.3f}{row['samples_per_s'] / rows['transformers']['samples_per_s']:>17.3f}"
                   f"{row['first_step_s']:>14.2f}{row['crashed_at_exit']:>10}/{len(samples[v])}")
     if args.json:
