@@ -46,6 +46,7 @@ def test_reduce_scatters_overlap_backward_and_nothing_reads_one_early(bert_ddp, 
     assert _relative(run["losses"], bert_ddp["losses"]) <= 1e-4
     assert abs(run["grad_norm"] - bert_ddp["grad_norm"]) <= 1e-4 * bert_ddp["grad_norm"]
 
+
 @pytest.mark.parametrize("strategy", ["SHARD_GRAD_OP", "NO_SHARD"])
 def test_other_sharding_strategies_match_ddp(bert_ddp, tmp_path, strategy):
     # Ranks seeded differently: sync_module_states (on by default) starts every rank from rank 0's weights.
