@@ -5,11 +5,13 @@ Python frame has not moved for `HF_BACKEND_HANG_TIMEOUT` seconds (default 300, 0
 the process group's store where it waits. When every rank waits (or has exited), each prints the stacks of its
 threads, they all record one line naming every rank and where it waits, and exit: never a silent hang until the
 process group's timeout. Nothing is added to a collective: the thread samples a frame once a second and touches the
-store only once its own rank has waited for the whole timeout.
+store only while its rank stands still.
 
 Under TORCH_DISTRIBUTED_DEBUG=DETAIL torch checks every collective's kind and shapes across ranks and raises on a
 mismatch; `explain` turns that error into one line naming each rank's operation and call site, which the ranks
-exchange through the store (torch's message has no Python call sites).
+exchange through the store (torch's message has no Python call sites). torch does not always raise on every rank (a
+monitored barrier raises on the rank that waited; a check now and then only on one side): a rank that got no error
+is answered for by its watchdog, with where it stands still.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ DEFAULT_TIMEOUT = 300.0
 EXCHANGE_SECONDS = 5.0  # how long a rank that hit a mismatch waits for its peers' call sites
 reporting = threading.Event()  # set while this rank reports a hang; the process then ends by the watchdog's hand
 reported_by_launcher = False  # set by `hf-backend launch`'s worker: the launcher prints the summary line itself
+_explaining = threading.Event()  # set while this rank exchanges its own mismatch record: its watchdog does not answer
 _watchdog: _Watchdog | None = None
 
 
@@ -101,7 +104,7 @@ def _store() -> Any:
     return dist.distributed_c10d._get_default_store()
 
 
-def _key(kind: str, rank: int) -> str:
+def _key(kind: str, rank: int | str) -> str:
     # A restarted group (--max_restarts) must not read the records of the attempt before.
     return f"hf_backend/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{kind}/{rank}"
 
@@ -111,6 +114,7 @@ class _Watchdog:
         self.store, self.rank, self.world, self.timeout, self.thread_id = store, rank, world, timeout, thread_id
         self.stopped = threading.Event()
         self.published = False
+        self.answered = False
         self.thread: threading.Thread | None = None
         # Where the watched thread was: its innermost frame's identity, code and offset, and since when. The frame
         # itself is held only once it has stood still for half the timeout: a frame held after its call returned
@@ -156,6 +160,7 @@ class _Watchdog:
                 self.publish(None)
             return True
         waited = time.monotonic() - self.since
+        self._answer(frame)
         if self.held is None:
             if waited >= self.timeout / 2:
                 self.held = frame  # from here on, a call that returned and a new one at its address are told apart
@@ -169,6 +174,20 @@ class _Watchdog:
         if records is not None and not self.stopped.is_set():
             self._report(records, frame, waited)
         return True
+
+    def _answer(self, frame: FrameType) -> None:
+        """A peer that hit a collective mismatch (or a monitored barrier that gave up on this rank) asks every rank
+        where it is; one that got no error itself answers once, with where it stands still."""
+        if self.answered or _explaining.is_set():
+            return
+        try:
+            if not self.store.check([_key("mismatch", "asked")]):
+                return
+            op, site = where(frame)
+            self.store.set(_key("answer", self.rank), json.dumps({"state": "waiting", "op": op, "site": site}))
+        except Exception:  # noqa: BLE001 - the store's host is gone
+            pass
+        self.answered = True
 
     def _stacks(self) -> str:
         """Every thread's stack but this watchdog's, the watched thread first, each line prefixed as torch prefixes a
@@ -324,6 +343,7 @@ def _explain(text: str, tb: TracebackType | None) -> str | None:
 
     if not dist.is_initialized() or tb is None:
         return None
+    _explaining.set()
     rank = dist.get_rank()
     while tb.tb_next is not None:
         tb = tb.tb_next
@@ -336,15 +356,16 @@ def _explain(text: str, tb: TracebackType | None) -> str | None:
         peers |= {int(r) for r in missing.group(1).replace(" ", "").split(",") if r}
     store = _store()
     store.set(_key("mismatch", rank), json.dumps({"op": op, "detail": detail, "site": site}))
+    store.set(_key("mismatch", "asked"), "1")
     records = {rank: {"op": op, "detail": detail, "site": site}}
     deadline = time.monotonic() + EXCHANGE_SECONDS
     pending = set(peers) - {rank}
     while pending and time.monotonic() < deadline:
         for peer in sorted(pending):
-            for kind in ("mismatch", "wait"):
+            for kind in ("mismatch", "answer", "wait"):  # its own error first, else its watchdog's answer
                 if store.check([_key(kind, peer)]):
                     record = json.loads(store.get(_key(kind, peer)))
-                    if kind == "mismatch" or record["state"] == "exited":
+                    if kind != "wait" or record["state"] == "exited":
                         records[peer] = record
                         pending.discard(peer)
                         break
@@ -357,6 +378,8 @@ def _explain(text: str, tb: TracebackType | None) -> str | None:
             parts.append(f"rank {peer} in no collective (it did not answer in {EXCHANGE_SECONDS:g} s)")
         elif record.get("state") == "exited":
             parts.append(f"rank {peer} exited")
+        elif record.get("state") == "waiting":
+            parts.append(f"rank {peer} waiting in {record['op']} at {record['site']}")
         else:
             same = record["detail"].replace("_", "").lower() == record["op"].replace("_", "").lower()
             shape = f" ({record['detail']})" if record["detail"] and not same else ""
@@ -415,9 +438,16 @@ def await_exit() -> None:
 _HOOKED: list[bool] = []
 
 
+def printing_rank(line: str) -> int | None:
+    """Which rank prints a mismatch's line under plain torchrun: the lowest rank that torch raised on ("calls"), so
+    that a line is printed once even when the lowest rank named got no error ("waiting in", "did not answer")."""
+    raised = [int(rank) for rank in re.findall(r"rank (\d+) calls ", line)]
+    return min(raised) if raised else None
+
+
 def _install_excepthook() -> None:
-    """Plain torchrun: the lowest rank named prints a mismatch's one line before the traceback. After a mismatch the
-    process exits at once: tearing down a group left with failed work takes gloo about 4 s, which only delays the
+    """Plain torchrun: one rank (`printing_rank`) prints a mismatch's one line before the traceback. After a mismatch
+    the process exits at once: tearing down a group left with failed work takes gloo about 4 s, which only delays the
     report. While a hang is reported, an error is not printed (`await_exit`)."""
     if _HOOKED:
         return
@@ -430,8 +460,7 @@ def _install_excepthook() -> None:
         if line and not reported_by_launcher:
             import torch.distributed as dist
 
-            named = [int(r) for r in re.findall(r"rank (\d+)", line)]
-            if dist.is_initialized() and named and dist.get_rank() == min(named):
+            if dist.is_initialized() and dist.get_rank() == printing_rank(line):
                 print(f"hf_backend: {line}", file=sys.stderr, flush=True)
         previous(kind, error, tb)
         if line:
