@@ -3,7 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test test-oldest test-gpu lint bench bench-checkpoint bench-gpu demo clean
+.PHONY: setup test test-oldest test-gpu gpu-wheels lint bench bench-checkpoint bench-gpu demo clean
 
 setup: $(STAMP)
 
@@ -44,7 +44,20 @@ NEED_CUDA = $(GPU_PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_availab
 
 test-gpu:
 	@$(NEED_CUDA)
+	@if [ -d $(GPU_WHEELS) ]; then $(GPU_PY) -m pip install -q --no-index --find-links $(GPU_WHEELS) deepspeed; fi
 	$(GPU_PY) -m pytest -q -p no:cacheprovider tests/gpu
+
+# For a GPU machine without network: DeepSpeed (a wheel built here; its ops compile there on first use) and what it
+# needs that a CUDA PyTorch image may lack (hjson, pydantic), for CPython GPU_PYVER on x86-64. Copy gpu_wheels/ with
+# the checkout; `make test-gpu` installs from it.
+GPU_WHEELS := gpu_wheels
+GPU_PYVER  ?= 3.12
+gpu-wheels:
+	rm -rf $(GPU_WHEELS)
+	DS_BUILD_OPS=0 python3 -m pip wheel -q --no-deps -c constraints.txt -w $(GPU_WHEELS) deepspeed
+	python3 -m pip download -q --only-binary=:all: --python-version $(GPU_PYVER) --platform manylinux_2_28_x86_64 \
+		--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -c constraints.txt -d $(GPU_WHEELS) \
+		hjson pydantic
 
 bench-gpu:  # BERT-base-sized, bf16, sequence 128: bare loop vs transformers.Trainer vs hf_backend.Trainer
 	@$(NEED_CUDA)
@@ -70,4 +83,4 @@ demo: setup
 	$(PY) recipes/glue/report.py $(DEMO_DIR)
 
 clean:
-	rm -rf $(VENV) $(OLDEST_VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(OLDEST_VENV) $(GPU_WHEELS) .pytest_cache .ruff_cache

@@ -162,7 +162,8 @@ def test_fsdp_on_the_cpu_gathers_and_reduces_asynchronously(world_of_one, prefet
     from hf_backend.strategies.fsdp_overlap import _OverlappedReduceScatter
 
     _, model = fsdp_model(world_of_one, **({} if prefetch is None else {"forward_prefetch": prefetch}))
-    groups = [g for m in (model[0], model[2]) for g in m._get_fsdp_state()._fsdp_param_groups]  # FSDP2 internals
+    states = [m._get_fsdp_state() for m in (model[0], model[2])]  # FSDP2 internals: one group per state before 2.13
+    groups = [g for s in states for g in getattr(s, "_fsdp_param_groups", None) or [s._fsdp_param_group]]
     assert len(groups) == 2 and all(g.unshard_async_op for g in groups)
     assert all(isinstance(g._reduce_scatter_comm, _OverlappedReduceScatter) for g in groups)
     chain = model[0]._get_fsdp_state()._states_to_forward_prefetch
