@@ -34,6 +34,7 @@ from .errors import HfBackendError
 TIMEOUT_VARIABLE = "HF_BACKEND_HANG_TIMEOUT"
 DEFAULT_TIMEOUT = 300.0
 EXCHANGE_SECONDS = 5.0  # how long a rank that hit a mismatch waits for its peers' call sites
+ANSWER_GRACE = 0.5  # how long a peer's watchdog answer waits for that peer's own mismatch record to win over it
 reporting = threading.Event()  # set while this rank reports a hang; the process then ends by the watchdog's hand
 reported_by_launcher = False  # set by `hf-backend launch`'s worker: the launcher prints the summary line itself
 _explaining = threading.Event()  # set while this rank exchanges its own mismatch record: its watchdog does not answer
@@ -360,15 +361,24 @@ def _explain(text: str, tb: TracebackType | None) -> str | None:
     records = {rank: {"op": op, "detail": detail, "site": site}}
     deadline = time.monotonic() + EXCHANGE_SECONDS
     pending = set(peers) - {rank}
-    while pending and time.monotonic() < deadline:
+    answered: dict[int, float] = {}  # when a peer's watchdog answer was first seen
+    while pending:
+        now = time.monotonic()
         for peer in sorted(pending):
-            for kind in ("mismatch", "answer", "wait"):  # its own error first, else its watchdog's answer
-                if store.check([_key(kind, peer)]):
-                    record = json.loads(store.get(_key(kind, peer)))
-                    if kind != "wait" or record["state"] == "exited":
-                        records[peer] = record
-                        pending.discard(peer)
-                        break
+            record = _read(store, "mismatch", peer)  # the peer's own error
+            if record is None:
+                record = _read(store, "wait", peer)
+                record = record if record and record["state"] == "exited" else None
+            # A watchdog's answer counts after ANSWER_GRACE: a peer that raised an instant after its watchdog answered
+            # has its own record win.
+            if record is None and store.check([_key("answer", peer)]) and (
+                    now - answered.setdefault(peer, now) >= ANSWER_GRACE or now >= deadline):
+                record = _read(store, "answer", peer)
+            if record is not None:
+                records[peer] = record
+                pending.discard(peer)
+        if now >= deadline:
+            break
         if pending:
             time.sleep(0.05)
     parts = []
@@ -385,6 +395,10 @@ def _explain(text: str, tb: TracebackType | None) -> str | None:
             shape = f" ({record['detail']})" if record["detail"] and not same else ""
             parts.append(f"rank {peer} calls {record['op']}{shape} at {record['site']}")
     return "collective mismatch: " + "; ".join(parts)
+
+
+def _read(store: Any, kind: str, rank: int) -> dict | None:
+    return json.loads(store.get(_key(kind, rank))) if store.check([_key(kind, rank)]) else None
 
 
 def _fingerprint(raw: str) -> str:

@@ -6,6 +6,7 @@ launch` and plain torchrun alike; no process is left behind."""
 from __future__ import annotations
 
 import gc
+import json
 import os
 import re
 import shutil
@@ -21,6 +22,7 @@ from types import FrameType
 import psutil
 import pytest
 import torch
+import torch.distributed as dist
 from helpers import CLI, SCRIPTS, cli, cli_env, run_script
 
 from hf_backend import hang_watch
@@ -262,6 +264,41 @@ def test_a_bad_hang_timeout_is_one_line_before_any_worker_starts(tmp_path):
     assert (bad_env.returncode, bad_env.stderr) == (2, f"hf-backend launch: error: environment variable "
                                                        f"{hang_watch.TIMEOUT_VARIABLE}='5m' is not a number of seconds "
                                                        ">= 0; set e.g. 300, or 0 to turn the hang watchdog off\n")
+
+
+def test_a_peers_own_record_wins_over_its_watchdogs_answer(monkeypatch):
+    """In one process, a gloo group of one standing for rank 0 of two: rank 1's watchdog answer counts only when no
+    record of rank 1's own error follows it within ANSWER_GRACE."""
+    monkeypatch.setattr(hang_watch, "_explaining", threading.Event())  # _explain sets it for the process's life
+    text = ("Detected mismatch between collectives on ranks. Rank 0 is running collective: CollectiveFingerPrint("
+            "SequenceNumber=1, OpType=ALLREDUCE, TensorShape=[5], TensorDtypes=Float), but Rank 1 is running "
+            "collective: CollectiveFingerPrint(SequenceNumber=1, OpType=BARRIER).")
+
+    def explained() -> tuple[str, float]:
+        try:
+            raise RuntimeError(text)
+        except RuntimeError as error:
+            started = time.monotonic()
+            line = hang_watch.explain(error)
+            return line, time.monotonic() - started
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        store = hang_watch._store()
+        store.set(hang_watch._key("answer", 1), json.dumps({"state": "waiting", "op": "all_reduce",
+                                                            "site": "train.py:9"}))
+        own = json.dumps({"op": "barrier", "detail": "BARRIER", "site": "train.py:12"})
+        raised = threading.Timer(0.2, store.set, [hang_watch._key("mismatch", 1), own])
+        raised.start()
+        line, took = explained()
+        raised.join()
+        assert line.endswith("; rank 1 calls barrier at train.py:12") and took < 1, (line, took)
+        store.delete_key(hang_watch._key("mismatch", 1))
+        line, took = explained()
+        assert line.endswith("; rank 1 waiting in all_reduce at train.py:9"), line
+        assert hang_watch.ANSWER_GRACE <= took < hang_watch.EXCHANGE_SECONDS
+    finally:
+        dist.destroy_process_group()
 
 
 def test_the_lowest_rank_that_torch_raised_on_prints_the_line():
