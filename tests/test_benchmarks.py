@@ -1,0 +1,37 @@
+"""benchmarks/gpu_trainer.py needs a GPU for its figures; CI has none, so its --smoke mode runs the same three variants
+(bare loop, transformers.Trainer, hf_backend.Trainer) on the CPU with a tiny BERT: the script's code cannot rot
+unnoticed between GPU runs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from helpers import cli_env
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_gpu_benchmark_runs_its_three_variants_in_smoke_mode(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_trainer.py"), "--smoke", "--steps", "12",
+                           "--repeats", "1", "--batch", "2", "--json", str(out)],
+                          capture_output=True, text=True, env=cli_env(), timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "variant" not in line]
+    assert [row.split(" | ")[0] for row in rows] == ["| bare", "| transformers", "| hf_backend"], proc.stdout
+    results = json.loads(out.read_text())
+    assert results["batch"] == 2 and results["seq"] == 128 and "failures" not in results
+    for variant, runs in results["runs"].items():
+        assert [run["steps"] for run in runs] == [12], variant
+        assert runs[0]["samples_per_s"] > 0 and runs[0]["first_step_s"] > 0 and runs[0]["peak_gib"] is None
+
+
+def test_too_few_steps_for_a_steady_state_is_one_line():
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_trainer.py"), "--smoke", "--steps", "5"],
+                          capture_output=True, text=True, env=cli_env(), timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines()[-1].endswith("--steps 5: samples/s is taken over the steps after the 10th; "
+                                                 "give at least 12")
