@@ -153,11 +153,11 @@ def _run(variant: str, steps: int, batch: int, smoke: bool = False) -> dict:
         return json.loads(out.read_text())
 
 
-def _largest_batch(max_batch: int) -> int:
+def _largest_batch(max_batch: int, smoke: bool) -> int:
     """The largest power of two from 8 with which every variant runs 3 steps."""
     fits, batch = 0, 8
     while batch <= max_batch:
-        runs = {v: _run(v, 3, batch) for v in VARIANTS}
+        runs = {v: _run(v, 3, batch, smoke) for v in VARIANTS}
         failed = {v: r["error"] for v, r in runs.items() if "error" in r}
         if failed:
             raise SystemExit(f"batch search at {batch}: a variant failed for another reason than memory: {failed}")
@@ -197,21 +197,19 @@ def main() -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--smoke", action="store_true", help="a tiny BERT on the CPU: runs the code, measures nothing")
     args = p.parse_args()
-    if args.steps <= 11:
-        p.error(f"--steps {args.steps}: samples/s is taken over the steps after the 10th; give at least 12")
-    if args.worker:
+    if args.worker:  # (the batch search's workers run 3 steps)
         _worker(args.worker, args.steps, args.batch, Path(args.out), args.smoke)
         return 0
+    if args.steps <= 11:
+        p.error(f"--steps {args.steps}: samples/s is taken over the steps after the 10th; give at least 12")
 
     import torch
 
-    if args.smoke:
-        device, batch = "CPU (--smoke: a 2-layer, 64-wide BERT)", args.batch or 4
-    elif not torch.cuda.is_available():
+    if not args.smoke and not torch.cuda.is_available():
         print("benchmarks/gpu_trainer.py: no CUDA device here; it measures GPU training only", file=sys.stderr)
         return 2
-    else:
-        device, batch = torch.cuda.get_device_name(0), args.batch or _largest_batch(args.max_batch)
+    device = "CPU (--smoke: a 2-layer, 64-wide BERT)" if args.smoke else torch.cuda.get_device_name(0)
+    batch = args.batch or _largest_batch(args.max_batch, args.smoke)
     results: dict = {"device": device, "host": f"{platform.machine()}, {os.cpu_count()} cores",
                      "versions": _versions(), "date": time.strftime("%Y-%m-%d"), "batch": batch, "seq": SEQ,
                      "steps": args.steps, "repeats": args.repeats, "runs": {v: [] for v in VARIANTS}}

@@ -15,15 +15,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_gpu_benchmark_runs_its_three_variants_in_smoke_mode(tmp_path):
+    """With the batch search too: each variant runs 3 steps at batch 8 (nothing runs out of memory on the CPU), 16 is
+    above --max-batch, so the run trains batch 8."""
     out = tmp_path / "bench.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_trainer.py"), "--smoke", "--steps", "12",
-                           "--repeats", "1", "--batch", "2", "--json", str(out)],
+                           "--repeats", "1", "--max-batch", "8", "--json", str(out)],
                           capture_output=True, text=True, env=cli_env(), timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "batch 8: fits all three" in proc.stdout.splitlines(), proc.stdout
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "variant" not in line]
     assert [row.split(" | ")[0] for row in rows] == ["| bare", "| transformers", "| hf_backend"], proc.stdout
     results = json.loads(out.read_text())
-    assert results["batch"] == 2 and results["seq"] == 128 and "failures" not in results
+    assert results["batch"] == 8 and results["seq"] == 128 and "failures" not in results
     for variant, runs in results["runs"].items():
         assert [run["steps"] for run in runs] == [12], variant
         assert runs[0]["samples_per_s"] > 0 and runs[0]["first_step_s"] > 0 and runs[0]["peak_gib"] is None
