@@ -39,6 +39,7 @@ _WHERE = {
     "DistributedType": ".state",
     "Trainer": ".trainer",
     "TrainingArguments": ".trainer",
+    "on_engine": ".trainer",
 }
 
 if TYPE_CHECKING:
@@ -63,7 +64,7 @@ if TYPE_CHECKING:
     )
     from .seeding import synchronize_rng_states
     from .state import DistributedType, PartialState
-    from .trainer import Trainer, TrainingArguments
+    from .trainer import Trainer, TrainingArguments, on_engine
 
 
 # Accelerate's top-level names and modules that hf_backend refuses (hf_backend.compat says why, in one line).
@@ -130,4 +131,5 @@ __all__ = [  # the same names as _WHERE, spelled out for tools that read __all__
     "ProjectConfiguration",
     "Trainer",
     "TrainingArguments",
+    "on_engine",
 ]

@@ -9,14 +9,16 @@
     safe_load.py    every read of a torch file or a DCP directory, none of which can run code from the file
     inspect.py      `hf-backend checkpoint inspect`: what a checkpoint holds and whether it verifies
     consolidate.py  `hf-backend checkpoint consolidate / convert`: weights for from_pretrained, full <-> sharded
+    adapters.py     a PEFT adapter's saved names to the prepared model's
 """
 
 from __future__ import annotations
 
-from . import layout
+from . import adapters, layout
 from .directories import automatic_dir, last_complete_trainer_checkpoint, latest_automatic_dir, rotate
 from .files import load_file, save_object
 from .state_io import CheckpointIO, apply_load_hooks, apply_save_hooks, read_metadata
 
-__all__ = ["CheckpointIO", "apply_load_hooks", "apply_save_hooks", "automatic_dir", "last_complete_trainer_checkpoint",
-           "latest_automatic_dir", "layout", "load_file", "read_metadata", "rotate", "save_object"]
+__all__ = ["CheckpointIO", "adapters", "apply_load_hooks", "apply_save_hooks", "automatic_dir",
+           "last_complete_trainer_checkpoint", "latest_automatic_dir", "layout", "load_file", "read_metadata", "rotate",
+           "save_object"]

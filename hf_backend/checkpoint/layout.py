@@ -39,6 +39,9 @@ TRAINER_SCHEDULER = "scheduler.pt"
 TRAINER_ARGUMENTS = "training_args.bin"
 TRAINER_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 TRAINER_DEEPSPEED_GLOB = "global_step*"  # DeepSpeed's engine checkpoint inside a Trainer checkpoint
+# A PEFT model's weights in a Trainer checkpoint and in `save_model`'s output, under every strategy: its adapter, as
+# PEFT's `save_pretrained` writes it (the frozen base is neither gathered nor written)
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 
 _AUTOMATIC = re.compile(r"^checkpoint_(\d+)$")
 
@@ -111,6 +114,11 @@ def previous_dir(target: Path) -> Path:
 def holds_engine_state(directory: str | Path) -> bool:
     """A directory hf_backend wrote its state into (a `save_state` checkpoint, or the engine's part of a Trainer's)."""
     return (Path(directory) / METADATA).is_file()
+
+
+def adapter_weights_file(directory: str | Path) -> Path | None:
+    """The adapter weights PEFT wrote into `directory`, if it holds any."""
+    return next((Path(directory) / name for name in ADAPTER_WEIGHTS if (Path(directory) / name).is_file()), None)
 
 
 def holds_trainer_optimizer(directory: str | Path) -> bool:

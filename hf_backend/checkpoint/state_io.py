@@ -21,8 +21,8 @@ from ..errors import HfBackendError
 from ..precision import Precision
 from ..prepared import PreparedObjects
 from ..state import ProcessState
+from . import adapters, durable, layout, manifest
 from . import async_save as async_save_
-from . import durable, layout, manifest
 from .directories import automatic_saved, interrupted_overwrite, stage
 from .files import (
     capture_rng,
@@ -221,6 +221,25 @@ class CheckpointIO:
         else:
             result = self.strategy.load_model_state_dict(model, read_weights(directory, stem))
             check_loaded(self.strategy.unwrap_model(model), result, directory)
+
+    def trainable_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The full weights of the trainable parameters only (a PEFT adapter's): the frozen base is not gathered.
+        Collective; the main process gets the tensors."""
+        return self.strategy.model_state_dict(model, trainable_only=True)
+
+    def load_adapter(self, model: torch.nn.Module, directory: str | os.PathLike) -> None:
+        """The adapter weights PEFT wrote into `directory` (a checkpoint of a PEFT model, under any strategy) into
+        the prepared PEFT model; the frozen base keeps the weights it was built with."""
+        path = layout.adapter_weights_file(directory)
+        if path is None:
+            raise HfBackendError(f"{directory} holds no {layout.ADAPTER_WEIGHTS[0]}; resume a PEFT model from a "
+                                 "checkpoint written with its adapter")
+        unwrapped = self.strategy.unwrap_model(model)
+        state_dict = adapters.to_model_names(unwrapped, read_weights(path.parent, path.name.split(".")[0]), path)
+        result = self.strategy.load_model_state_dict(model, state_dict)
+        if result.unexpected_keys:
+            raise HfBackendError(f"{path} does not fit the model: unexpected {list(result.unexpected_keys)[:5]}; "
+                                 "resume with the model it was saved from")
 
     def save_optimizer(self, optimizer: Any, directory: str | os.PathLike, stem: str = "optimizer",
                        writes: async_save_.Writes | None = None) -> None:

@@ -6,6 +6,7 @@ The Accelerator picks a strategy once and routes every model-touching call throu
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -146,10 +147,12 @@ class Strategy:
     save_options = StateDictOptions()  # how full states are taken from this strategy's models
     load_options = StateDictOptions(strict=False)  # how full states are given back (missing tied keys checked)
 
-    def model_state_dict(self, model: torch.nn.Module, sharded: bool = False) -> dict[str, torch.Tensor]:
+    def model_state_dict(self, model: torch.nn.Module, sharded: bool = False,
+                         trainable_only: bool = False) -> dict[str, torch.Tensor]:
         """The full state dict (collective for sharded strategies: call it on every process), or with `sharded`
-        this process's shards."""
-        return get_model_state_dict(model, options=StateDictOptions() if sharded else self.save_options)
+        this process's shards; `trainable_only`: the parameters that require grad, nothing else gathered."""
+        options = StateDictOptions() if sharded else self.save_options
+        return get_model_state_dict(model, options=dataclasses.replace(options, ignore_frozen_params=trainable_only))
 
     def checkpoint_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The full weights a checkpoint holds: the model's, or where the optimizer steps a master copy of its own

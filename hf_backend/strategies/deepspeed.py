@@ -278,16 +278,22 @@ class DeepSpeedStrategy(Strategy):
     # state keyed by parameter name, gathered from the partitions, so they resume anywhere. Checkpoints of earlier
     # versions in DeepSpeed's own format (`model_deepspeed/`) are still read, here only (`load_native`).
 
-    def model_state_dict(self, model: torch.nn.Module, sharded: bool = False) -> dict[str, torch.Tensor]:
+    def model_state_dict(self, model: torch.nn.Module, sharded: bool = False,
+                         trainable_only: bool = False) -> dict[str, torch.Tensor]:
         """Full weights; under ZeRO-3 gathered (16-bit when training in bf16) onto rank 0, other ranks get {}. Read
         from the engine given (still there after `free_memory`), else this strategy's. `sharded`: full-size
-        tensors on every process for a sharded (DCP) checkpoint of another strategy to be read into."""
+        tensors on every process for a sharded (DCP) checkpoint of another strategy to be read into;
+        `trainable_only`: the parameters that require grad."""
         engine = self._engine_of(model)
         if sharded:
             return deepspeed_state.weights_template(engine)
         if self.zero_stage == 3:
-            return engine._zero3_consolidated_16bit_state_dict() or {}
-        return engine.module.state_dict()
+            return engine._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=trainable_only) or {}
+        state_dict = engine.module.state_dict()
+        if trainable_only:
+            frozen = {name for name, p in engine.module.named_parameters() if not p.requires_grad}
+            state_dict = {name: tensor for name, tensor in state_dict.items() if name not in frozen}
+        return state_dict
 
     def checkpoint_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The fp32 master weights the optimizer steps (bf16 training included), gathered from their partitions."""

@@ -39,6 +39,7 @@ class TrainingArguments(transformers.TrainingArguments):
     async_save: bool = dataclasses.field(default=False, metadata={"help": (
         "hf_backend: a checkpoint's large files are copied to host memory and written in the background while "
         "training goes on; the checkpoint counts (trainer_state.json, rotation) once every file is written")})
+    _shares_process_state = False  # True in arguments classes put on the engine by on_engine (subclasses.py)
 
     def __post_init__(self) -> None:
         for name in ("gradient_accumulation_steps", "per_device_train_batch_size", "per_device_eval_batch_size"):
@@ -82,6 +83,10 @@ class TrainingArguments(transformers.TrainingArguments):
         timeout = datetime.timedelta(seconds=self.ddp_timeout) if self.ddp_timeout else None
         # Read by transformers through the attribute names of Accelerate's PartialState, which ProcessState shares.
         self.distributed_state = get_process_state(cpu=cpu, timeout=timeout, backend=self.ddp_backend)
+        if self._shares_process_state:
+            from .subclasses import share_with_accelerate
+
+            share_with_accelerate(self.distributed_state)
         self._n_gpu = 1 if self.distributed_state.device.type == "cuda" else 0  # never torch's DataParallel
         return self.distributed_state.device
 

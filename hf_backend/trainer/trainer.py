@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import json
 import os
 import shutil
@@ -63,19 +64,28 @@ def _skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
     return dataloader.skip_first_batches(num_batches)
 
 
+_TRAINER_PARAMETERS = list(inspect.signature(transformers.Trainer.__init__).parameters)[3:]  # after self, model, args
+
+
 class Trainer(transformers.Trainer):
     def __init__(self, model: Any = None, args: TrainingArguments | None = None, *rest: Any, **kwargs: Any) -> None:
         if args is None:
             args = TrainingArguments(output_dir="tmp_trainer")
         if not isinstance(args, TrainingArguments):
-            raise HfBackendError("hf_backend.Trainer needs hf_backend.TrainingArguments: "
-                                 "`from hf_backend import Trainer, TrainingArguments`")
+            what = type(args).__name__
+            fix = ("build them with hf_backend.TrainingArguments" if type(args) is transformers.TrainingArguments
+                   else f"put its class on the engine too: `{what} = hf_backend.on_engine({what})`")
+            raise HfBackendError(f"{type(self).__name__} on hf_backend's engine got {what} arguments, which are not "
+                                 f"on the engine; {fix} (docs/llm.md)")
+        # Handed on by name: the next class in a subclass's order may take other parameters in other places
+        # (TRL's preference trainers take ref_model second).
+        kwargs.update(zip(_TRAINER_PARAMETERS, rest))
         self._train_loader: Any = None
         self._loss_checked = False
         self._counted_model: Any = None  # floating_point_ops: the model whose parameters were counted, and how many
         self._counted_parameters = 0
         self._verified_checkpoint: Any = None  # the checkpoint train() verified (hashed once)
-        super().__init__(model, args, *rest, **kwargs)
+        super().__init__(model=model, args=args, **kwargs)
         if args.enable_jit_checkpoint:
             self._coordinate_jit_checkpoint()
 
@@ -167,7 +177,13 @@ class Trainer(transformers.Trainer):
             raise HfBackendError("auto_find_batch_size does not work with DeepSpeed ZeRO-3; set the batch size")
 
     def _sharded_weights(self) -> bool:
-        return self.is_fsdp_enabled and self.accelerator.checkpoint_io.sharded
+        return self.is_fsdp_enabled and self.accelerator.checkpoint_io.sharded and not self._adapter_weights()
+
+    def _adapter_weights(self) -> bool:
+        """A PEFT model's weights are its adapter, in PEFT's files, under every strategy: the engine gathers and
+        writes only the trainable parameters (DeepSpeed: transformers' own path, which does the same)."""
+        return not self.is_deepspeed_enabled and checkpoint.adapters.is_peft_model(
+            self.accelerator.unwrap_model(self.model))
 
     # transformers' epoch loop, with the engine's skip_first_batches (the original builds Accelerate's PartialState).
     _run_epoch = compat.borrowed_run_epoch(skip_first_batches=_skip_first_batches)
@@ -275,18 +291,21 @@ class Trainer(transformers.Trainer):
             checkpoint.manifest.seal(Path(output_dir))
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        if not self._sharded_weights() and not (_internal_call and self._async_writes is not None):
+        adapter = self._adapter_weights()
+        if not (adapter or self._sharded_weights()) and not (_internal_call and self._async_writes is not None):
             return super().save_model(output_dir, _internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        if _internal_call:  # a checkpoint: shards (model_dcp/, no full copy is gathered), or full weights when async
+        if _internal_call and not adapter:  # a checkpoint: shards (model_dcp/, nothing gathered), or full when async
             os.makedirs(output_dir, exist_ok=True)
             self.accelerator.checkpoint_io.save_weights(self.model_wrapped, output_dir, writes=self._async_writes)
             self._save_model_files(output_dir)
-        else:  # the user's save: full weights that from_pretrained reads, gathered from the shards (collective)
-            state_dict = self.accelerator.get_state_dict(self.model_wrapped)
+        else:  # files from_pretrained (or PeftModel.from_pretrained) reads, gathered from the shards (collective)
+            io = self.accelerator.checkpoint_io
+            state_dict = io.trainable_weights(self.model_wrapped) if adapter else \
+                self.accelerator.get_state_dict(self.model_wrapped)
             if self.args.should_save:  # before 5.23 transformers' _save writes from every process (transformers_compat)
                 self._save(output_dir, state_dict=state_dict)
-            if self.args.push_to_hub:
+            if self.args.push_to_hub and not _internal_call:
                 self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def _save_model_files(self, output_dir: str) -> None:
@@ -351,7 +370,7 @@ class Trainer(transformers.Trainer):
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
         if not self.is_fsdp_enabled:
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        self.accelerator.checkpoint_io.load_weights(model or self.model_wrapped, resume_from_checkpoint)
+        self._load_weights(model or self.model_wrapped, resume_from_checkpoint)
 
     def _load_best_model(self) -> None:
         self.accelerator.checkpoint_io.wait()  # the best checkpoint may be the one still being written
@@ -359,7 +378,11 @@ class Trainer(transformers.Trainer):
             return super()._load_best_model()
         best = self.state.best_model_checkpoint
         note(f"loading the best model from {best} (score: {self.state.best_metric})")
-        self.accelerator.checkpoint_io.load_weights(self.model_wrapped, best)
+        self._load_weights(self.model_wrapped, best)
+
+    def _load_weights(self, model: torch.nn.Module, directory: str) -> None:
+        io = self.accelerator.checkpoint_io
+        io.load_adapter(model, directory) if self._adapter_weights() else io.load_weights(model, directory)
 
 
 def _loss_of(outputs: Any) -> torch.Tensor:

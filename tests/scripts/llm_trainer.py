@@ -1,0 +1,131 @@
+"""A tiny Llama (tied or untied embeddings, optionally with a LoRA adapter) fine-tuned by hf_backend.Trainer under
+one process, DDP, FSDP2 or DeepSpeed ZeRO, instrumented for tests.
+
+Rank 0 writes a JSON report: the per-step losses and gradient norms, the trainable parameters at the end (full,
+flattened, sorted by name), the files of each checkpoint, and what the model looks like after training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import sys
+from pathlib import Path
+
+import torch
+from datasets import Dataset
+from transformers import LlamaConfig, LlamaForCausalLM
+
+VOCAB = 48
+
+
+def rows(n: int, seed: int) -> Dataset:
+    """Counting sequences (start, start+step, ...) mod VOCAB of 6-20 tokens: learnable, of uneven lengths."""
+    r = random.Random(seed)
+    out = []
+    for _ in range(n):
+        start, step, length = r.randrange(VOCAB), r.choice((1, 2, 3)), r.randint(6, 20)
+        ids = [(start + i * step) % VOCAB for i in range(length)]
+        out.append({"input_ids": ids, "labels": ids})
+    return Dataset.from_list(out)
+
+
+def pad(batch: list[dict]) -> dict[str, torch.Tensor]:
+    width = max(len(row["input_ids"]) for row in batch)
+    ids = torch.zeros(len(batch), width, dtype=torch.long)
+    labels = torch.full((len(batch), width), -100)
+    mask = torch.zeros(len(batch), width, dtype=torch.long)
+    for i, row in enumerate(batch):
+        n = len(row["input_ids"])
+        ids[i, :n], labels[i, :n], mask[i, :n] = torch.tensor(row["input_ids"]), torch.tensor(row["labels"]), 1
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+def tiny_llama(tied: bool) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tied))
+
+
+def with_lora(model: torch.nn.Module) -> torch.nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(1)
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                            lora_dropout=0.0, init_lora_weights=False))
+
+
+def backend(args: argparse.Namespace) -> dict:
+    if args.strategy.startswith("fsdp"):
+        state_dict_type = "SHARDED_STATE_DICT" if args.strategy == "fsdp_sharded" else "FULL_STATE_DICT"
+        return {"fsdp": "full_shard", "fsdp_config": {"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
+                                                      "state_dict_type": state_dict_type}}
+    if args.strategy.startswith("zero"):
+        return {"deepspeed": {"zero_optimization": {"stage": int(args.strategy[-1])},
+                              "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                              "gradient_clipping": "auto"}}  # the Trainer's AdamW: no DeepSpeed op to build
+    return {}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--output-dir", required=True)
+    p.add_argument("--strategy", default="ddp", choices=("ddp", "fsdp", "fsdp_sharded", "zero2", "zero3"),
+                   help="ddp: one process or DDP, by the number of processes")
+    p.add_argument("--lora", action="store_true")
+    p.add_argument("--tied", action="store_true")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--save-steps", type=int, default=3)
+    p.add_argument("--resume", default=None, help="a checkpoint directory")
+    p.add_argument("--batch-size", type=int, default=4, help="per process")
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--save-final", action="store_true", help="trainer.save_model(output_dir/final) at the end")
+    args = p.parse_args()
+
+    from hf_backend import Trainer, TrainingArguments
+
+    gc.collect()
+    gc.freeze()
+    model = tiny_llama(args.tied)
+    if args.lora:
+        model = with_lora(model)
+    training_args = TrainingArguments(
+        output_dir=args.output_dir, max_steps=args.steps, per_device_train_batch_size=args.batch_size,
+        gradient_accumulation_steps=args.grad_accum, learning_rate=args.lr, lr_scheduler_type="linear",
+        warmup_steps=1, max_grad_norm=0.5, logging_steps=1, save_strategy="steps", save_steps=args.save_steps,
+        report_to="none", disable_tqdm=True, seed=0, gradient_checkpointing=args.gradient_checkpointing,
+        **backend(args))
+    trainer = Trainer(model=model, args=training_args, train_dataset=rows(96, 0), data_collator=pad)
+    trainer.train(resume_from_checkpoint=args.resume)
+    if args.save_final:
+        trainer.save_model(str(Path(args.output_dir) / "final"))
+    full = trainer.accelerator.get_state_dict(trainer.model_wrapped)
+    unwrapped = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+    trainable = {n for n, q in unwrapped.named_parameters() if q.requires_grad}
+    if trainer.is_world_process_zero():
+        params = {n: v for n, v in full.items() if n in trainable}
+        flat = torch.cat([v.detach().float().flatten() for _, v in sorted(params.items())]) if params else None
+        embeddings = unwrapped.get_input_embeddings().weight
+        report = {
+            "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+            "grad_norms": [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h],
+            "trainable": sorted(trainable),
+            "params": flat.tolist() if flat is not None else [],
+            "checkpoints": {c.name: sorted(f.name for f in c.iterdir())
+                            for c in sorted(Path(args.output_dir).glob("checkpoint-*"))},
+            "tied": unwrapped.get_output_embeddings().weight is embeddings,
+            "world_size": training_args.world_size,
+            "global_step": trainer.state.global_step,
+        }
+        Path(args.out).write_text(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

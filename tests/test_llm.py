@@ -1,0 +1,126 @@
+"""Causal LMs on the engine: a tiny Llama with a LoRA adapter (peft) and with tied embeddings, trained by
+hf_backend.Trainer under one process, DDP, FSDP2 (full and sharded checkpoints) and DeepSpeed ZeRO-3; checkpoints
+that hold the adapter only and resume exactly across strategies and world sizes (tests/scripts/llm_trainer.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import run_script
+
+pytest.importorskip("peft")
+
+SCRIPT = "llm_trainer.py"
+TRAIN = ["--steps", "6", "--save-steps", "2"]
+
+
+def run(tmp: Path, name: str, args: list[str], nproc: int = 2) -> dict:
+    out = tmp / f"{name}.json"
+    run_script(SCRIPT, ["--out", str(out), "--output-dir", str(tmp / name), *TRAIN, *args], nproc=nproc, timeout=300)
+    return json.loads(out.read_text())
+
+
+def relative(a: list[float], b: list[float]) -> float:
+    a_, b_ = torch.tensor(a), torch.tensor(b)
+    assert a_.shape == b_.shape and a_.numel()
+    return float((a_ - b_).abs().max() / b_.abs().max())
+
+
+@pytest.fixture(scope="module")
+def lora(tmp_path_factory) -> tuple[Path, dict[str, dict]]:
+    """LoRA under FSDP (full checkpoints); resumed from its step 2 under FSDP with sharded checkpoints; that run's
+    step-4 checkpoint resumed in one process (the same global batch); ZeRO-3 and DDP with gradient checkpointing from
+    the start."""
+    tmp = tmp_path_factory.mktemp("lora")
+    runs = {"fsdp": run(tmp, "fsdp", ["--lora", "--strategy", "fsdp", "--save-final"])}
+    runs["fsdp_sharded"] = run(tmp, "fsdp_sharded", ["--lora", "--strategy", "fsdp_sharded",
+                                                     "--resume", str(tmp / "fsdp" / "checkpoint-2")])
+    runs["one"] = run(tmp, "one", ["--lora", "--batch-size", "8", "--resume",
+                                   str(tmp / "fsdp_sharded" / "checkpoint-4")], nproc=1)
+    runs["zero3"] = run(tmp, "zero3", ["--lora", "--strategy", "zero3", "--save-final"])
+    runs["ddp_gc"] = run(tmp, "ddp_gc", ["--lora", "--gradient-checkpointing"])
+    return tmp, runs
+
+
+def test_lora_trains_the_same_adapter_under_every_strategy(lora) -> None:
+    _, runs = lora
+    reference = runs["fsdp"]
+    assert reference["trainable"] and all("lora_" in name for name in reference["trainable"])
+    assert reference["losses"][-1] < reference["losses"][0]
+    for name in ("zero3", "ddp_gc"):
+        assert runs[name]["trainable"] == reference["trainable"]
+        assert relative(runs[name]["params"], reference["params"]) < 1e-5, name
+        assert relative(runs[name]["grad_norms"], reference["grad_norms"]) < 1e-5, name  # trainable gradients only
+
+
+def test_lora_resumes_exactly_across_strategies_and_world_sizes(lora) -> None:
+    _, runs = lora
+    reference = runs["fsdp"]
+    for name in ("fsdp_sharded", "one"):  # FSDP full -> FSDP sharded -> one process
+        assert runs[name]["global_step"] == 6
+        assert relative(runs[name]["params"], reference["params"]) < 1e-5, name
+
+
+def test_lora_checkpoints_hold_the_adapter_not_the_frozen_base(lora) -> None:
+    _, runs = lora
+    for name in ("fsdp", "fsdp_sharded", "one", "zero3", "ddp_gc"):
+        for step, files in runs[name]["checkpoints"].items():
+            assert "adapter_model.safetensors" in files, (name, step)
+            assert not {"model.safetensors", "model_dcp", "pytorch_model.bin"} & set(files), (name, step, files)
+
+
+def test_lora_save_model_loads_in_peft(lora) -> None:
+    from llm_trainer import tiny_llama
+    from peft import PeftModel
+
+    tmp, runs = lora
+    for name in ("fsdp", "zero3"):
+        model = PeftModel.from_pretrained(tiny_llama(tied=False), str(tmp / name / "final"))
+        adapter = {n: p for n, p in model.named_parameters() if "lora_" in n}
+        assert sorted(adapter) == runs[name]["trainable"]
+        flat = torch.cat([p.detach().flatten() for _, p in sorted(adapter.items())]).tolist()
+        assert relative(flat, runs[name]["params"]) < 1e-6, name
+
+
+def test_an_adapter_that_does_not_fit_is_one_line(tmp_path) -> None:
+    from llm_trainer import tiny_llama, with_lora
+
+    from hf_backend import HfBackendError
+    from hf_backend.checkpoint.adapters import to_model_names
+
+    model = with_lora(tiny_llama(tied=False))
+    saved = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(4, 32)}
+    assert list(to_model_names(model, saved, tmp_path)) == [
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight"]
+    with pytest.raises(HfBackendError, match=r"k_proj\.lora_A\.weight, which adapter 'default' of this model has no"):
+        to_model_names(model, {"base_model.model.model.layers.0.self_attn.k_proj.lora_A.weight": torch.zeros(4, 32)},
+                       tmp_path)
+
+
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory) -> tuple[Path, dict[str, dict]]:
+    """tie_word_embeddings=True under FSDP (resumed under DDP from its step 2) and ZeRO-3."""
+    tmp = tmp_path_factory.mktemp("tied")
+    runs = {"fsdp": run(tmp, "fsdp", ["--tied", "--strategy", "fsdp", "--save-final"])}
+    runs["ddp"] = run(tmp, "ddp", ["--tied", "--resume", str(tmp / "fsdp" / "checkpoint-2")])
+    runs["zero3"] = run(tmp, "zero3", ["--tied", "--strategy", "zero3", "--save-final"])
+    return tmp, runs
+
+
+def test_tied_embeddings_stay_tied_and_resume(tied) -> None:
+    from transformers import LlamaForCausalLM
+
+    tmp, runs = tied
+    reference = runs["fsdp"]
+    assert reference["losses"][-1] < reference["losses"][0] - 0.2
+    for name in ("fsdp", "ddp", "zero3"):
+        assert runs[name]["tied"], name
+        assert relative(runs[name]["params"], reference["params"]) < 1e-5, name
+    for name in ("fsdp", "zero3"):
+        model = LlamaForCausalLM.from_pretrained(str(tmp / name / "final"))
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr(), name
+        flat = torch.cat([p.detach().float().flatten() for _, p in sorted(model.named_parameters())]).tolist()
+        assert relative(flat, runs[name]["params"]) < 1e-6, name

@@ -1,0 +1,143 @@
+"""TRL's SFTTrainer (and any transformers.Trainer subclass) on the engine through `hf_backend.on_engine`: the same
+losses as stock TRL in one process, the one-process losses in two (packed padding-free too), LoRA and FSDP, and
+Accelerate's PartialState, which TRL asks, telling the truth (tests/scripts/trl_sft.py)."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from helpers import run_script
+
+pytest.importorskip("trl")
+
+SCRIPT = "trl_sft.py"
+
+
+def run(tmp: Path, name: str, args: list[str], nproc: int = 1) -> dict:
+    out = tmp / f"{name}.json"
+    run_script(SCRIPT, ["--out", str(out), "--output-dir", str(tmp / name), *args], nproc=nproc, timeout=300)
+    return json.loads(out.read_text())
+
+
+def relative(a: list[float], b: list[float]) -> float:
+    a_, b_ = torch.tensor(a), torch.tensor(b)
+    assert a_.shape == b_.shape and a_.numel()
+    return float((a_ - b_).abs().max() / b_.abs().max())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, dict]:
+    tmp = tmp_path_factory.mktemp("trl")
+    return {
+        "stock": run(tmp, "stock", ["--stock"]),
+        "engine": run(tmp, "engine", []),
+        "one_packed": run(tmp, "one_packed", ["--packing", "--batch-size", "8"]),
+        "two_packed": run(tmp, "two_packed", ["--packing"], nproc=2),
+        "two_lora_packed": run(tmp, "two_lora_packed", ["--lora", "--packing"], nproc=2),
+        "fsdp_lora": run(tmp, "fsdp_lora", ["--lora", "--fsdp"], nproc=2),
+    }
+
+
+def test_sft_trainer_on_the_engine_logs_stock_trl_losses(runs) -> None:
+    stock, engine = runs["stock"], runs["engine"]
+    assert engine["args_class"] == "hf_backend.trainer.subclasses.trl:trainer:sft_config::SFTConfig"
+    assert engine["losses"][-1] < engine["losses"][0] - 0.3
+    assert relative(engine["losses"], stock["losses"]) < 1e-6
+    assert relative(engine["params"], stock["params"]) < 1e-6
+
+
+def test_packed_sft_in_two_processes_equals_one(runs) -> None:
+    one, two = runs["one_packed"], runs["two_packed"]
+    assert two["world_size"] == 2 and two["num_tokens"] == one["num_tokens"]  # the same packed rows, all counted
+    assert relative(two["losses"], one["losses"]) < 1e-5
+    assert relative(two["grad_norms"], one["grad_norms"]) < 1e-5
+    assert relative(two["params"], one["params"]) < 1e-5
+
+
+def test_accelerate_partial_state_sees_the_engine_processes(runs) -> None:
+    """TRL's own `PartialState()` calls (its main-process-first data preparation) are told the truth."""
+    assert runs["two_packed"]["accelerate_world"] == [2, 0]
+    assert runs["engine"]["accelerate_world"] == [1, 0]
+
+
+def test_sft_with_lora_packed_and_under_fsdp(runs) -> None:
+    for name in ("two_lora_packed", "fsdp_lora"):
+        report = runs[name]
+        assert report["trainable"] and all("lora_" in n for n in report["trainable"]), name
+        assert report["losses"][-1] < report["losses"][0], name
+
+
+# -- on_engine itself, in this process ---------------------------------------------------------------------------------
+def test_on_engine_puts_a_trainer_and_its_arguments_on_the_engine(tmp_path) -> None:
+    from trl import SFTConfig, SFTTrainer
+
+    import hf_backend
+
+    trainer_class, arguments_class = hf_backend.on_engine(SFTTrainer, SFTConfig)
+    assert trainer_class.__name__ == "SFTTrainer" and arguments_class.__name__ == "SFTConfig"
+    order = trainer_class.__mro__
+    assert order.index(SFTTrainer) < order.index(hf_backend.Trainer) < order.index(transformers.Trainer)
+    assert hf_backend.on_engine(SFTTrainer, SFTConfig) == (trainer_class, arguments_class)  # made once
+    assert hf_backend.on_engine(trainer_class) is trainer_class
+    config = arguments_class(output_dir=str(tmp_path), async_save=True, completion_only_loss=False, bf16=False,
+                             report_to="none")
+    assert isinstance(config, hf_backend.TrainingArguments) and isinstance(config, SFTConfig)
+    assert arguments_class(**config.to_dict()).to_dict() == config.to_dict()  # both classes' fields round-trip
+    assert pickle.loads(pickle.dumps(config)).to_dict() == config.to_dict()  # training_args.bin
+
+
+def test_a_generated_class_unpickles_in_a_fresh_process(tmp_path) -> None:
+    """The pickle name alone makes the class again (a checkpoint's training_args.bin read elsewhere)."""
+    from trl import SFTConfig
+
+    from hf_backend.trainer import subclasses
+
+    made = subclasses.on_engine(arguments_class=SFTConfig)
+    name = made.__qualname__
+    del subclasses._MADE[name]
+    again = getattr(subclasses, name)
+    assert again is not made and again.__mro__[1] is SFTConfig and again.__qualname__ == name
+
+
+def test_wrong_classes_and_arguments_are_one_line(tmp_path) -> None:
+    from trl import SFTConfig, SFTTrainer
+
+    import hf_backend
+
+    with pytest.raises(TypeError, match=r"on_engine\(trainer_class=.*needs a subclass of transformers.Trainer"):
+        hf_backend.on_engine(dict)
+    trainer_class = hf_backend.on_engine(SFTTrainer)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2))
+    with pytest.raises(hf_backend.HfBackendError, match=r"got SFTConfig arguments, which are not on the engine; put "
+                       r"its class on the engine too: `SFTConfig = hf_backend.on_engine\(SFTConfig\)`"):
+        hf_backend.Trainer(model, SFTConfig(output_dir=str(tmp_path), bf16=False, report_to="none"))
+    assert trainer_class is not SFTTrainer
+
+
+def test_arguments_are_handed_on_by_name(tmp_path) -> None:
+    """A subclass whose second parameter is not `args` (TRL's preference trainers take ref_model there) gets each
+    argument in its place, whichever side of hf_backend.Trainer it stands."""
+    import hf_backend
+
+    class Preference(transformers.Trainer):
+        def __init__(self, model=None, ref_model=None, args=None, **kwargs):
+            self.ref_model = ref_model
+            super().__init__(model=model, args=args, **kwargs)
+
+    def model() -> torch.nn.Module:
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2))
+
+    args = hf_backend.TrainingArguments(output_dir=str(tmp_path), report_to="none")
+    reference = model()
+    engine_first = type("EngineFirst", (hf_backend.Trainer, Preference), {})
+    trainer = engine_first(model(), args, None, ref_model=reference)  # data_collator given by position
+    assert trainer.ref_model is reference and trainer.args is args
+    trainer = hf_backend.on_engine(Preference)(model(), reference, args)
+    assert trainer.ref_model is reference and trainer.args is args
