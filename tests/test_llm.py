@@ -107,6 +107,7 @@ def tied(tmp_path_factory) -> tuple[Path, dict[str, dict]]:
     runs = {"fsdp": run(tmp, "fsdp", ["--tied", "--strategy", "fsdp", "--save-final"])}
     runs["ddp"] = run(tmp, "ddp", ["--tied", "--resume", str(tmp / "fsdp" / "checkpoint-2")])
     runs["zero3"] = run(tmp, "zero3", ["--tied", "--strategy", "zero3", "--save-final"])
+    runs["accumulated"] = run(tmp, "accumulated", ["--tied", "--batch-size", "2", "--grad-accum", "2"])
     return tmp, runs
 
 
@@ -116,7 +117,7 @@ def test_tied_embeddings_stay_tied_and_resume(tied) -> None:
     tmp, runs = tied
     reference = runs["fsdp"]
     assert reference["losses"][-1] < reference["losses"][0] - 0.2
-    for name in ("fsdp", "ddp", "zero3"):
+    for name in ("fsdp", "ddp", "zero3", "accumulated"):  # accumulated: 2 processes x 2 micro-batches of 2
         assert runs[name]["tied"], name
         assert relative(runs[name]["params"], reference["params"]) < 1e-5, name
     for name in ("fsdp", "zero3"):
@@ -124,3 +125,21 @@ def test_tied_embeddings_stay_tied_and_resume(tied) -> None:
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr(), name
         flat = torch.cat([p.detach().float().flatten() for _, p in sorted(model.named_parameters())]).tolist()
         assert relative(flat, runs[name]["params"]) < 1e-6, name
+
+
+def test_token_level_loss_is_exact_in_an_accelerator_loop(tmp_path) -> None:
+    """docs/llm.md's loop: uneven sequences, padded or packed padding-free, over 2 processes x 2 accumulation steps
+    (DDP and FSDP) and 2 x 4, take the SGD steps of one process on the whole global batch."""
+    def losses_and_params(name: str, args: list[str], nproc: int) -> tuple[list[float], list[float]]:
+        out = tmp_path / f"{name}.json"
+        run_script("token_loss_loop.py", ["--out", str(out), *args], nproc=nproc)
+        report = json.loads(out.read_text())
+        return report["losses"], report["params"]
+
+    reference = losses_and_params("one", [], 1)
+    for name, args in {"packed": ["--packing", "--batch-size", "2", "--grad-accum", "2"],
+                       "fsdp": ["--fsdp", "--batch-size", "2", "--grad-accum", "2"],
+                       "four_steps": ["--batch-size", "1", "--grad-accum", "4"]}.items():
+        losses, params = losses_and_params(name, args, 2)
+        assert relative(losses, reference[0]) < 1e-6, name
+        assert relative(params, reference[1]) < 1e-6, name
