@@ -33,7 +33,7 @@ def relative(a: list[float], b: list[float]) -> float:
 def lora(tmp_path_factory) -> tuple[Path, dict[str, dict]]:
     """LoRA under FSDP (full checkpoints); resumed from its step 2 under FSDP with sharded checkpoints; that run's
     step-4 checkpoint resumed in one process (the same global batch); ZeRO-3 and DDP with gradient checkpointing from
-    the start."""
+    the start; ZeRO-2."""
     tmp = tmp_path_factory.mktemp("lora")
     runs = {"fsdp": run(tmp, "fsdp", ["--lora", "--strategy", "fsdp", "--save-final"])}
     runs["fsdp_sharded"] = run(tmp, "fsdp_sharded", ["--lora", "--strategy", "fsdp_sharded",
@@ -41,6 +41,7 @@ def lora(tmp_path_factory) -> tuple[Path, dict[str, dict]]:
     runs["one"] = run(tmp, "one", ["--lora", "--batch-size", "8", "--resume",
                                    str(tmp / "fsdp_sharded" / "checkpoint-4")], nproc=1)
     runs["zero3"] = run(tmp, "zero3", ["--lora", "--strategy", "zero3", "--save-final"])
+    runs["zero2"] = run(tmp, "zero2", ["--lora", "--strategy", "zero2"])
     runs["ddp_gc"] = run(tmp, "ddp_gc", ["--lora", "--gradient-checkpointing"])
     return tmp, runs
 
@@ -50,7 +51,7 @@ def test_lora_trains_the_same_adapter_under_every_strategy(lora) -> None:
     reference = runs["fsdp"]
     assert reference["trainable"] and all("lora_" in name for name in reference["trainable"])
     assert reference["losses"][-1] < reference["losses"][0]
-    for name in ("zero3", "ddp_gc"):
+    for name in ("zero3", "zero2", "ddp_gc"):
         assert runs[name]["trainable"] == reference["trainable"]
         assert relative(runs[name]["params"], reference["params"]) < 1e-5, name
         assert relative(runs[name]["grad_norms"], reference["grad_norms"]) < 1e-5, name  # trainable gradients only
@@ -66,7 +67,7 @@ def test_lora_resumes_exactly_across_strategies_and_world_sizes(lora) -> None:
 
 def test_lora_checkpoints_hold_the_adapter_not_the_frozen_base(lora) -> None:
     _, runs = lora
-    for name in ("fsdp", "fsdp_sharded", "one", "zero3", "ddp_gc"):
+    for name in ("fsdp", "fsdp_sharded", "one", "zero3", "zero2", "ddp_gc"):
         for step, files in runs[name]["checkpoints"].items():
             assert "adapter_model.safetensors" in files, (name, step)
             assert not {"model.safetensors", "model_dcp", "pytorch_model.bin"} & set(files), (name, step, files)
@@ -83,6 +84,32 @@ def test_lora_save_model_loads_in_peft(lora) -> None:
         assert sorted(adapter) == runs[name]["trainable"]
         flat = torch.cat([p.detach().flatten() for _, p in sorted(adapter.items())]).tolist()
         assert relative(flat, runs[name]["params"]) < 1e-6, name
+
+
+def test_consolidate_merges_the_adapter_into_its_base(lora, tmp_path, capsys) -> None:
+    """`hf-backend checkpoint consolidate CHECKPOINT OUT --base BASE`: one model that from_pretrained loads, computing
+    what the base with the adapter computes."""
+    from llm_trainer import tiny_llama
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+
+    from hf_backend.cli.main import main
+
+    run_dir, _ = lora
+    tiny_llama(tied=False).save_pretrained(tmp_path / "base")  # the base the runs built, seeded alike
+    checkpoint = run_dir / "fsdp_sharded" / "checkpoint-6"
+    assert main(["checkpoint", "consolidate", str(checkpoint), str(tmp_path / "merged"), "--base",
+                 str(tmp_path / "base")]) == 0
+    assert "merged into" in capsys.readouterr().out
+    merged = LlamaForCausalLM.from_pretrained(tmp_path / "merged")
+    with_adapter = PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(tmp_path / "base"), str(checkpoint))
+    ids = torch.arange(12)[None] % 48
+    with torch.no_grad():
+        assert torch.allclose(merged(ids).logits, with_adapter(ids).logits, atol=1e-5)
+        assert not torch.allclose(merged(ids).logits, LlamaForCausalLM.from_pretrained(tmp_path / "base")(ids).logits,
+                                  atol=1e-3)  # the adapter changed something
+    assert main(["checkpoint", "consolidate", str(checkpoint), str(tmp_path / "again")]) == 2  # no base named
+    assert "base model is not named in its adapter_config.json; pass --base" in capsys.readouterr().err
 
 
 def test_an_adapter_that_does_not_fit_is_one_line(tmp_path) -> None:
@@ -143,3 +170,21 @@ def test_token_level_loss_is_exact_in_an_accelerator_loop(tmp_path) -> None:
         losses, params = losses_and_params(name, args, 2)
         assert relative(losses, reference[0]) < 1e-6, name
         assert relative(params, reference[1]) < 1e-6, name
+
+
+def test_a_quantized_base_is_one_line(tmp_path) -> None:
+    """Not proven on the CPU (no bitsandbytes here), so refused when the Trainer is built, also under an adapter."""
+    from types import SimpleNamespace
+
+    from llm_trainer import tiny_llama, with_lora
+
+    from hf_backend import Trainer, TrainingArguments
+    from hf_backend.config.loader import ConfigError
+
+    base = tiny_llama(tied=False)
+    base.hf_quantizer = SimpleNamespace(quantization_config=SimpleNamespace(quant_method="bitsandbytes"))
+    args = TrainingArguments(output_dir=str(tmp_path), report_to="none")
+    for model in (base, with_lora(base)):
+        with pytest.raises(ConfigError, match=r"the model was loaded quantized \(bitsandbytes\); hf_backend has not "
+                           r"been tested with quantized"):
+            Trainer(model=model, args=args)

@@ -2,7 +2,7 @@
 
 consolidate: a checkpoint's model weights, whichever form they are in (each process's DCP shards, full safetensors or
 .bin files, DeepSpeed's own files), as one safetensors model directory (sharded with an index above a size) that
-`from_pretrained` loads when a config.json goes with it.
+`from_pretrained` loads when a config.json goes with it; a PEFT adapter's checkpoint is merged into its base model.
 
 convert: a `save_state` checkpoint between its two forms, model and optimizer together: `full` (model.safetensors,
 optimizer.bin: what a run without FSDP's sharded state dicts writes) and `sharded` (model_dcp/, optimizer_dcp/). Every
@@ -80,12 +80,19 @@ def _publish(staging: Path, out: Path) -> None:
 
 
 def consolidate(directory: str | os.PathLike, out: str | os.PathLike, *, max_shard_size: int | str = "5GB",
-                config: str | os.PathLike | None = None, stem: str = "model") -> dict[str, Any]:
+                config: str | os.PathLike | None = None, stem: str = "model",
+                base: str | os.PathLike | None = None) -> dict[str, Any]:
     """Write the model's full weights as `out/model.safetensors` (or shards with an index), with config.json from
-    `config` (a file or a directory holding one) or the checkpoint's own; returns what was written."""
+    `config` (a file or a directory holding one) or the checkpoint's own; returns what was written. A checkpoint
+    that holds a PEFT adapter is merged into its base model (`base`, default the adapter's base_model_name_or_path)."""
     directory, out = Path(directory), Path(out)
     if not directory.is_dir():
         raise HfBackendError(f"consolidate: {directory} is not a directory; pass a checkpoint directory")
+    if layout.adapter_weights_file(directory) is not None:
+        return _merge_adapter(directory, out, base, max_shard_size)
+    if base is not None:
+        raise HfBackendError(f"consolidate: --base is for a checkpoint of a PEFT adapter, and {directory} holds no "
+                             f"{layout.ADAPTER_WEIGHTS[0]}; drop --base")
     source = _config_source(directory, config)
     weights = {k: v for k, v in model_weights(directory, stem).items() if isinstance(v, torch.Tensor)}
     staging = _fresh(out, "consolidate")
@@ -102,6 +109,39 @@ def consolidate(directory: str | os.PathLike, out: str | os.PathLike, *, max_sha
     return {"out": str(out), "files": sorted(p.name for p in out.iterdir()), "tensors": len(weights),
             "parameters": sum(v.numel() for v in weights.values()),
             "config": str(source) if source is not None else None}
+
+
+def _merge_adapter(directory: Path, out: Path, base: str | os.PathLike | None,
+                   max_shard_size: int | str) -> dict[str, Any]:
+    """The base model with the adapter's weights merged in (PEFT's merge_and_unload), in from_pretrained's layout."""
+    import transformers
+    from peft import PeftConfig, PeftModel
+
+    adapter = PeftConfig.from_pretrained(str(directory))
+    base = base if base is not None else adapter.base_model_name_or_path
+    if not base:
+        raise HfBackendError(f"consolidate: {directory} holds a PEFT adapter whose base model is not named in its "
+                             "adapter_config.json; pass --base with the base model's directory")
+    try:
+        model_config = transformers.AutoConfig.from_pretrained(str(base))
+        model_class = getattr(transformers, (model_config.architectures or ["AutoModel"])[0])
+        model = model_class.from_pretrained(str(base))
+    except (OSError, ValueError, AttributeError) as err:
+        reason = f"{type(err).__name__}: {str(err).splitlines()[0]}"
+        raise HfBackendError(f"consolidate: the base model {base} cannot be loaded ({reason}); pass --base with a "
+                             "directory from_pretrained reads") from None
+    merged = PeftModel.from_pretrained(model, str(directory)).merge_and_unload()
+    staging = _fresh(out, "consolidate")
+    try:
+        merged.save_pretrained(staging, max_shard_size=max_shard_size)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    _publish(staging, out)
+    weights = merged.state_dict()
+    return {"out": str(out), "files": sorted(p.name for p in out.iterdir()), "tensors": len(weights),
+            "parameters": sum(v.numel() for v in weights.values()), "config": str(out / "config.json"),
+            "merged_adapter": str(directory), "base": str(base)}
 
 
 def _config_source(directory: Path, config: str | os.PathLike | None) -> Path | None:

@@ -1,7 +1,7 @@
 """`hf-backend checkpoint`: inspect a checkpoint, consolidate its weights for `from_pretrained`, convert its form.
 
     hf-backend checkpoint inspect DIR [--json]
-    hf-backend checkpoint consolidate DIR OUT [--config CONFIG] [--max-shard-size 5GB]
+    hf-backend checkpoint consolidate DIR OUT [--config CONFIG] [--max-shard-size 5GB] [--base BASE_MODEL]
     hf-backend checkpoint convert DIR OUT --to full|sharded
 
 Everything runs in this one process, without a process group, and reads no file in a way that could run code
@@ -33,6 +33,8 @@ def add_parser(sub: Any) -> None:
                                                      "default: the checkpoint's own, when it has one")
     cons.add_argument("--max-shard-size", default="5GB", help="split the weights into files of at most this size, "
                                                               "with an index (default 5GB)")
+    cons.add_argument("--base", default=None, help="for a PEFT adapter's checkpoint: the base model's directory to "
+                                                   "merge it into (default: the adapter's base_model_name_or_path)")
     cons.add_argument("--json", action="store_true", help="one JSON object instead of lines")
     cons.set_defaults(func=run_consolidate)
     conv = actions.add_parser("convert", help="a save_state checkpoint with its models and optimizers as full files "
@@ -65,11 +67,13 @@ def _size(text: str) -> int | str:
 def run_consolidate(args: argparse.Namespace) -> int:
     from ..checkpoint.consolidate import consolidate
 
-    done = consolidate(args.directory, args.out, max_shard_size=_size(args.max_shard_size), config=args.config)
+    done = consolidate(args.directory, args.out, max_shard_size=_size(args.max_shard_size), config=args.config,
+                       base=args.base)
     if args.json:
         print(json.dumps(done, indent=2))
         return 0
-    print(f"wrote {done['out']}: {done['tensors']} tensors, {done['parameters']:,} parameters in "
+    merged = f" (adapter {done['merged_adapter']} merged into {done['base']})" if "merged_adapter" in done else ""
+    print(f"wrote {done['out']}{merged}: {done['tensors']} tensors, {done['parameters']:,} parameters in "
           f"{', '.join(done['files'])}")
     if done["config"] is None:
         print("no config.json (the checkpoint has none and --config was not given): only the weights were written; "

@@ -107,6 +107,12 @@ class Trainer(transformers.Trainer):
         if (getattr(self.model, "tp_size", None) or 1) > 1:
             raise ConfigError(f"the model was loaded with tensor parallelism (tp_size={self.model.tp_size}); "
                               "hf_backend does not run it: load it without tp_plan and use FSDP or DeepSpeed ZeRO-3")
+        quantizer = getattr(self.model, "hf_quantizer", None)  # a PEFT model answers for its base
+        if quantizer is not None:
+            method = getattr(getattr(quantizer, "quantization_config", None), "quant_method", "quantized")
+            raise ConfigError(f"the model was loaded quantized ({getattr(method, 'value', method)}); hf_backend has "
+                              "not been tested with quantized (4/8-bit) bases and does not train them: load the base "
+                              "unquantized (bf16 with a LoRA adapter), docs/llm.md")
         config = args.accelerator_config
         accumulation = dict(config.gradient_accumulation_kwargs or {})
         if "num_steps" in accumulation:
