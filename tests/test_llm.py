@@ -147,11 +147,14 @@ def test_tied_embeddings_stay_tied_and_resume(tied) -> None:
     for name in ("fsdp", "ddp", "zero3", "accumulated"):  # accumulated: 2 processes x 2 micro-batches of 2
         assert runs[name]["tied"], name
         assert relative(runs[name]["params"], reference["params"]) < 1e-5, name
-    for name in ("fsdp", "zero3"):
-        model = LlamaForCausalLM.from_pretrained(str(tmp / name / "final"))
-        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr(), name
+    from hf_backend.checkpoint.consolidate import consolidate
+
+    consolidate(tmp / "fsdp" / "checkpoint-6", tmp / "consolidated")  # the step-6 checkpoint as one model
+    for name, directory in (("fsdp", "fsdp/final"), ("zero3", "zero3/final"), ("fsdp", "consolidated")):
+        model = LlamaForCausalLM.from_pretrained(str(tmp / directory))
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr(), directory
         flat = torch.cat([p.detach().float().flatten() for _, p in sorted(model.named_parameters())]).tolist()
-        assert relative(flat, runs[name]["params"]) < 1e-6, name
+        assert relative(flat, runs[name]["params"]) < 1e-6, directory
 
 
 def test_token_level_loss_is_exact_in_an_accelerator_loop(tmp_path) -> None:
