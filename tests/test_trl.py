@@ -36,6 +36,8 @@ def runs(tmp_path_factory) -> dict[str, dict]:
     return {
         "stock": run(tmp, "stock", ["--stock"]),
         "engine": run(tmp, "engine", []),
+        "stock_lora": run(tmp, "stock_lora", ["--stock", "--lora"]),
+        "engine_lora": run(tmp, "engine_lora", ["--lora"]),
         "one_packed": run(tmp, "one_packed", ["--packing", "--batch-size", "8"]),
         "two_packed": run(tmp, "two_packed", ["--packing"], nproc=2),
         "two_lora_packed": run(tmp, "two_lora_packed", ["--lora", "--packing"], nproc=2),
@@ -44,11 +46,14 @@ def runs(tmp_path_factory) -> dict[str, dict]:
 
 
 def test_sft_trainer_on_the_engine_logs_stock_trl_losses(runs) -> None:
-    stock, engine = runs["stock"], runs["engine"]
-    assert engine["args_class"] == "hf_backend.trainer.subclasses.trl:trainer:sft_config::SFTConfig"
-    assert engine["losses"][-1] < engine["losses"][0] - 0.3
-    assert relative(engine["losses"], stock["losses"]) < 1e-6
-    assert relative(engine["params"], stock["params"]) < 1e-6
+    """One process, without and with a LoRA adapter (TRL's peft_config)."""
+    assert runs["engine"]["args_class"] == "hf_backend.trainer.subclasses.trl:trainer:sft_config::SFTConfig"
+    for stock, engine in ((runs["stock"], runs["engine"]), (runs["stock_lora"], runs["engine_lora"])):
+        assert engine["losses"][-1] < engine["losses"][0] - 0.05
+        assert engine["trainable"] == stock["trainable"]
+        assert relative(engine["losses"], stock["losses"]) < 1e-6
+        assert relative(engine["params"], stock["params"]) < 1e-6
+    assert all("lora_" in name for name in runs["engine_lora"]["trainable"])
 
 
 def test_packed_sft_in_two_processes_equals_one(runs) -> None:
