@@ -12,14 +12,16 @@ from .options import GradientAccumulationPlugin
 
 
 class GradientState:
-    """`plugin_kwargs` holds the accumulation options that differ from the defaults, as Accelerate keeps them: scripts
-    and libraries read and change that dict (`plugin_kwargs["sync_each_batch"] = True`), and the properties below read
-    it, so a change there takes effect."""
+    """`plugin_kwargs` holds the accumulation options as Accelerate keeps them: `num_steps` always (Accelerate's plugin
+    has no default for it, so the value given is kept, 1 included: transformers' Trainer reads
+    `plugin_kwargs["num_steps"]`), the others when they differ from their defaults. Scripts and libraries read and
+    change that dict (`plugin_kwargs["sync_each_batch"] = True`), and the properties below read it, so a change there
+    takes effect."""
 
     def __init__(self, plugin: GradientAccumulationPlugin) -> None:
         self.plugin_kwargs: dict[str, Any] = {
             f.name: getattr(plugin, f.name) for f in dataclasses.fields(plugin)
-            if getattr(plugin, f.name) != f.default}
+            if f.name == "num_steps" or getattr(plugin, f.name) != f.default}
         self.sync_gradients = True
         self._active: list[Any] = []  # prepared dataloaders being iterated, innermost last
 
@@ -45,6 +47,11 @@ class GradientState:
     @property
     def sync_each_batch(self) -> bool:
         return self._option("sync_each_batch")
+
+    @staticmethod
+    def _reset_state() -> None:
+        """Accelerate's test scripts call it between runs; here each Accelerator has its own GradientState, so there is
+        no shared state to clear."""
 
     def _set_sync_gradients(self, sync_gradients: bool) -> None:
         """Accelerate's name: transformers' Trainer decides the accumulation window itself and says so here."""

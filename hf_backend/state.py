@@ -25,6 +25,7 @@ import torch.distributed as dist
 from . import hang_watch
 from .enums import DistributedType
 from .errors import HfBackendError
+from .gradient_state import GradientState as GradientState  # Accelerate scripts import it from here (accelerate.state)
 
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -200,6 +201,14 @@ class PartialState(ProcessView):
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
 
+    @staticmethod
+    def _reset_state() -> None:
+        """Accelerate's `PartialState._reset_state()`: forget this process's state, so that the next `PartialState()`
+        or `Accelerator()` sets it up again (with other arguments, `cpu=True` say) and `use_configured_state=True`
+        finds none. The process group is kept, as in Accelerate: the next state is built on it. Objects that exist
+        keep the state they were built with (Accelerate's would raise AttributeError on their next use)."""
+        forget_process_state()
+
     def destroy_process_group(self, group: Any = None) -> None:
         """Tear down the process group (ours, or `group` when given)."""
         if group is not None:
@@ -236,6 +245,17 @@ class AcceleratorState(PartialState):
     def distributed_type(self) -> DistributedType:  # type: ignore[override]
         return self._kind
 
+    @staticmethod
+    def _reset_state(reset_partial_state: bool = False) -> None:  # type: ignore[override]
+        """Accelerate's `AcceleratorState._reset_state()`, which its test scripts call between runs (also as
+        `accelerator.state._reset_state()`): `AcceleratorState()` describes no Accelerator again (plain data
+        parallelism, full precision, no plugin) until the next one is built. With `reset_partial_state` the process
+        state is forgotten too (`PartialState._reset_state()`)."""
+        global _CURRENT_ACCELERATOR_STATE
+        _CURRENT_ACCELERATOR_STATE = None
+        if reset_partial_state:
+            forget_process_state()
+
     @property
     def is_fsdp2(self) -> bool:
         """hf_backend's FSDP is always FSDP2 (`fully_shard`)."""
@@ -255,6 +275,12 @@ class AcceleratorState(PartialState):
 _CURRENT_ACCELERATOR_STATE: AcceleratorState | None = None
 
 _STATE: ProcessState | None = None
+_OUR_GROUP: Any = None  # the default process group when we called init_process_group for it: kept when the state is
+                       # forgotten (_reset_state), so a state built again on that group still tears it down at exit
+
+
+def _group_is_ours() -> bool:
+    return _OUR_GROUP is not None and dist.is_initialized() and dist.group.WORLD is _OUR_GROUP
 
 
 def _env_int(name: str, default: int) -> int:
@@ -290,7 +316,7 @@ def process_state_is_set_up() -> bool:
 def get_process_state(cpu: bool = False, timeout: datetime.timedelta | None = None,
                       backend: str | None = None) -> ProcessState:
     """Return this process's state, setting up the process group the first time it is asked for."""
-    global _STATE
+    global _STATE, _OUR_GROUP
     if _STATE is not None:
         if cpu and _STATE.device.type != "cpu":
             raise HfBackendError(
@@ -301,7 +327,7 @@ def get_process_state(cpu: bool = False, timeout: datetime.timedelta | None = No
     local_rank = _env_int("LOCAL_RANK", 0)
     if dist.is_available() and dist.is_initialized():
         device = _pick_device(cpu, local_rank)
-        _STATE = _from_group(device, local_rank)
+        _STATE = _from_group(device, local_rank, owns_group=_group_is_ours())
         hang_watch.start()
         return _STATE
 
@@ -319,6 +345,7 @@ def get_process_state(cpu: bool = False, timeout: datetime.timedelta | None = No
         kwargs = {"timeout": timeout} if timeout is not None else {}
         dist.init_process_group(chosen, init_method="env://", **kwargs)
         atexit.register(shutdown_process_group)
+        _OUR_GROUP = dist.group.WORLD
         _STATE = _from_group(device, local_rank, owns_group=True)
         hang_watch.start(timeout)
         return _STATE
@@ -343,9 +370,17 @@ def _from_group(device: torch.device, local_rank: int, owns_group: bool = False)
 def reset_process_state() -> None:
     """Forget this process's state without touching any process group: for a process forked from one that had
     already set its state up (`notebook_launcher`'s workers), which must set up its own."""
-    global _STATE, _CURRENT_ACCELERATOR_STATE
+    global _STATE, _CURRENT_ACCELERATOR_STATE, _OUR_GROUP
     _STATE = None
     _CURRENT_ACCELERATOR_STATE = None
+    _OUR_GROUP = None  # the parent's group, if any, is not this process's to tear down
+
+
+def forget_process_state() -> None:
+    """`PartialState._reset_state()`: the next `get_process_state` sets the state up again, on the process group when
+    there is one (which stays ours to tear down at exit if we created it); the watchdog keeps running."""
+    global _STATE
+    _STATE = None
 
 
 def shutdown_process_group(force: bool = False) -> None:
@@ -356,8 +391,9 @@ def shutdown_process_group(force: bool = False) -> None:
     ("terminate called without an active exception"), failing a run that had finished. Collecting garbage around
     the destroy releases those objects while the threads can still run.
     """
-    global _STATE
-    if _STATE is None or not (_STATE.owns_group or force):
+    global _STATE, _OUR_GROUP
+    # the group we created (also when _reset_state forgot the state), or the state's group when forced
+    if not (_group_is_ours() or (_STATE is not None and (_STATE.owns_group or force))):
         return
     hang_watch.stop(exited=True)
     if dist.is_initialized():
@@ -365,3 +401,4 @@ def shutdown_process_group(force: bool = False) -> None:
         dist.destroy_process_group()
         gc.collect()
     _STATE = None
+    _OUR_GROUP = None

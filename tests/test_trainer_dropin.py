@@ -62,7 +62,7 @@ def test_the_accelerator_shows_what_the_trainer_was_given(tmp_path):
     trainer = Trainer(model=Regression(), args=_arguments(tmp_path, accelerator_config=config))
     acc = trainer.accelerator
     assert acc.dispatch_batches is False and acc.use_seedable_sampler is True
-    assert acc.gradient_state.plugin_kwargs == {"sync_each_batch": True, "adjust_scheduler": False}
+    assert acc.gradient_state.plugin_kwargs == {"num_steps": 1, "sync_each_batch": True, "adjust_scheduler": False}
     loader = trainer.get_eval_dataloader(Stream())
     assert loader.total_batch_size == BATCH and loader.batch_size == BATCH
     assert acc.unwrap_model(nn.DataParallel(trainer.model)) is trainer.model
