@@ -149,3 +149,40 @@ def test_save_only_model_checkpoints_are_sealed_and_resume_only_as_such(tmp_path
     t = trainer(out, save_only_model=True)
     t.train(resume_from_checkpoint=str(folder))
     assert json.loads((out / "checkpoint-6" / "trainer_state.json").read_text())["global_step"] == STEPS
+
+
+def resave_as_shards(folder: Path, drop_shard: bool = False) -> None:
+    """What transformers' own tests do to a checkpoint: its weights written again by save_pretrained's sharding
+    (an index and one file per tensor), model.safetensors removed."""
+    from huggingface_hub import save_torch_state_dict
+    from safetensors.torch import load_file
+
+    state = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    save_torch_state_dict(state, folder, max_shard_size=1)
+    if drop_shard:
+        sorted(folder.glob("model-*-of-*.safetensors"))[0].unlink()
+
+
+def test_weights_resharded_by_transformers_still_resume(reference, tmp_path):
+    """transformers' test_resume_training_with_shard_checkpoint: accepted with a note, resumed exactly; the other
+    files are still verified, and an incomplete replacement is refused as the missing file it leaves."""
+    source, final = reference
+    out = tmp_path / "out"
+    shutil.copytree(source / "checkpoint-4", out / "checkpoint-4")
+    folder = out / "checkpoint-4"
+    resave_as_shards(folder)
+    assert len(list(folder.glob("model-*-of-*.safetensors"))) == 2
+    t = trainer(out)
+    t.train(resume_from_checkpoint=str(folder))
+    assert all(torch.equal(a, b) for a, b in zip(weights(t), final))
+
+    flip(folder / "optimizer.pt")  # still checked
+    with pytest.raises(HfBackendError, match=r"optimizer.pt does not match its checksum"):
+        trainer(out).train(resume_from_checkpoint=str(folder))
+
+    shutil.rmtree(out)
+    shutil.copytree(source / "checkpoint-4", folder)
+    resave_as_shards(folder, drop_shard=True)
+    with pytest.raises(HfBackendError, match=r"model.safetensors is missing; the checkpoint is damaged"):
+        trainer(out).train(resume_from_checkpoint=str(folder))

@@ -39,6 +39,10 @@ TRAINER_SCHEDULER = "scheduler.pt"
 TRAINER_ARGUMENTS = "training_args.bin"
 TRAINER_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 TRAINER_DEEPSPEED_GLOB = "global_step*"  # DeepSpeed's engine checkpoint inside a Trainer checkpoint
+# A model's full weights as transformers' save_pretrained writes them: one file, or shards named by an index JSON
+PRETRAINED_WEIGHTS = re.compile(r"^(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?$")
+PRETRAINED_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+PRETRAINED_SINGLE = ("model.safetensors", "pytorch_model.bin")
 # A PEFT model's weights in a Trainer checkpoint and in `save_model`'s output, under every strategy: its adapter, as
 # PEFT's `save_pretrained` writes it (the frozen base is neither gathered nor written)
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")

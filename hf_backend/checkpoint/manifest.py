@@ -22,6 +22,7 @@ from typing import Any
 import xxhash
 
 from ..errors import HfBackendError
+from ..log import note
 from . import layout
 
 _CHUNK = 8 << 20
@@ -77,15 +78,50 @@ def check_metadata(meta_path: Path, meta: dict[str, Any], caller: str = "load_st
 
 
 def verify(directory: Path, files: Any, checksums: bool = True, caller: str = "load_state") -> None:
-    """Every file the manifest lists is there with its size (and, with `checksums`, its checksum)."""
+    """Every file the manifest lists is there with its size (and, with `checksums`, its checksum). One exception:
+    full model weights (`model.safetensors`, its shards and index) that are gone, where weights in that layout were
+    written again in their place (transformers' `save_pretrained(max_shard_size=...)` re-sharding a checkpoint's
+    weights, as its own tests do), are accepted with a note once the replacement is complete: its index names only
+    files that are there, each readable. Their bytes are then not checksummed."""
     if not isinstance(files, dict):
         raise HfBackendError(f"{caller}: {directory / layout.METADATA} has a damaged manifest; use another "
                              "checkpoint")
+    weights = {name for name in files if layout.PRETRAINED_WEIGHTS.match(name)}
+    resaved = weights and not all((directory / name).exists() for name in weights) and _resaved_weights(directory)
     for name, expected in files.items():
+        if resaved and name in weights:
+            continue
         path = directory / name
         problem = _problem(path, expected, checksums)
         if problem:
             raise HfBackendError(f"{caller}: {path} {problem}; the checkpoint is damaged, use another one")
+    if resaved:
+        note(f"{caller}: the weights in {directory} were written again after the checkpoint was sealed ({resaved}); "
+             "they are checked for completeness, not against the manifest's checksums")
+
+
+def _resaved_weights(directory: Path) -> str | None:
+    """The weights file or index that replaced the sealed weights, when the replacement is complete, else None."""
+    from safetensors import safe_open
+
+    for index in layout.PRETRAINED_INDEXES:
+        path = directory / index
+        if not path.is_file():
+            continue
+        try:
+            weight_map = json.loads(path.read_text())["weight_map"]
+            shards = {str(name) for name in weight_map.values()}
+            for shard in shards:
+                if Path(shard).name != shard or not (directory / shard).is_file():
+                    return None
+                if shard.endswith(".safetensors"):
+                    with safe_open(directory / shard, "pt") as f:
+                        if not {k for k, v in weight_map.items() if v == shard} <= set(f.keys()):
+                            return None
+        except Exception:  # unreadable: not JSON, no weight_map, a damaged safetensors header
+            return None
+        return index
+    return next((name for name in layout.PRETRAINED_SINGLE if (directory / name).is_file()), None)
 
 
 def _problem(path: Path, expected: Any, checksums: bool) -> str | None:
