@@ -1,4 +1,10 @@
-"""Mixed precision: the autocast context and, for fp16, the gradient scaler."""
+"""Mixed precision: the autocast context, for fp16 the gradient scaler, and the dtype the optimizer steps.
+
+**choice** (docs/precision.md): under mixed precision the optimizer steps fp32 master weights whatever dtype the model
+was loaded in, as DeepSpeed's bf16 does. A model loaded in bf16 or fp16 has its trainable parameters upcast to fp32 when
+a strategy prepares it for training (one note, naming the bytes); autocast still computes in the 16-bit dtype. With
+mixed precision "no" a 16-bit model trains in its own dtype, master weights and optimizer state included (one note).
+"""
 
 from __future__ import annotations
 
@@ -9,10 +15,25 @@ from collections.abc import Callable, Iterator
 import torch
 
 from .errors import HfBackendError
+from .log import note
 from .options import AutocastKwargs, GradScalerKwargs
 
 PRECISIONS = ("no", "fp16", "bf16")
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+_SHORT = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64"}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """fp32, bf16, ... (torch's own name for any other dtype)."""
+    return _SHORT.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
 
 
 def _to_fp32(value):
@@ -82,6 +103,44 @@ class Precision:
             del module.forward  # the class's own method shows through again
         else:
             module.forward = original
+
+    def keep_fp32_masters(self, model: torch.nn.Module, sharded: bool = False,
+                          param_dtype: torch.dtype | None = None) -> int:
+        """What a strategy calls on a model it prepares for training, after placing it and before wrapping or
+        sharding it (DDP's buckets and FSDP2's shards take the dtype they see). Under mixed precision (this policy's
+        fp16 / bf16, or `param_dtype`: the 16-bit dtype an FSDP2 MixedPrecisionPolicy all-gathers in) the trainable
+        fp16 / bf16 parameters become fp32 in place, through `param.data`: an optimizer built over them before
+        `prepare` keeps the same Parameter objects and now steps fp32 master weights with fp32 state, while the
+        forward still computes in 16 bits. Frozen parameters keep their dtype (nothing steps them), and so do
+        buffers. Returns how many elements were upcast. Without mixed precision nothing changes, and one note says
+        the model trains in its own dtype. `sharded`: the note counts bytes over all ranks, not per process."""
+        low: dict[int, torch.nn.Parameter] = {}
+        for param in model.parameters():  # shared (tied) parameters once
+            if param.requires_grad and param.dtype in (torch.float16, torch.bfloat16):
+                low.setdefault(id(param), param)
+        if not low:
+            return 0
+        loaded = "/".join(sorted({dtype_name(p.dtype) for p in low.values()}))
+        numel = sum(p.numel() for p in low.values())
+        policy = param_dtype if param_dtype in (torch.float16, torch.bfloat16) else None
+        if self.mode == "no" and policy is None:
+            note(f"the model's {numel:,} trainable parameters are {loaded} and mixed_precision is 'no': they train in "
+                 f"{loaded}, master weights and optimizer state included (mixed_precision='bf16' keeps fp32 masters)")
+            return 0
+        with torch.no_grad():
+            for param in low.values():
+                param.data = param.data.float()
+                if param.grad is not None:  # a gradient from before prepare: accumulated in the master's dtype
+                    param.grad = param.grad.float()
+        why = f"mixed_precision={self.mode}" if self.mode != "no" else \
+            f"the FSDP mixed_precision_policy (param_dtype={dtype_name(policy)})"
+        compute = self.mode if self.mode != "no" else dtype_name(policy)
+        instead = "mixed_precision='no'" if self.mode != "no" else "the policy without param_dtype"
+        where = "in all, sharded over the ranks" if sharded else "per process"
+        note(f"{why}: {numel:,} trainable {loaded} parameters upcast to fp32 master weights, as DeepSpeed keeps them "
+             f"(+{_size(2 * numel)} {where}, +{_size(2 * numel)} of gradients, +{_size(4 * numel)} of Adam state); "
+             f"the forward still computes in {compute} ({instead} would train them in {loaded})")
+        return numel
 
     def scale_and_backward(self, loss: torch.Tensor, **kwargs) -> None:
         if self.scaler is not None:

@@ -1,7 +1,10 @@
 """`hf-backend checkpoint inspect`: what a checkpoint directory holds, who wrote it, and whether it verifies.
 
 Reads only metadata, JSON, safetensors headers, DCP metadata (through safe_load), and the small scheduler and data
-loader files (`weights_only`); never the weights themselves. Works for `save_state` checkpoints (with their
+loader files (`weights_only`); never the weights themselves. The dtypes of the saved weights and optimizer state
+come from those headers and metadata, and from full torch files (`optimizer.bin`, transformers' `optimizer.pt`, `.bin`
+weights) loaded `weights_only` with their storages memory-mapped, so only the structure is read, not the values; they
+are read only from a checkpoint that verified. Works for `save_state` checkpoints (with their
 manifest), those written before the manifest existed (format 1 without "files"), and transformers' / hf_backend's
 Trainer checkpoints (`checkpoint-N/` with trainer_state.json, with or without the engine's part).
 """
@@ -15,7 +18,7 @@ from typing import Any
 
 from ..errors import HfBackendError
 from . import layout
-from .safe_load import check_dcp, torch_load
+from .safe_load import check_dcp, read_dcp_metadata, torch_load
 from .state_io import holds_sharded, read_metadata
 
 _KINDS = ("models", "optimizers", "schedulers", "dataloaders", "custom")
@@ -55,6 +58,7 @@ def inspect_checkpoint(directory: str | os.PathLike) -> dict[str, Any]:
     if problem is None:
         problem = _structure_problem(directory, meta, report)
     report["verified"], report["problem"] = problem is None, problem
+    report["dtypes"] = _dtypes(directory, meta, report) if problem is None else {}
     return report
 
 
@@ -138,6 +142,108 @@ def _numel(shape: Any) -> int:
     return n
 
 
+# -- dtypes of the saved weights and optimizer state ------------------------------------------------------------------
+_SAFETENSORS_DTYPES = {"F64": "fp64", "F32": "fp32", "F16": "fp16", "BF16": "bf16", "F8_E4M3": "fp8_e4m3",
+                       "F8_E5M2": "fp8_e5m2", "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
+                       "U8": "uint8", "BOOL": "bool"}
+
+
+def _dtypes(directory: Path, meta: dict[str, Any], report: dict[str, Any]) -> dict[str, Any]:
+    """Per model and optimizer: {dtype: {"tensors": n, "values": m}} (optimizers also list the state keys, e.g.
+    exp_avg, in each dtype), or {"not_read": why}."""
+    counts = meta.get("counts") or {}
+    found: dict[str, Any] = {}
+    for stem, weights in report["weights"].items():
+        form = weights["form"]
+        if form.startswith("sharded"):
+            found[stem] = _read(_dcp_dtypes, directory / layout.sharded_dir(stem), False)
+        elif form.startswith("full (safetensors)"):
+            found[stem] = _read(_safetensors_dtypes, sorted(directory.glob(f"{stem}*.safetensors")))
+        elif form.startswith("full (torch"):
+            found[stem] = _read(_torch_file_dtypes, sorted(directory.glob(f"{stem}*.bin")), False)
+        else:
+            found[stem] = {"not_read": "DeepSpeed's own files"}
+    optimizers = counts.get("optimizers", 0) if isinstance(counts.get("optimizers", 0), int) else 0
+    for i in range(optimizers):
+        stem = layout.optimizer_stem(i)
+        if holds_sharded(directory, layout.sharded_dir(stem)):
+            found[stem] = _read(_dcp_dtypes, directory / layout.sharded_dir(stem), True)
+        elif (directory / layout.full_optimizer_file(stem)).is_file():
+            found[stem] = _read(_torch_file_dtypes, [directory / layout.full_optimizer_file(stem)], True)
+    if not optimizers and (directory / layout.TRAINER_OPTIMIZER).is_file():
+        found["optimizer"] = _read(_torch_file_dtypes, [directory / layout.TRAINER_OPTIMIZER], True)
+    return found
+
+
+def _read(read: Any, *args: Any) -> dict[str, Any]:
+    try:
+        return read(*args)
+    except Exception as err:  # noqa: BLE001 - the dtypes are extra information; the checks above judge the files
+        return {"not_read": " ".join(f"{type(err).__name__}: {err}".split())[:200]}
+
+
+def _add(table: dict[str, Any], dtype: str, numel: int, key: str | None = None) -> None:
+    entry = table.setdefault(dtype, {"tensors": 0, "values": 0})
+    entry["tensors"] += 1
+    entry["values"] += numel
+    if key is not None and key not in entry.setdefault("keys", []):
+        entry["keys"].append(key)
+
+
+def _safetensors_dtypes(paths: list[Path]) -> dict[str, Any]:
+    from safetensors import safe_open
+
+    table: dict[str, Any] = {}
+    for path in paths:
+        with safe_open(str(path), "pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                piece = f.get_slice(key)
+                raw = piece.get_dtype()
+                _add(table, _SAFETENSORS_DTYPES.get(raw, raw.lower()), _numel(piece.get_shape()))
+    return table
+
+
+def _dtype_name(dtype: Any) -> str:
+    from ..precision import dtype_name
+
+    return dtype_name(dtype)
+
+
+def _dcp_dtypes(directory: Path, optimizer: bool) -> dict[str, Any]:
+    """From the DCP metadata alone. An optimizer's keys are flattened as `[optimizer.]state.<parameter>.<key>`."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    table: dict[str, Any] = {}
+    for fqn, item in read_dcp_metadata(directory, "inspect").state_dict_metadata.items():
+        if not isinstance(item, TensorStorageMetadata):
+            continue
+        if optimizer and "state" not in fqn.split(".")[:-1]:
+            continue  # param_groups' hyperparameters
+        _add(table, _dtype_name(item.properties.dtype), _numel(item.size),
+             fqn.rsplit(".", 1)[-1] if optimizer else None)
+    return table
+
+
+def _torch_file_dtypes(paths: list[Path], optimizer: bool) -> dict[str, Any]:
+    """A torch file loaded `weights_only` with its storages memory-mapped: the structure is unpickled, the values
+    stay on disk."""
+    import torch
+
+    table: dict[str, Any] = {}
+    for path in paths:
+        loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        if optimizer:
+            for entry in (loaded.get("state") or {}).values() if isinstance(loaded, dict) else []:
+                for key, value in entry.items() if isinstance(entry, dict) else []:
+                    if isinstance(value, torch.Tensor):
+                        _add(table, _dtype_name(value.dtype), value.numel(), str(key))
+        else:
+            for value in loaded.values() if isinstance(loaded, dict) else []:
+                if isinstance(value, torch.Tensor):
+                    _add(table, _dtype_name(value.dtype), value.numel())
+    return table
+
+
 def _structure_problem(directory: Path, meta: dict[str, Any], report: dict[str, Any]) -> str | None:
     """What the manifest does not check, or what a checkpoint without one needs: the files its counts name are
     there, each DCP directory's metadata and values read safely and name shard files that are there."""
@@ -180,6 +286,18 @@ def _size(n: int) -> str:
     return str(n)
 
 
+def _describe_dtypes(table: dict[str, Any]) -> str:
+    if "not_read" in table:
+        return f"not read ({table['not_read']})"
+    if not table:
+        return "none (no tensors)"
+    parts = []
+    for dtype, entry in sorted(table.items(), key=lambda item: -item[1]["values"]):  # the most values first
+        keys = f": {', '.join(entry['keys'])}" if entry.get("keys") else ""
+        parts.append(f"{dtype} {entry['tensors']} tensors ({entry['values']:,} values{keys})")
+    return ", ".join(parts)
+
+
 def describe(report: dict[str, Any]) -> list[str]:
     """`inspect_checkpoint`'s report as lines for a person."""
     kind = {"engine": "hf_backend checkpoint (save_state)", "trainer": "Trainer checkpoint"}[report["kind"]]
@@ -195,6 +313,8 @@ def describe(report: dict[str, Any]) -> list[str]:
     for stem, weights in report["weights"].items():
         extra = f", {weights['tensors']} tensors, {weights['parameters']:,} parameters" if "tensors" in weights else ""
         lines.append(f"{stem}: {weights['form']}{extra}")
+    for stem, table in report.get("dtypes", {}).items():
+        lines.append(f"{stem} {'state ' if stem.startswith('optimizer') else ''}dtypes: {_describe_dtypes(table)}")
     lines.append(f"files: {len(report['files'])}, {_size(report['total_bytes'])}")
     lines += [f"  {name}  {_size(size)}" for name, size in report["files"].items()]
     if report.get("unlisted"):

@@ -1,4 +1,4 @@
-"""`hf-backend env`: the report to paste into a bug report (versions, devices, the config in effect)."""
+"""`hf-backend env`: the report to paste into a bug report (versions, devices, dtypes, the config in effect)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import importlib.metadata
 import os
 import platform
+import warnings
 from typing import Any
 
 import hf_backend
@@ -30,6 +31,52 @@ def _version(name: str) -> str:
         return "not installed"
 
 
+def _autocast_dtypes(device: str) -> str:
+    """The 16-bit dtypes autocast really computes a matmul in on this device (probed: torch disables autocast with a
+    warning for a dtype a device does not support)."""
+    import torch
+
+    from ..precision import dtype_name
+
+    works = []
+    for dtype in (torch.bfloat16, torch.float16):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                x = torch.ones(2, 2, device=device)
+                with torch.autocast(device_type=device, dtype=dtype):
+                    if torch.mm(x, x).dtype == dtype:
+                        works.append(dtype_name(dtype))
+        except Exception:  # noqa: BLE001 - a device or dtype torch cannot run here: not listed
+            continue
+    return ", ".join(works) or "none"
+
+
+def _dtype_lines(config: Any) -> list[str]:
+    import torch
+
+    from ..precision import dtype_name
+
+    devices = [f"cpu {_autocast_dtypes('cpu')} (cpu capability {torch.backends.cpu.get_cpu_capability()})"]
+    if torch.cuda.is_available():
+        devices.append(f"cuda {_autocast_dtypes('cuda')} (bf16 supported: {torch.cuda.is_bf16_supported()})")
+    from_env = env.launcher_setting(env.MIXED_PRECISION)
+    mode, source = (from_env, env.MIXED_PRECISION) if from_env else \
+        (config.mixed_precision, "config file") if config is not None else ("no", "default")
+    deepspeed = (env.launcher_setting(env.DISTRIBUTED_TYPE) or getattr(config, "distributed_type", "")) == "DEEPSPEED"
+    if deepspeed:
+        effect = "DeepSpeed keeps fp32 master weights and optimizer state, the module in " + \
+            (mode if mode in ("bf16", "fp16") else "the dtype it was loaded in")
+    elif mode in ("bf16", "fp16"):
+        effect = (f"the optimizer steps fp32 master weights with fp32 state (trainable bf16/fp16 parameters are upcast "
+                  f"at prepare); the forward computes in {mode} under autocast")
+    else:
+        effect = "the optimizer steps the parameters in the dtype they were loaded in, state included"
+    return [f"dtypes: torch default {dtype_name(torch.get_default_dtype())}; autocast computes in "
+            + "; ".join(devices),
+            f"mixed precision: {mode} ({source}): {effect}"]
+
+
 def run_env(args: argparse.Namespace) -> int:
     import torch
 
@@ -45,6 +92,7 @@ def run_env(args: argparse.Namespace) -> int:
         f"nccl={torch.distributed.is_nccl_available()}",
     ]
     path = args.config_file or os.environ.get(env.CONFIG_FILE) or default_config_path()
+    config = None
     if os.path.isfile(path):
         try:
             config = load_config(path)
@@ -54,6 +102,8 @@ def run_env(args: argparse.Namespace) -> int:
             lines.append(f"config file: {path} is invalid: {err}")
     else:
         lines.append(f"config file: none ({path} does not exist; `hf-backend config` writes it)")
+    config_at = next(i for i, line in enumerate(lines) if line.startswith("config file:"))
+    lines[config_at:config_at] = _dtype_lines(config)  # after the devices, before the config file's keys
     settings = {k: v for k, v in os.environ.items() if k.startswith(env.PREFIX)}
     lines.append("launcher settings in this environment: " + (", ".join(f"{k}={v}" for k, v in settings.items())
                                                              or "none"))

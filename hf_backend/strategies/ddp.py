@@ -35,6 +35,7 @@ class DDPStrategy(Strategy):
         model = super().setup_model(model, device_placement)
         if evaluation_mode or not any(p.requires_grad for p in model.parameters()):
             return model  # nothing to synchronize (a model only evaluated, or frozen)
+        self.precision.keep_fp32_masters(model)  # before DDP builds its buckets from the parameters' dtypes
         hook = communication_hook(self.handlers.ddp)  # a bad option fails before any collective
         device_ids = [self.process.device.index] if self.process.device.type == "cuda" else None
         # DDP broadcasts rank 0's parameters and buffers at construction: ranks that seeded differently agree.

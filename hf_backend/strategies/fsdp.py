@@ -65,6 +65,8 @@ class FSDPStrategy(Strategy):
         if efficient and not main and not on_meta:
             model = model.to("meta")  # release this rank's copy: its shards come from rank 0
         model = super().setup_model(model, device_placement and not (efficient and not main))
+        if not evaluation_mode:  # on every rank (meta included), so that all shards have one dtype
+            self.precision.keep_fp32_masters(model, sharded=True, param_dtype=self._mp_policy().param_dtype)
         if self.options.fsdp_sync_module_states and not efficient:
             for tensor in [*model.parameters(), *model.buffers()]:  # ranks that seeded differently train one model
                 torch.distributed.broadcast(tensor.data, src=0)
@@ -102,19 +104,22 @@ class FSDPStrategy(Strategy):
             return init_device_mesh(device, (world // local, local), mesh_dim_names=("replicate", "shard"))
         return init_device_mesh(device, (world,))
 
-    def _shard_kwargs(self) -> dict[str, Any]:
+    def _mp_policy(self) -> MixedPrecisionPolicy:
         policy = self.plugin.mixed_precision_policy
         if policy is None:
-            policy = MixedPrecisionPolicy()  # autocast (Precision) handles mixed precision, as in the other strategies
-        elif isinstance(policy, dict):
-            policy = MixedPrecisionPolicy(**{k: _dtype(v) for k, v in policy.items()})
-        elif not isinstance(policy, MixedPrecisionPolicy):
-            policy = MixedPrecisionPolicy(param_dtype=_dtype(getattr(policy, "param_dtype", None)),
-                                          reduce_dtype=_dtype(getattr(policy, "reduce_dtype", None)))
+            return MixedPrecisionPolicy()  # autocast (Precision) handles mixed precision, as in the other strategies
+        if isinstance(policy, dict):
+            return MixedPrecisionPolicy(**{k: _dtype(v) for k, v in policy.items()})
+        if not isinstance(policy, MixedPrecisionPolicy):
+            return MixedPrecisionPolicy(param_dtype=_dtype(getattr(policy, "param_dtype", None)),
+                                        reduce_dtype=_dtype(getattr(policy, "reduce_dtype", None)))
+        return policy
+
+    def _shard_kwargs(self) -> dict[str, Any]:
         offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.options.fsdp_offload_params \
             else OffloadPolicy()
         return {"mesh": self._mesh(), "reshard_after_forward": self.options.fsdp_reshard_after_forward,
-                "mp_policy": policy, "offload_policy": offload}
+                "mp_policy": self._mp_policy(), "offload_policy": offload}
 
     def _blocks(self, model: torch.nn.Module) -> list[torch.nn.Module]:
         """The submodules that become their own FSDP unit, in forward order."""

@@ -1,9 +1,16 @@
-"""One process on one device: the base strategy as it is."""
+"""One process on one device: the base strategy, with fp32 master weights under mixed precision."""
 
 from __future__ import annotations
+
+import torch
 
 from .base import Strategy
 
 
 class SingleDeviceStrategy(Strategy):
-    pass
+    def setup_model(self, model: torch.nn.Module, device_placement: bool = True,
+                    evaluation_mode: bool = False) -> torch.nn.Module:
+        model = super().setup_model(model, device_placement)
+        if not evaluation_mode:
+            self.precision.keep_fp32_masters(model)  # a bf16/fp16-loaded model: fp32 masters under mixed precision
+        return model
