@@ -146,3 +146,5 @@ def test_arguments_are_handed_on_by_name(tmp_path) -> None:
     assert trainer.ref_model is reference and trainer.args is args
     trainer = hf_backend.on_engine(Preference)(model(), reference, args)
     assert trainer.ref_model is reference and trainer.args is args
+    with pytest.raises(TypeError, match="got multiple values for argument 'data_collator'"):
+        hf_backend.Trainer(model(), args, None, data_collator=None)

@@ -79,6 +79,11 @@ class Trainer(transformers.Trainer):
                                  f"on the engine; {fix} (docs/llm.md)")
         # Handed on by name: the next class in a subclass's order may take other parameters in other places
         # (TRL's preference trainers take ref_model second).
+        twice = sorted(set(_TRAINER_PARAMETERS[:len(rest)]) & set(kwargs))
+        if twice or len(rest) > len(_TRAINER_PARAMETERS):
+            raise TypeError(f"{type(self).__name__}() got {len(rest) + 2} positional arguments where transformers' "
+                            f"Trainer takes {len(_TRAINER_PARAMETERS) + 2}" if not twice else
+                            f"{type(self).__name__}() got multiple values for argument {twice[0]!r}")
         kwargs.update(zip(_TRAINER_PARAMETERS, rest))
         self._train_loader: Any = None
         self._loss_checked = False
