@@ -61,6 +61,14 @@ def relative_difference(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / abs(x) for x, y in zip(a, b))
 
 
+def difference_to_largest(a: list[float], b: list[float]) -> float:
+    """The largest difference between `a` and `b`, relative to the largest magnitude in `b`: for parameters, where
+    element-wise ratios blow up near zero."""
+    a_, b_ = torch.tensor(a), torch.tensor(b)
+    assert a_.shape == b_.shape and a_.numel() and bool(torch.isfinite(a_).all() and torch.isfinite(b_).all())
+    return float((a_ - b_).abs().max() / b_.abs().max())
+
+
 # The FSDP example of the Transformers docs (an `accelerate config` file), key for key.
 DOCS_FSDP_YAML = """\
 compute_environment: LOCAL_MACHINE

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import difference_to_largest as relative
 from helpers import run_script
 
 pytest.importorskip("peft")
@@ -22,11 +23,6 @@ def run(tmp: Path, name: str, args: list[str], nproc: int = 2) -> dict:
     run_script(SCRIPT, ["--out", str(out), "--output-dir", str(tmp / name), *TRAIN, *args], nproc=nproc, timeout=300)
     return json.loads(out.read_text())
 
-
-def relative(a: list[float], b: list[float]) -> float:
-    a_, b_ = torch.tensor(a), torch.tensor(b)
-    assert a_.shape == b_.shape and a_.numel()
-    return float((a_ - b_).abs().max() / b_.abs().max())
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from helpers import difference_to_largest as relative
 from helpers import run_script
 
 pytest.importorskip("trl")
@@ -23,11 +24,6 @@ def run(tmp: Path, name: str, args: list[str], nproc: int = 1) -> dict:
     run_script(SCRIPT, ["--out", str(out), "--output-dir", str(tmp / name), *args], nproc=nproc, timeout=300)
     return json.loads(out.read_text())
 
-
-def relative(a: list[float], b: list[float]) -> float:
-    a_, b_ = torch.tensor(a), torch.tensor(b)
-    assert a_.shape == b_.shape and a_.numel()
-    return float((a_ - b_).abs().max() / b_.abs().max())
 
 
 @pytest.fixture(scope="module")
