@@ -54,3 +54,55 @@ def test_local_state_dict_is_refused_naming_it():
     with pytest.raises(ConfigError, match=r"^FullyShardedDataParallelPlugin.state_dict_type='LOCAL_STATE_DICT' is not "
                                           r"one of FULL_STATE_DICT, SHARDED_STATE_DICT$"):
         FullyShardedDataParallelPlugin(state_dict_type="LOCAL_STATE_DICT").resolved()
+
+
+@pytest.mark.parametrize("direction", ["to_one_group", "to_two_groups"])
+def test_param_groups_fit_where_deepspeed_dropped_an_empty_one(tmp_path, direction):
+    """The Trainer's no-decay group is empty for a LoRA model: torch keeps it, DeepSpeed drops it. A state saved with
+    one layout loads into the other (optimizer moments, hyperparameters and the scheduler's per-group entries), and
+    the saved layout is written again by what loads it."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    process = ProcessState(device=torch.device("cpu"), num_processes=1, process_index=0, local_process_index=0,
+                           local_num_processes=1, backend="gloo")
+    precision = Precision("no", process.device, None, None)
+
+    def built(groups: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))
+        param_groups = [{"params": list(model.parameters()), "weight_decay": 0.1}]
+        param_groups += [{"params": [], "weight_decay": 0.0}] * (groups - 1)
+        optimizer = torch.optim.AdamW(param_groups, lr=0.1)
+        return model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (step + 1))
+
+    saved_groups, loaded_groups = (2, 1) if direction == "to_one_group" else (1, 2)
+    model, optimizer, scheduler = built(saved_groups)
+    for _ in range(3):
+        model(torch.ones(2, 3)).sum().backward()
+        optimizer.step()
+        scheduler.step()
+    objects = PreparedObjects(models=[model], optimizers=[optimizer], schedulers=[scheduler])
+    io = CheckpointIO(process, SingleDeviceStrategy(process, precision, Handlers()), precision, objects, dict)
+    io.save(tmp_path / "ckpt")
+    expected = get_optimizer_state_dict(model, optimizer)["state"]
+
+    model, optimizer, scheduler = built(loaded_groups)
+    objects = PreparedObjects(models=[model], optimizers=[optimizer], schedulers=[scheduler])
+    io = CheckpointIO(process, SingleDeviceStrategy(process, precision, Handlers()), precision, objects, dict)
+    io.read(tmp_path / "ckpt")
+    loaded = get_optimizer_state_dict(model, optimizer)["state"]
+    assert sorted(loaded) == sorted(expected)
+    assert all(torch.equal(loaded[n][k], expected[n][k]) for n in expected for k in ("exp_avg", "exp_avg_sq", "step"))
+    assert len(optimizer.param_groups) == loaded_groups and optimizer.param_groups[0]["weight_decay"] == 0.1
+    assert scheduler.last_epoch == 3 and scheduler.get_last_lr()[0] == pytest.approx(0.1 / 4)
+    scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1 / 5)
+
+
+def test_param_groups_that_do_not_correspond_are_one_line(tmp_path):
+    from hf_backend.checkpoint.param_groups import group_map
+
+    assert group_map([4, 0], [4, 0], tmp_path) is None and group_map([4, 0], [1], tmp_path) == [0]
+    assert group_map([4], [4, 0], tmp_path) == [0, None]
+    with pytest.raises(HfBackendError, match=r"param groups of \[2, 2\] parameters, this one \[4\]; resume with the"):
+        group_map([2, 2], [4], tmp_path)

@@ -29,7 +29,7 @@ def run(tmp: Path, name: str, args: list[str], nproc: int = 2) -> dict:
 def lora(tmp_path_factory) -> tuple[Path, dict[str, dict]]:
     """LoRA under FSDP (full checkpoints); resumed from its step 2 under FSDP with sharded checkpoints; that run's
     step-4 checkpoint resumed in one process (the same global batch); ZeRO-3 and DDP with gradient checkpointing from
-    the start; ZeRO-2."""
+    the start; ZeRO-2 resumed from DDP's step 2; ZeRO-3's step 4 resumed in one process."""
     tmp = tmp_path_factory.mktemp("lora")
     runs = {"fsdp": run(tmp, "fsdp", ["--lora", "--strategy", "fsdp", "--save-final"])}
     runs["fsdp_sharded"] = run(tmp, "fsdp_sharded", ["--lora", "--strategy", "fsdp_sharded",
@@ -37,8 +37,11 @@ def lora(tmp_path_factory) -> tuple[Path, dict[str, dict]]:
     runs["one"] = run(tmp, "one", ["--lora", "--batch-size", "8", "--resume",
                                    str(tmp / "fsdp_sharded" / "checkpoint-4")], nproc=1)
     runs["zero3"] = run(tmp, "zero3", ["--lora", "--strategy", "zero3", "--save-final"])
-    runs["zero2"] = run(tmp, "zero2", ["--lora", "--strategy", "zero2"])
     runs["ddp_gc"] = run(tmp, "ddp_gc", ["--lora", "--gradient-checkpointing"])
+    runs["zero2"] = run(tmp, "zero2", ["--lora", "--strategy", "zero2", "--resume",
+                                       str(tmp / "ddp_gc" / "checkpoint-2")])
+    runs["one_from_zero3"] = run(tmp, "one_from_zero3", ["--lora", "--batch-size", "8", "--resume",
+                                                         str(tmp / "zero3" / "checkpoint-4")], nproc=1)
     return tmp, runs
 
 
@@ -56,17 +59,56 @@ def test_lora_trains_the_same_adapter_under_every_strategy(lora) -> None:
 def test_lora_resumes_exactly_across_strategies_and_world_sizes(lora) -> None:
     _, runs = lora
     reference = runs["fsdp"]
-    for name in ("fsdp_sharded", "one"):  # FSDP full -> FSDP sharded -> one process
+    # FSDP full -> FSDP sharded -> one process; DDP -> ZeRO-2; ZeRO-3 -> one process
+    for name in ("fsdp_sharded", "one", "zero2", "one_from_zero3"):
         assert runs[name]["global_step"] == 6
         assert relative(runs[name]["params"], reference["params"]) < 1e-5, name
 
 
 def test_lora_checkpoints_hold_the_adapter_not_the_frozen_base(lora) -> None:
     _, runs = lora
-    for name in ("fsdp", "fsdp_sharded", "one", "zero3", "zero2", "ddp_gc"):
+    for name in ("fsdp", "fsdp_sharded", "one", "zero3", "zero2", "ddp_gc", "one_from_zero3"):
         for step, files in runs[name]["checkpoints"].items():
             assert "adapter_model.safetensors" in files, (name, step)
             assert not {"model.safetensors", "model_dcp", "pytorch_model.bin"} & set(files), (name, step, files)
+
+
+SHARDED_FORM = {"optimizer_dcp": "optimizer.pt", "model_dcp": "model.safetensors"}  # FSDP's SHARDED_STATE_DICT
+
+
+def _layouts(runs: dict[str, dict]) -> dict[tuple[str, ...], list[str]]:
+    """Each distinct set of file names in the runs' checkpoints (each process's RNG file left out, shards named as
+    the full file they stand for), and where."""
+    found: dict[tuple[str, ...], list[str]] = {}
+    for name, report in runs.items():
+        for step, files in report["checkpoints"].items():
+            names = tuple(sorted(SHARDED_FORM.get(f, f) for f in files if not f.startswith("rng_state")))
+            found.setdefault(names, []).append(f"{name}/{step}")
+    return found
+
+
+def test_one_checkpoint_layout_under_every_strategy(lora, tied) -> None:
+    """One process, DDP, FSDP (full and sharded) and ZeRO-2/3 write the same files: the weights (or the adapter),
+    transformers' optimizer.pt (FSDP's shards under SHARDED_STATE_DICT) and scheduler.pt, the loader position and
+    the manifest."""
+    engine = {"optimizer.pt", "scheduler.pt", "dataloader.bin", "hf_backend_checkpoint.json", "trainer_state.json"}
+    for runs, weights in ((lora[1], "adapter_model.safetensors"), (tied[1], "model.safetensors")):
+        layouts = _layouts(runs)
+        assert len(layouts) == 1, {files: where[:3] for files, where in layouts.items()}
+        files = set(next(iter(layouts)))
+        assert engine | {weights} <= files and not any(f.startswith("global_step") for f in files), files
+    assert "optimizer_dcp" in lora[1]["fsdp_sharded"]["checkpoints"]["checkpoint-4"]
+    from hf_backend.checkpoint.inspect import inspect_checkpoint
+
+    for run_dir, name in ((lora[0], "zero3"), (lora[0], "fsdp_sharded"), (tied[0], "fsdp")):
+        report = inspect_checkpoint(run_dir / name / "checkpoint-4")  # `hf-backend checkpoint inspect`
+        assert report["verified"] and report["written_by"] == "hf_backend.Trainer", report["problem"]
+        assert report["progress"]["scheduler_last_epoch"] == 4 and "exp_avg" in str(report["dtypes"]["optimizer"])
+    from hf_backend import HfBackendError
+    from hf_backend.checkpoint.consolidate import convert
+
+    with pytest.raises(HfBackendError, match="is a Trainer checkpoint, which resumes in either form as it is"):
+        convert(tied[0] / "fsdp" / "checkpoint-4", tied[0] / "converted", "sharded")
 
 
 def test_lora_save_model_loads_in_peft(lora) -> None:

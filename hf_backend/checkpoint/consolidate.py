@@ -167,6 +167,9 @@ def convert(directory: str | os.PathLike, out: str | os.PathLike, to: str) -> di
     if to not in FORMS:
         raise HfBackendError(f"convert: --to {to!r} is not one of {', '.join(FORMS)}")
     meta = read_metadata(directory)  # verified: a damaged checkpoint is not converted
+    if meta.get("written_by") == layout.TRAINER_WRITER:
+        raise HfBackendError(f"convert: {directory} is a Trainer checkpoint, which resumes in either form as it is; "
+                             "convert takes save_state checkpoints (`consolidate` takes its weights)")
     if any((directory / layout.native_dir(layout.model_stem(i))).is_dir() for i in range(meta["counts"]["models"])):
         raise HfBackendError(f"convert: {directory} is DeepSpeed's own checkpoint, whose optimizer state only "
                              "DeepSpeed reads; resume it under DeepSpeed, or take its weights with `consolidate`")

@@ -89,7 +89,8 @@ def _progress(directory: Path, meta: dict[str, Any], trainer_state: Any) -> dict
     if isinstance(trainer_state, dict):
         progress.update({k: trainer_state[k] for k in ("global_step", "epoch") if k in trainer_state})
     progress.update({k: meta[k] for k in ("iteration", "accumulation_step") if k in meta})
-    for name, keys in ((layout.scheduler_file(0), ("last_epoch",)), (layout.dataloader_file(0), ("epoch", "steps"))):
+    scheduler = layout.state_files(meta).scheduler(0)
+    for name, keys in ((scheduler, ("last_epoch",)), (layout.dataloader_file(0), ("epoch", "steps"))):
         if (directory / name).is_file() and (directory / name).stat().st_size < (1 << 20):
             try:
                 state = torch_load(directory / name, "inspect")
@@ -164,12 +165,13 @@ def _dtypes(directory: Path, meta: dict[str, Any], report: dict[str, Any]) -> di
         else:
             found[stem] = {"not_read": "DeepSpeed's own files"}
     optimizers = counts.get("optimizers", 0) if isinstance(counts.get("optimizers", 0), int) else 0
+    names = layout.state_files(meta)
     for i in range(optimizers):
         stem = layout.optimizer_stem(i)
         if holds_sharded(directory, layout.sharded_dir(stem)):
             found[stem] = _read(_dcp_dtypes, directory / layout.sharded_dir(stem), True)
-        elif (directory / layout.full_optimizer_file(stem)).is_file():
-            found[stem] = _read(_torch_file_dtypes, [directory / layout.full_optimizer_file(stem)], True)
+        elif (directory / names.optimizer(stem)).is_file():
+            found[stem] = _read(_torch_file_dtypes, [directory / names.optimizer(stem)], True)
     if not optimizers and (directory / layout.TRAINER_OPTIMIZER).is_file():
         found["optimizer"] = _read(_torch_file_dtypes, [directory / layout.TRAINER_OPTIMIZER], True)
     return found
@@ -248,9 +250,9 @@ def _structure_problem(directory: Path, meta: dict[str, Any], report: dict[str, 
     """What the manifest does not check, or what a checkpoint without one needs: the files its counts name are
     there, each DCP directory's metadata and values read safely and name shard files that are there."""
     try:
-        counts = meta.get("counts") or {}
+        counts, names = meta.get("counts") or {}, layout.state_files(meta)
         for i in range(counts.get("schedulers", 0)):
-            torch_load(directory / layout.scheduler_file(i), "inspect")
+            torch_load(directory / names.scheduler(i), "inspect")
         for i in range(counts.get("dataloaders", 0)):
             torch_load(directory / layout.dataloader_file(i), "inspect")
         for i in range(counts.get("custom", 0)):  # not read: its state may hold types only the training script allows
@@ -258,7 +260,7 @@ def _structure_problem(directory: Path, meta: dict[str, Any], report: dict[str, 
                 return f"{directory / layout.custom_file(i)} is missing; the checkpoint is incomplete, use another one"
         for i in range(counts.get("optimizers", 0)):
             stem = layout.optimizer_stem(i)
-            full = directory / layout.full_optimizer_file(stem)
+            full = directory / names.optimizer(stem)
             native = (directory / layout.native_dir(layout.model_stem(0))).is_dir()
             if not native and not holds_sharded(directory, layout.sharded_dir(stem)) and not full.is_file():
                 return f"{full} is missing; the checkpoint is incomplete, use another one"

@@ -17,10 +17,19 @@ Automatic checkpoints (`ProjectConfiguration(automatic_checkpoint_naming=True)`)
 checkpoint_{n}`. A save is staged in `<dir>.incomplete`; an overwritten checkpoint waits in `<dir>.previous` until the
 new one is in place. transformers' Trainer checkpoints (`checkpoint-{step}/` with `trainer_state.json`,
 `optimizer.pt`, `scheduler.pt`) are named here too, for hf_backend.Trainer.
+
+A Trainer checkpoint (hf_backend.Trainer, every strategy alike) is transformers' directory with the engine's state in
+it, full states under transformers' names so that transformers.Trainer resumes it too:
+
+    checkpoint-{step}/           trainer_state.json, rng_state*.pth, scaler.pt, training_args.bin, config, tokenizer
+    model.safetensors | model_dcp/ | adapter_model.safetensors (+ adapter_config.json: a PEFT model's trainable part)
+    optimizer.pt | optimizer_dcp/     (full: keyed by parameter names, in the order of the param groups)
+    scheduler.pt  dataloader.bin  hf_backend_checkpoint.json
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -38,7 +47,7 @@ TRAINER_OPTIMIZER = "optimizer.pt"
 TRAINER_SCHEDULER = "scheduler.pt"
 TRAINER_ARGUMENTS = "training_args.bin"
 TRAINER_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
-TRAINER_DEEPSPEED_GLOB = "global_step*"  # DeepSpeed's engine checkpoint inside a Trainer checkpoint
+TRAINER_DEEPSPEED_GLOB = "global_step*"  # DeepSpeed's engine checkpoint in transformers.Trainer's (not read)
 # A model's full weights as transformers' save_pretrained writes them: one file, or shards named by an index JSON
 PRETRAINED_WEIGHTS = re.compile(r"^(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?$")
 PRETRAINED_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -63,8 +72,32 @@ def optimizer_stem(index: int) -> str:
     return indexed("optimizer", index)
 
 
+@dataclasses.dataclass(frozen=True)
+class FullStateFiles:
+    """How full (gathered) optimizer and scheduler states are named: `save_state` writes Accelerate's `optimizer.bin` /
+    `scheduler.bin`, a Trainer checkpoint transformers' `optimizer.pt` / `scheduler.pt`."""
+
+    ext: str
+
+    def optimizer(self, stem: str) -> str:
+        return f"{stem}{self.ext}"
+
+    def scheduler(self, index: int) -> str:
+        return indexed("scheduler", index, self.ext)
+
+
+STATE_FILES = FullStateFiles(".bin")
+TRAINER_FILES = FullStateFiles(".pt")
+TRAINER_WRITER = "hf_backend.Trainer"  # the metadata's "written_by" in a Trainer checkpoint
+
+
+def state_files(meta: dict) -> FullStateFiles:
+    """The names of the full optimizer and scheduler files in a checkpoint with this metadata."""
+    return TRAINER_FILES if meta.get("written_by") == TRAINER_WRITER else STATE_FILES
+
+
 def full_optimizer_file(stem: str) -> str:
-    return f"{stem}.bin"
+    return STATE_FILES.optimizer(stem)
 
 
 def sharded_dir(stem: str) -> str:
@@ -79,7 +112,7 @@ def native_dir(stem: str) -> str:
 
 
 def scheduler_file(index: int) -> str:
-    return indexed("scheduler", index, ".bin")
+    return STATE_FILES.scheduler(index)
 
 
 def dataloader_file(index: int) -> str:

@@ -21,7 +21,7 @@ from ..errors import HfBackendError
 from ..precision import Precision
 from ..prepared import PreparedObjects
 from ..state import ProcessState
-from . import adapters, durable, layout, manifest
+from . import adapters, durable, layout, manifest, param_groups
 from . import async_save as async_save_
 from .directories import automatic_saved, interrupted_overwrite, stage
 from .files import (
@@ -98,13 +98,15 @@ class CheckpointIO:
 
     def write(self, directory: str | os.PathLike, objects: PreparedObjects | None = None, *, rng: bool = True,
               scaler: bool = True, extra: dict[str, Any] | None = None, safe_serialization: bool = True,
-              on_each_node: bool = False, writes: async_save_.Writes | None = None) -> None:
+              on_each_node: bool = False, writes: async_save_.Writes | None = None,
+              files: layout.FullStateFiles = layout.STATE_FILES) -> None:
         """Write `objects` (default: everything prepared and registered) into the existing `directory`, unstaged;
         `rng` / `scaler`: also this process's random states / the fp16 loss scaler (hf_backend.Trainer leaves both to
         transformers); `extra` replaces the facade's counters in the metadata. `on_each_node`: the files the main
         process writes are written by each node's local main process (nodes without a shared filesystem); models
         and optimizers cannot be, their states are gathered to (or coordinated by) global rank 0. `writes`: where
-        model and optimizer states go (default: written now)."""
+        model and optimizer states go (default: written now). `files`: the names of full optimizer and scheduler
+        states (a Trainer checkpoint's are transformers')."""
         directory, objects = Path(directory), objects if objects is not None else self.prepared
         writes = writes if writes is not None else async_save_.Writes()
         if objects.models or objects.optimizers:
@@ -114,11 +116,11 @@ class CheckpointIO:
         for i, model in enumerate(objects.models):
             self.save_weights(model, directory, layout.model_stem(i), safe_serialization, writes)
         for i, optimizer in enumerate(objects.optimizers):
-            self.save_optimizer(optimizer, directory, layout.optimizer_stem(i), writes)
+            self.save_optimizer(optimizer, directory, layout.optimizer_stem(i), writes, files)
         if not (self.process.is_local_main_process if on_each_node else self.process.is_main_process):
             return
         for i, scheduler in enumerate(objects.schedulers):
-            torch.save(scheduler.state_dict(), directory / layout.scheduler_file(i))
+            torch.save(scheduler.state_dict(), directory / files.scheduler(i))
         for i, loader in enumerate(objects.dataloaders):
             torch.save(loader.state_dict(), directory / layout.dataloader_file(i))
         for i, obj in enumerate(objects.custom):
@@ -133,11 +135,12 @@ class CheckpointIO:
         (directory / layout.METADATA).write_text(json.dumps(meta, indent=2))
 
     def read(self, directory: str | os.PathLike, objects: PreparedObjects | None = None, *, rng: bool = True,
-             scaler: bool = True, checksums: bool = True, models_taken_by_hooks: bool = False) -> dict[str, Any]:
+             scaler: bool = True, checksums: bool = True, models_taken_by_hooks: bool = False,
+             files: layout.FullStateFiles = layout.STATE_FILES) -> dict[str, Any]:
         """Restore `objects` (default: everything prepared and registered) from `directory`; returns its metadata.
         `checksums=False`: the manifest's sizes only (the caller has just verified the checksums).
         `models_taken_by_hooks`: load-state hooks load some models themselves, so fewer models than the checkpoint
-        holds are read (in order, as Accelerate does)."""
+        holds are read (in order, as Accelerate does). `files`: as `write` was given."""
         directory, objects = interrupted_overwrite(Path(directory)), objects if objects is not None else self.prepared
         meta = read_metadata(directory, checksums)
         for kind, saved in meta["counts"].items():
@@ -146,30 +149,35 @@ class CheckpointIO:
                 raise HfBackendError(
                     f"load_state: {directory} holds {saved} {kind} but {have} are prepared/registered; prepare and "
                     "register the same objects, in the same order, as the run that saved it")
-        files = self._read_files(directory, objects, meta, rng, scaler)
+        states = self._read_files(directory, objects, meta, rng, scaler, files)
         for i, model in enumerate(objects.models):
             self.load_weights(model, directory, layout.model_stem(i))
+        maps: list[param_groups.GroupMap | None] = []
         if not (directory / layout.native_dir(layout.model_stem(0))).is_dir():  # else DeepSpeed's, read with it
             for i, optimizer in enumerate(objects.optimizers):
-                self.load_optimizer(optimizer, directory, layout.optimizer_stem(i), state=files["optimizers"][i])
-        for scheduler, state in zip(objects.schedulers, files["schedulers"]):
-            scheduler.load_state_dict(state)
-        for loader, state in zip(objects.dataloaders, files["dataloaders"]):
+                stem, state = layout.optimizer_stem(i), states["optimizers"][i]  # state None: shards, read now
+                maps.append(self.load_optimizer(optimizer, directory, stem, file=None if state is None else
+                                                files.optimizer(stem), state=state))
+        for i, (scheduler, state) in enumerate(zip(objects.schedulers, states["schedulers"])):
+            mapping = maps[i] if len(maps) == len(objects.schedulers) else None  # scheduler i steps optimizer i
+            scheduler.load_state_dict(state if mapping is None else
+                                      param_groups.fit_scheduler_state(state, mapping, scheduler.state_dict()))
+        for loader, state in zip(objects.dataloaders, states["dataloaders"]):
             loader.load_state_dict(state)
-        for obj, state in zip(objects.custom, files["custom"]):
+        for obj, state in zip(objects.custom, states["custom"]):
             obj.load_state_dict(state)
-        if files["scaler"] is not None:
-            self.precision.scaler.load_state_dict(files["scaler"])
-        if files["rng"] is not None:
-            restore_rng(files["rng"])
+        if states["scaler"] is not None:
+            self.precision.scaler.load_state_dict(states["scaler"])
+        if states["rng"] is not None:
+            restore_rng(states["rng"])
         return meta
 
     def _read_files(self, directory: Path, objects: PreparedObjects, meta: dict[str, Any], rng: bool,
-                    scaler: bool) -> dict[str, Any]:
+                    scaler: bool, names: layout.FullStateFiles) -> dict[str, Any]:
         """Every file `read` loads from, read (and refused when it holds more than plain data) before any state
         changes; DCP directories are checked (metadata and non-tensor values) and read later, into the model."""
         files: dict[str, Any] = {
-            "schedulers": [load_file(directory / layout.scheduler_file(i)) for i in range(len(objects.schedulers))],
+            "schedulers": [load_file(directory / names.scheduler(i)) for i in range(len(objects.schedulers))],
             "dataloaders": [load_file(directory / layout.dataloader_file(i)) for i in range(len(objects.dataloaders))],
             "custom": [load_custom_object(directory / layout.custom_file(i)) for i in range(len(objects.custom))],
             "scaler": load_file(directory / layout.SCALER)
@@ -188,7 +196,7 @@ class CheckpointIO:
             if holds_sharded(directory, layout.sharded_dir(stem)):
                 check_dcp(directory / layout.sharded_dir(stem))
             else:
-                files["optimizers"][i] = load_file(directory / layout.full_optimizer_file(stem))
+                files["optimizers"][i] = load_file(directory / names.optimizer(stem))
         return files
 
     # -- one model or optimizer ----------------------------------------------------------------------------------------
@@ -223,9 +231,9 @@ class CheckpointIO:
             check_loaded(self.strategy.unwrap_model(model), result, directory)
 
     def trainable_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """The full weights of the trainable parameters only (a PEFT adapter's): the frozen base is not gathered.
-        Collective; the main process gets the tensors."""
-        return self.strategy.model_state_dict(model, trainable_only=True)
+        """The full weights of the trainable parameters only (a PEFT adapter's), as a checkpoint holds them (DeepSpeed:
+        the fp32 masters): the frozen base is not gathered. Collective; the main process gets the tensors."""
+        return self.strategy.checkpoint_state_dict(model, trainable_only=True)
 
     def load_adapter(self, model: torch.nn.Module, directory: str | os.PathLike) -> None:
         """The adapter weights PEFT wrote into `directory` (a checkpoint of a PEFT model, under any strategy) into
@@ -242,7 +250,10 @@ class CheckpointIO:
                                  "resume with the model it was saved from")
 
     def save_optimizer(self, optimizer: Any, directory: str | os.PathLike, stem: str = "optimizer",
-                       writes: async_save_.Writes | None = None) -> None:
+                       writes: async_save_.Writes | None = None,
+                       files: layout.FullStateFiles = layout.STATE_FILES) -> None:
+        """Each process's shards into `<stem>_dcp/` when `sharded`, else the full state keyed by parameter names (in
+        the order of the param groups, which torch's `Optimizer.load_state_dict` also reads) in one file."""
         inner, model = self._optimizer_and_model(optimizer)
         directory, writes = Path(directory), writes if writes is not None else async_save_.Writes()
         if self.sharded:
@@ -252,13 +263,13 @@ class CheckpointIO:
         state_dict = self.strategy.optimizer_state_dict(model, inner)
         if self.process.is_main_process:
             state_dict = writes.snapshot(state_dict)
-            writes.file(lambda: durable.torch_file(state_dict, directory / layout.full_optimizer_file(stem)))
+            writes.file(lambda: durable.torch_file(state_dict, directory / files.optimizer(stem)))
 
     def load_optimizer(self, optimizer: Any, directory: str | os.PathLike, stem: str = "optimizer",
-                       file: str | None = None, state: dict[str, Any] | None = None) -> None:
+                       file: str | None = None, state: dict[str, Any] | None = None) -> param_groups.GroupMap | None:
         """Read the shards `<stem>_dcp/`, or the full file `file` (default `<stem>.bin`; `state`: its contents, already
         read) keyed by parameter names or, as torch's own `optimizer.state_dict()` (transformers' `optimizer.pt`), by
-        position."""
+        position. Returns how the saved param groups were fitted to this optimizer's (param_groups.py), if they were."""
         inner, model = self._optimizer_and_model(optimizer)
         directory = Path(directory)
         shards = directory / layout.sharded_dir(stem)
@@ -270,12 +281,18 @@ class CheckpointIO:
             path = directory / (file or layout.full_optimizer_file(stem))
             state_dict = keyed_by_name(load_file(path) if state is None else state, inner,
                                        self.strategy.unwrap_model(model), path)
+            mapping = param_groups.group_map([len(g["params"]) for g in state_dict.get("param_groups", [])],
+                                             [len(g["params"]) for g in inner.param_groups], path)
+            if mapping is not None:
+                state_dict = param_groups.fit_optimizer_state(state_dict, mapping, inner.param_groups)
             self.strategy.load_optimizer_state_dict(model, inner, state_dict)
+            return mapping
+        return None
 
     def read_trainer_optimizer(self, optimizer: Any, scheduler: Any, directory: str | os.PathLike) -> None:
         """transformers' `optimizer.pt` (keyed by position) and `scheduler.pt` into a prepared optimizer and
-        scheduler: how a Trainer checkpoint written without FSDP resumes under it."""
-        self.load_optimizer(optimizer, directory, file=layout.TRAINER_OPTIMIZER)
+        scheduler: how a checkpoint of transformers.Trainer (without DeepSpeed) resumes on the engine."""
+        self.load_optimizer(optimizer, directory, file=layout.TRAINER_OPTIMIZER)  # positional: the same groups
         scheduler.load_state_dict(load_file(Path(directory) / layout.TRAINER_SCHEDULER))
 
     def save_pretrained(self, model: torch.nn.Module, directory: str | os.PathLike, max_shard_size: int | str,

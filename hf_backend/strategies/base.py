@@ -154,10 +154,10 @@ class Strategy:
         options = StateDictOptions() if sharded else self.save_options
         return get_model_state_dict(model, options=dataclasses.replace(options, ignore_frozen_params=trainable_only))
 
-    def checkpoint_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    def checkpoint_state_dict(self, model: torch.nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
         """The full weights a checkpoint holds: the model's, or where the optimizer steps a master copy of its own
-        (DeepSpeed), that copy. Collective."""
-        return self.model_state_dict(model)
+        (DeepSpeed), that copy; `trainable_only`: of the parameters that require grad. Collective."""
+        return self.model_state_dict(model, trainable_only=trainable_only)
 
     def load_model_state_dict(self, model: torch.nn.Module, state_dict: dict[str, Any], sharded: bool = False) -> Any:
         """Give the model a full state dict (or, with `sharded`, this process's shards); returns torch's missing and

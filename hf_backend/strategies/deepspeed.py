@@ -295,9 +295,9 @@ class DeepSpeedStrategy(Strategy):
             state_dict = {name: tensor for name, tensor in state_dict.items() if name not in frozen}
         return state_dict
 
-    def checkpoint_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    def checkpoint_state_dict(self, model: torch.nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
         """The fp32 master weights the optimizer steps (bf16 training included), gathered from their partitions."""
-        return deepspeed_state.full_weights(self._engine_of(model), self.zero_stage)
+        return deepspeed_state.full_weights(self._engine_of(model), self.zero_stage, trainable_only)
 
     def load_model_state_dict(self, model: torch.nn.Module, state_dict: dict[str, Any], sharded: bool = False) -> Any:
         """Full weights into the module and the fp32 master partitions (`sharded` states are read whole by

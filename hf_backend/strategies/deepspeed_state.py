@@ -75,9 +75,10 @@ def _numel(param: torch.nn.Parameter) -> int:
 
 
 # -- weights ---------------------------------------------------------------------------------------------------------
-def full_weights(engine: Any, stage: int) -> dict[str, torch.Tensor]:
+def full_weights(engine: Any, stage: int, trainable_only: bool = False) -> dict[str, torch.Tensor]:
     """The module's state dict with every trainable parameter's fp32 master weight in place of its (16-bit) module
-    copy. Collective; under ZeRO-3 only the main process gets a non-empty dict."""
+    copy; `trainable_only`: the trainable parameters alone (a frozen base is not gathered). Collective; under ZeRO-3
+    only the main process gets a non-empty dict."""
     from deepspeed.utils import safe_get_full_fp32_param
 
     module = engine.module
@@ -88,7 +89,11 @@ def full_weights(engine: Any, stage: int) -> dict[str, torch.Tensor]:
             value = safe_get_full_fp32_param(param)
             if value is not None:
                 masters[id(param)] = value.detach().cpu()
-    state = (engine._zero3_consolidated_16bit_state_dict() or {}) if stage == 3 else module.state_dict()
+    if stage == 3:
+        state = engine._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=trainable_only) or {}
+    else:
+        frozen = {name for name, p in module.named_parameters() if not p.requires_grad} if trainable_only else set()
+        state = {name: value for name, value in module.state_dict().items() if name not in frozen}
     if not state:
         return {}
     for name, param in module.named_parameters(remove_duplicate=False):
@@ -170,6 +175,7 @@ def full_optimizer_state(engine: Any) -> dict[str, Any]:
                 "param_groups": [{**{k: v for k, v in group.items() if k != "params"},
                                   "params": [names[id(lp)] for lp, _ in pairs]}
                                  for pairs, group in zip(unfused, inner.param_groups)]}
+    _link_fragments(optimizer)
     state: dict[str, dict[str, Any]] = {}
     param_groups = []
     for params, flats, group in zip(_lp_groups(optimizer), _flats(optimizer), inner.param_groups):
@@ -183,6 +189,15 @@ def full_optimizer_state(engine: Any) -> dict[str, Any]:
         param_groups.append({**{k: v for k, v in group.items() if k != "params"},
                              "params": [names[id(p)] for p in params]})
     return {"state": state, "param_groups": param_groups}
+
+
+def _link_fragments(optimizer: Any) -> None:
+    """ZeRO-1/2 and bf16: point each parameter's fragment at its partition's optimizer state again. DeepSpeed links
+    them once, right after the first param group's first step, when the other groups' states do not exist yet: with
+    several groups (the Trainer's decay / no-decay) their fragments would stay empty."""
+    if hasattr(optimizer, "_hp_optimizer_states_linked"):
+        optimizer._hp_optimizer_states_linked = False
+        optimizer._lazy_init_hp_params_optimizer_state()
 
 
 def load_full_optimizer_state(engine: Any, state_dict: dict[str, Any], source: str) -> None:
@@ -216,9 +231,7 @@ def load_full_optimizer_state(engine: Any, state_dict: dict[str, Any], source: s
                     flat_state[key] = torch.zeros_like(flat, memory_format=torch.preserve_format).detach()
             flat_state.update({k: _copy(v) for k, v in scalars.items()})
         plan.append((entries, moments))
-    if hasattr(optimizer, "_hp_optimizer_states_linked"):  # ZeRO-1/2, bf16: point the fragments at the new states
-        optimizer._hp_optimizer_states_linked = False
-        optimizer._lazy_init_hp_params_optimizer_state()
+    _link_fragments(optimizer)  # to the states just made
     for entries, moments in plan:
         for param, entry in entries:
             for key in moments:

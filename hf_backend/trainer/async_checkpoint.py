@@ -84,15 +84,6 @@ def deferred(trainer: Any, trial: Any) -> Iterator[Writes]:
     io.saves.put(PendingSave(TrainerCheckpoint(path, io.process, rotate), writes, manifest.seal, None))
 
 
-def save_optimizer_and_scheduler(trainer: Any, output_dir: str, writes: Writes) -> None:
-    """transformers' `optimizer.pt` (queued) and `scheduler.pt` (written now), as its own method writes them."""
-    if not trainer.args.should_save:
-        return
-    state = writes.snapshot(trainer.optimizer.state_dict())
-    writes.file(lambda: durable.torch_file(state, Path(output_dir) / layout.TRAINER_OPTIMIZER))
-    durable.torch_file(trainer.lr_scheduler.state_dict(), Path(output_dir) / layout.TRAINER_SCHEDULER)
-
-
 def _rotate(trainer: Any, run_dir: Path, limit: int) -> None:
     rotate = getattr(transformers.trainer, "rotate_checkpoints", None)
     if rotate is not None:

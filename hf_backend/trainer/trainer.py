@@ -1,19 +1,19 @@
 """`Trainer`: transformers' Trainer with hf_backend's Accelerator underneath.
 
-The training loop, logging, callbacks, evaluation and the checkpoint layout (`output_dir/checkpoint-{step}` with
-`trainer_state.json`, safetensors weights, RNG files) are transformers' own code. Overridden, and only these:
+The training loop, logging, callbacks, evaluation and the checkpoint directories (`output_dir/checkpoint-{step}`
+with `trainer_state.json` and RNG files, their rotation) are transformers' own code. Overridden, and only these:
 - `create_accelerator_and_postprocess`: builds hf_backend.Accelerator from the TrainingArguments;
 - `_run_epoch`: transformers' epoch loop, run with the engine's `skip_first_batches` in place of Accelerate's;
 - `_get_num_items_in_batch`: decides once whether the model's loss honours `num_items_in_batch` (see there);
 - `floating_point_ops`: the same estimate, with the model's parameters counted once rather than at every step;
-- checkpoint I/O the Accelerate path did: in one process and under DDP the optimizer and scheduler are
-  transformers' own files (`optimizer.pt`, `scheduler.pt`: a checkpoint resumes under transformers.Trainer and the
-  other way round); under FSDP the weights (sharded under SHARDED_STATE_DICT, otherwise full), optimizer and
-  scheduler go through the engine (resumable under another world size). DeepSpeed keeps its own engine checkpoint
-  (`global_step*/`). Every strategy adds the train loader's position and `hf_backend_checkpoint.json`, so a resumed
-  run continues the exact batch order.
+- checkpoint I/O: one layout under every strategy (checkpoint/layout.py), written and read by the engine's
+  CheckpointIO. The weights (full `model.safetensors`, FSDP's shards under SHARDED_STATE_DICT, or a PEFT model's
+  adapter), the optimizer (`optimizer.pt` keyed by parameter names, or shards) and `scheduler.pt`, the train loader's
+  position and `hf_backend_checkpoint.json`: a checkpoint resumes under any strategy and world size with the exact
+  batch order, and (one process, DDP) under transformers.Trainer too. transformers still writes and reads its own
+  files around them (trainer_state.json, RNG, scaler, arguments, config).
 - `_save_checkpoint` seals a manifest of every file into the checkpoint; `train(resume_from_checkpoint=...)`
-  verifies it before loading anything, and `True` resumes from the newest *complete and intact* checkpoint.
+  verifies it before loading anything, and `True` resumes the newest *complete and intact* checkpoint.
 docs/trainer.md lists the transformers internals this relies on; transformers_compat.py, what differs between the
 transformers versions it supports (5.17 to 5.23).
 """
@@ -173,28 +173,20 @@ class Trainer(transformers.Trainer):
             raise HfBackendError(f"fsdp_config activation_checkpointing and the "
                                  f"{compat.ACTIVATION_CHECKPOINTING_ARGUMENT} argument are both set; keep FSDP's "
                                  "(fsdp_config) under FSDP")
-        if self._engine_writes_optimizer():  # before training, not at the first save
-            self.accelerator.checkpoint_io.check_on_each_node(args.save_on_each_node, "save_on_each_node under FSDP")
+        # before training, not at the first save
+        self.accelerator.checkpoint_io.check_on_each_node(args.save_on_each_node, "save_on_each_node")
         if args.save_only_model and self._sharded_weights():
             raise HfBackendError("save_only_model does not go with FSDP's SHARDED_STATE_DICT; use FULL_STATE_DICT")
-        if args.save_only_model and args.load_best_model_at_end and (self.is_deepspeed_enabled or
-                                                                     self.is_fsdp_enabled):
-            raise HfBackendError("save_only_model with load_best_model_at_end needs full checkpoints under FSDP and "
-                                 "DeepSpeed; drop save_only_model")
-        if args.async_save and self.is_deepspeed_enabled:
-            raise HfBackendError("async_save with DeepSpeed: its engine writes its own checkpoint synchronously; drop "
-                                 "async_save")
         if self.is_deepspeed_enabled and state.deepspeed_plugin.zero_stage == 3 and args.auto_find_batch_size:
             raise HfBackendError("auto_find_batch_size does not work with DeepSpeed ZeRO-3; set the batch size")
 
     def _sharded_weights(self) -> bool:
-        return self.is_fsdp_enabled and self.accelerator.checkpoint_io.sharded and not self._adapter_weights()
+        return self.accelerator.checkpoint_io.sharded and not self._adapter_weights()
 
     def _adapter_weights(self) -> bool:
         """A PEFT model's weights are its adapter, in PEFT's files, under every strategy: the engine gathers and
-        writes only the trainable parameters (DeepSpeed: transformers' own path, which does the same)."""
-        return not self.is_deepspeed_enabled and checkpoint.adapters.is_peft_model(
-            self.accelerator.unwrap_model(self.model))
+        writes only the trainable parameters."""
+        return checkpoint.adapters.is_peft_model(self.accelerator.unwrap_model(self.model))
 
     # transformers' epoch loop, with the engine's skip_first_batches (the original builds Accelerate's PartialState).
     _run_epoch = compat.borrowed_run_epoch(skip_first_batches=_skip_first_batches)
@@ -302,91 +294,87 @@ class Trainer(transformers.Trainer):
             checkpoint.manifest.seal(Path(output_dir))
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        adapter = self._adapter_weights()
-        if not (adapter or self._sharded_weights()) and not (_internal_call and self._async_writes is not None):
-            return super().save_model(output_dir, _internal_call)
+        """A PEFT model's adapter (only the trainable parameters gathered), else the full weights `from_pretrained`
+        reads, gathered under every strategy. A checkpoint's weights (`_internal_call`) are written as CheckpointIO
+        writes them: shards under FSDP's SHARDED_STATE_DICT, in the background with async_save."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        if _internal_call and not adapter:  # a checkpoint: shards (model_dcp/, nothing gathered), or full when async
+        io, adapter = self.accelerator.checkpoint_io, self._adapter_weights()
+        if _internal_call and not adapter:
             os.makedirs(output_dir, exist_ok=True)
-            self.accelerator.checkpoint_io.save_weights(self.model_wrapped, output_dir, writes=self._async_writes)
+            io.save_weights(self.model_wrapped, output_dir, writes=self._async_writes)
             self._save_model_files(output_dir)
-        else:  # files from_pretrained (or PeftModel.from_pretrained) reads, gathered from the shards (collective)
-            io = self.accelerator.checkpoint_io
-            state_dict = io.trainable_weights(self.model_wrapped) if adapter else \
-                self.accelerator.get_state_dict(self.model_wrapped)
-            if self.args.should_save:  # before 5.23 transformers' _save writes from every process (transformers_compat)
-                self._save(output_dir, state_dict=state_dict)
-            if self.args.push_to_hub and not _internal_call:
-                self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+            return
+        state_dict = io.trainable_weights(self.model_wrapped) if adapter else \
+            self.accelerator.get_state_dict(self.model_wrapped)
+        if self.args.should_save:  # before 5.23 transformers' _save writes from every process (transformers_compat)
+            self._save(output_dir, state_dict=state_dict)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def _save_model_files(self, output_dir: str) -> None:
-        """What `_save` writes besides the weights: model config, tokenizer or processor, training arguments."""
+        """What `_save` writes besides the weights: model and generation config, tokenizer or processor, training
+        arguments."""
         if not self.args.should_save:
             return
-        config = getattr(self.accelerator.unwrap_model(self.model), "config", None)
-        if config is not None:
-            config.save_pretrained(output_dir)
+        model = self.accelerator.unwrap_model(self.model)
+        if getattr(model, "config", None) is not None:
+            model.config.save_pretrained(output_dir)
+        if getattr(model, "generation_config", None) is not None and model.can_generate():
+            model.generation_config.save_pretrained(output_dir)
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
         torch.save(self.args, os.path.join(output_dir, checkpoint.layout.TRAINER_ARGUMENTS))
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        if not self._engine_writes_optimizer():  # transformers' optimizer.pt / scheduler.pt, or DeepSpeed's checkpoint
-            if self._async_writes is None:
-                super()._save_optimizer_and_scheduler(output_dir)
-            else:  # optimizer.pt written in the background
-                async_checkpoint.save_optimizer_and_scheduler(self, output_dir, self._async_writes)
-        self._write_engine_part(output_dir, self._engine_writes_optimizer())
+        self._write_engine_part(output_dir, optimizer_and_scheduler=True)
 
     def _write_engine_part(self, output_dir: str, optimizer_and_scheduler: bool) -> None:
         os.makedirs(output_dir, exist_ok=True)
         self.accelerator.checkpoint_io.write(output_dir, self._engine_objects(optimizer_and_scheduler), rng=False,
-                                             scaler=False, extra={"written_by": "hf_backend.Trainer"},
-                                             on_each_node=self.args.save_on_each_node, writes=self._async_writes)
-
-    def _engine_writes_optimizer(self) -> bool:
-        """FSDP's optimizer state is sharded: the engine writes it (and the scheduler beside it). Elsewhere
-        transformers' own files are written, which transformers.Trainer resumes from too."""
-        return self.is_fsdp_enabled and not self.is_deepspeed_enabled
+                                             scaler=False, extra={"written_by": checkpoint.layout.TRAINER_WRITER},
+                                             on_each_node=self.args.save_on_each_node, writes=self._async_writes,
+                                             files=checkpoint.layout.TRAINER_FILES)
 
     def _engine_objects(self, optimizer_and_scheduler: bool) -> PreparedObjects:
-        """The train loader position, and the optimizer and scheduler when the engine keeps them; the Trainer itself
-        writes the weights, RNG and scaler files."""
+        """The train loader position, with the optimizer and scheduler; transformers writes the RNG and scaler
+        files, save_model the weights."""
         loaders = [self._train_loader] if self._train_loader is not None else []
         if not optimizer_and_scheduler:
             return PreparedObjects(dataloaders=loaders)
         return PreparedObjects(optimizers=[self.optimizer], schedulers=[self.lr_scheduler], dataloaders=loaders)
 
+    def _prepare_for_training(self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: str | None) -> Any:
+        """transformers' preparation, then the checkpoint read into the prepared objects by the engine, the same way
+        under every strategy (transformers would read DeepSpeed's own files here, and other strategies' weights
+        before preparing: `_load_from_checkpoint` passes over that call)."""
+        prepared = super()._prepare_for_training(max_steps, train_dataloader, None)
+        if resume_from_checkpoint is not None:
+            self._load_weights(self.model_wrapped, resume_from_checkpoint)
+            self._load_optimizer_and_scheduler(resume_from_checkpoint)
+            self._load_scaler(resume_from_checkpoint)
+        return prepared
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
+        if model is not None:  # transformers' call before preparing has none: read after it (_prepare_for_training)
+            self._load_weights(model, resume_from_checkpoint)
+
     def _load_optimizer_and_scheduler(self, checkpoint_dir: str | None) -> None:
         if checkpoint_dir is None:
             return
         io = self.accelerator.checkpoint_io
-        ours = checkpoint.layout.holds_engine_state(checkpoint_dir)
-        verified = checkpoint_dir == self._verified_checkpoint
-        meta = checkpoint.read_metadata(checkpoint_dir, not verified, RESUME) if ours else {}
-        transformers_files = checkpoint.layout.holds_trainer_optimizer(checkpoint_dir)
-        if self.is_deepspeed_enabled or (transformers_files and not self._engine_writes_optimizer()):
-            super()._load_optimizer_and_scheduler(checkpoint_dir)  # DeepSpeed's, or transformers' own files
-        elif transformers_files:  # written without FSDP (by either Trainer), resumed under FSDP: sharded here
-            io.read_trainer_optimizer(self.optimizer, self.lr_scheduler, checkpoint_dir)
-        # The engine's optimizer and scheduler files: FSDP's, and those of earlier hf_backend checkpoints, which held
-        # `optimizer.bin` / `scheduler.bin` in one process and under DDP too.
-        engine_files = (ours and not self.is_deepspeed_enabled and not transformers_files
-                        and meta["counts"].get("optimizers", 0) > 0)  # none: saved with save_only_model
-        if ours:
-            io.read(checkpoint_dir, self._engine_objects(engine_files), rng=False, scaler=False, checksums=False)
-            if self.args.ignore_data_skip and self._train_loader is not None:
-                self._train_loader.skip_first_batches(0)  # the resumed epoch from its first batch, as transformers
-
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
-        if not self.is_fsdp_enabled:
-            return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        self._load_weights(model or self.model_wrapped, resume_from_checkpoint)
+        if not checkpoint.layout.holds_engine_state(checkpoint_dir):  # written by transformers.Trainer
+            if checkpoint.layout.holds_trainer_optimizer(checkpoint_dir):  # (none: saved with save_only_model)
+                io.read_trainer_optimizer(self.optimizer, self.lr_scheduler, checkpoint_dir)
+            return
+        meta = checkpoint.read_metadata(checkpoint_dir, checkpoint_dir != self._verified_checkpoint, RESUME)
+        with_optimizer = meta["counts"].get("optimizers", 0) > 0  # none: saved with save_only_model
+        io.read(checkpoint_dir, self._engine_objects(with_optimizer), rng=False, scaler=False, checksums=False,
+                files=checkpoint.layout.TRAINER_FILES)
+        if self.args.ignore_data_skip and self._train_loader is not None:
+            self._train_loader.skip_first_batches(0)  # the resumed epoch from its first batch, as transformers
 
     def _load_best_model(self) -> None:
         self.accelerator.checkpoint_io.wait()  # the best checkpoint may be the one still being written
-        if not self.is_fsdp_enabled:
-            return super()._load_best_model()
         best = self.state.best_model_checkpoint
         note(f"loading the best model from {best} (score: {self.state.best_metric})")
         self._load_weights(self.model_wrapped, best)
@@ -429,8 +417,7 @@ def check_checkpoint(directory: str | os.PathLike, fresh_optimizer: bool = False
         raise HfBackendError(f"{RESUME}: {directory} cannot be read ({type(err).__name__}); give this process read "
                              "access to it") from None
     meta = checkpoint.read_metadata(directory, caller=RESUME) if layout.METADATA in names else {}
-    engine = sorted(names & {layout.dataloader_file(0), layout.scheduler_file(0), layout.sharded_dir("model"),
-                             layout.full_optimizer_file("optimizer"), layout.sharded_dir("optimizer")})
+    engine = sorted(names & {layout.dataloader_file(0), layout.sharded_dir("model"), layout.sharded_dir("optimizer")})
     if not meta and engine:  # hf_backend wrote it (transformers.Trainer writes none of these): the metadata is lost
         raise HfBackendError(f"{RESUME}: {directory / layout.METADATA} is missing though hf_backend wrote the "
                              f"checkpoint (it holds {engine[0]}); the checkpoint is damaged, use another one")
@@ -441,9 +428,13 @@ def check_checkpoint(directory: str | os.PathLike, fresh_optimizer: bool = False
         json.loads(state.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise HfBackendError(f"{RESUME}: {state} is damaged ({type(err).__name__}); use another checkpoint") from None
-    if fresh_optimizer or meta.get("counts", {}).get("optimizers", 0) > 0 or layout.holds_trainer_optimizer(directory) \
-            or any(directory.glob(layout.TRAINER_DEEPSPEED_GLOB)):
+    if fresh_optimizer or meta.get("counts", {}).get("optimizers", 0) > 0 or layout.holds_trainer_optimizer(directory):
         return
+    if not meta and any(directory.glob(layout.TRAINER_DEEPSPEED_GLOB)):
+        raise HfBackendError(f"{RESUME}: {directory} holds DeepSpeed's own checkpoint (global_step*/, as "
+                             "transformers.Trainer writes it under DeepSpeed), which hf_backend.Trainer does not read; "
+                             "resume it with transformers.Trainer, or pass save_only_model=True to start from its "
+                             "weights with a fresh optimizer")
     what = (f"{directory / layout.METADATA} is missing, and so is {layout.TRAINER_OPTIMIZER}" if not meta else
             f"no {layout.TRAINER_OPTIMIZER}, and {layout.METADATA} lists none: saved with save_only_model")
     raise HfBackendError(f"{RESUME}: {directory} holds no optimizer state ({what}); pass save_only_model=True to "

@@ -47,8 +47,8 @@ RUN_EPOCH_FINGERPRINTS = {
 RUN_EPOCH_REBOUND = ("skip_first_batches",)
 # Trainer members trainer.py overrides or calls, present in every supported version.
 _NEEDED = ("_run_epoch", "_get_num_items_in_batch", "_save_optimizer_and_scheduler", "_load_optimizer_and_scheduler",
-           "_load_from_checkpoint", "_load_best_model", "create_accelerator_and_postprocess", "get_train_dataloader",
-           "_save")
+           "_load_from_checkpoint", "_load_best_model", "_prepare_for_training", "_load_scaler",
+           "create_accelerator_and_postprocess", "get_train_dataloader", "_save")
 
 
 def minor(version: str = transformers.__version__) -> str:

@@ -124,6 +124,7 @@ def main() -> int:
     p.add_argument("--early-stopping", type=int, default=0, help="EarlyStoppingCallback with this patience")
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
+    p.add_argument("--save-only-model", action="store_true")
     p.add_argument("--save-final", action="store_true", help="trainer.save_model(output_dir/final) at the end")
     p.add_argument("--evaluate-first", action="store_true", help="trainer.evaluate() before train() (prepares the "
                    "model for evaluation, then again for training)")
@@ -189,6 +190,7 @@ def main() -> int:
         torch_compile_backend=args.torch_compile,
         ignore_data_skip=args.ignore_data_skip,
         include_num_input_tokens_seen=args.tokens_seen,
+        save_only_model=args.save_only_model,
         **schedule,
         **backend,
     )
