@@ -29,14 +29,14 @@ def run(tmp: Path, name: str, args: list[str], nproc: int = 2) -> dict:
 def lora(tmp_path_factory) -> tuple[Path, dict[str, dict]]:
     """LoRA under FSDP (full checkpoints); resumed from its step 2 under FSDP with sharded checkpoints; that run's
     step-4 checkpoint resumed in one process (the same global batch); ZeRO-3 and DDP with gradient checkpointing from
-    the start; ZeRO-2 resumed from DDP's step 2; ZeRO-3's step 4 resumed in one process."""
+    the start; ZeRO-2 resumed from DDP's step 2; ZeRO-3's step 4 (saved with async_save) resumed in one process."""
     tmp = tmp_path_factory.mktemp("lora")
     runs = {"fsdp": run(tmp, "fsdp", ["--lora", "--strategy", "fsdp", "--save-final"])}
     runs["fsdp_sharded"] = run(tmp, "fsdp_sharded", ["--lora", "--strategy", "fsdp_sharded",
                                                      "--resume", str(tmp / "fsdp" / "checkpoint-2")])
     runs["one"] = run(tmp, "one", ["--lora", "--batch-size", "8", "--resume",
                                    str(tmp / "fsdp_sharded" / "checkpoint-4")], nproc=1)
-    runs["zero3"] = run(tmp, "zero3", ["--lora", "--strategy", "zero3", "--save-final"])
+    runs["zero3"] = run(tmp, "zero3", ["--lora", "--strategy", "zero3", "--save-final", "--async-save"])
     runs["ddp_gc"] = run(tmp, "ddp_gc", ["--lora", "--gradient-checkpointing"])
     runs["zero2"] = run(tmp, "zero2", ["--lora", "--strategy", "zero2", "--resume",
                                        str(tmp / "ddp_gc" / "checkpoint-2")])
@@ -100,7 +100,7 @@ def test_one_checkpoint_layout_under_every_strategy(lora, tied) -> None:
     assert "optimizer_dcp" in lora[1]["fsdp_sharded"]["checkpoints"]["checkpoint-4"]
     from hf_backend.checkpoint.inspect import inspect_checkpoint
 
-    for run_dir, name in ((lora[0], "zero3"), (lora[0], "fsdp_sharded"), (tied[0], "fsdp")):
+    for run_dir, name in ((lora[0], "zero3"), (lora[0], "fsdp_sharded"), (tied[0], "fsdp"), (tied[0], "zero3")):
         report = inspect_checkpoint(run_dir / name / "checkpoint-4")  # `hf-backend checkpoint inspect`
         assert report["verified"] and report["written_by"] == "hf_backend.Trainer", report["problem"]
         assert report["progress"]["scheduler_last_epoch"] == 4 and "exp_avg" in str(report["dtypes"]["optimizer"])
@@ -167,11 +167,11 @@ def test_an_adapter_that_does_not_fit_is_one_line(tmp_path) -> None:
 
 @pytest.fixture(scope="module")
 def tied(tmp_path_factory) -> tuple[Path, dict[str, dict]]:
-    """tie_word_embeddings=True under FSDP (resumed under DDP from its step 2) and ZeRO-3."""
+    """tie_word_embeddings=True under FSDP (resumed under DDP from its step 2) and ZeRO-3 (async_save)."""
     tmp = tmp_path_factory.mktemp("tied")
     runs = {"fsdp": run(tmp, "fsdp", ["--tied", "--strategy", "fsdp", "--save-final"])}
     runs["ddp"] = run(tmp, "ddp", ["--tied", "--resume", str(tmp / "fsdp" / "checkpoint-2")])
-    runs["zero3"] = run(tmp, "zero3", ["--tied", "--strategy", "zero3", "--save-final"])
+    runs["zero3"] = run(tmp, "zero3", ["--tied", "--strategy", "zero3", "--save-final", "--async-save"])
     runs["accumulated"] = run(tmp, "accumulated", ["--tied", "--batch-size", "2", "--grad-accum", "2"])
     return tmp, runs
 

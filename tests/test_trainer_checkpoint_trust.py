@@ -186,3 +186,24 @@ def test_weights_resharded_by_transformers_still_resume(reference, tmp_path):
     resave_as_shards(folder, drop_shard=True)
     with pytest.raises(HfBackendError, match=r"model.safetensors is missing; the checkpoint is damaged"):
         trainer(out).train(resume_from_checkpoint=str(folder))
+
+
+def test_a_stock_deepspeed_checkpoint_is_one_line(reference, tmp_path):
+    """transformers.Trainer under DeepSpeed writes DeepSpeed's own global_step*/ (no optimizer.pt, none of our
+    files), which this Trainer does not read: refused before anything is loaded, unless only its weights are asked."""
+    source, _ = reference
+    folder = tmp_path / "out" / "checkpoint-4"
+    folder.mkdir(parents=True)
+    for name in ("model.safetensors", "config.json", "trainer_state.json"):
+        if (source / "checkpoint-4" / name).is_file():
+            shutil.copyfile(source / "checkpoint-4" / name, folder / name)
+    (folder / "global_step4").mkdir()
+    (folder / "latest").write_text("global_step4")
+    with pytest.raises(HfBackendError, match=r"holds DeepSpeed's own checkpoint \(global_step\*/, as transformers"
+                                             r".Trainer writes it under DeepSpeed\), which hf_backend.Trainer does "
+                                             r"not read; resume it with transformers.Trainer, or pass "
+                                             r"save_only_model=True"):
+        trainer(tmp_path / "out").train(resume_from_checkpoint=str(folder))
+    t = trainer(tmp_path / "out", save_only_model=True)
+    t.train(resume_from_checkpoint=str(folder))
+    assert t.state.global_step == STEPS

@@ -85,6 +85,7 @@ def main() -> int:
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--async-save", action="store_true")
     p.add_argument("--save-final", action="store_true", help="trainer.save_model(output_dir/final) at the end")
     args = p.parse_args()
 
@@ -100,7 +101,7 @@ def main() -> int:
         gradient_accumulation_steps=args.grad_accum, learning_rate=args.lr, lr_scheduler_type="linear",
         warmup_steps=1, max_grad_norm=0.5, logging_steps=1, save_strategy="steps", save_steps=args.save_steps,
         report_to="none", disable_tqdm=True, seed=0, gradient_checkpointing=args.gradient_checkpointing,
-        **backend(args))
+        async_save=args.async_save, **backend(args))
     trainer = Trainer(model=model, args=training_args, train_dataset=rows(96, 0), data_collator=pad)
     trainer.train(resume_from_checkpoint=args.resume)
     if args.save_final:
