@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from .config import environment as env
 from .enums import DistributedType, FP8BackendType
 from .errors import HfBackendError
 from .log import note
@@ -62,8 +63,8 @@ def dynamo_plugin(backend: Any, plugin: Any) -> TorchDynamoPlugin:
     """Accelerate's `dynamo_backend` (a name) or `dynamo_plugin` (a TorchDynamoPlugin or a dict of its fields)."""
     if backend is not None and plugin is not None:
         raise HfBackendError("pass dynamo_backend or dynamo_plugin, not both")
-    if plugin is None:
-        return TorchDynamoPlugin(backend=backend if backend is not None else "no")
+    if plugin is None:  # else the launcher's dynamo_backend (a launch config's), else off
+        return TorchDynamoPlugin(backend=env.resolve("dynamo_backend", backend))
     plugin = checked(plugin, TorchDynamoPlugin, "dynamo_plugin")
     if plugin.use_regional_compilation:
         raise HfBackendError("dynamo_plugin use_regional_compilation=True: regional compilation is not supported; "

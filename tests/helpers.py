@@ -140,7 +140,7 @@ def recipe_args(tiny, out: Path) -> list[str]:
 
 
 # -- config files (tests/test_config.py, tests/test_config_fuzz.py) ---------------------------------------------------
-_TYPES = {"bool": bool, "int": int, "float": float, "str": str, "dict": dict, "list": list}
+_TYPES = {"bool": bool, "int": int, "float": float, "str": str, "dict": dict, "list": list, "list[str]": list}
 
 
 
@@ -161,6 +161,7 @@ def assert_valid_config(config: Any) -> None:
                 continue
             kind = _TYPES[annotation.split(" | ")[0]]
             assert isinstance(value, kind) and (kind is bool or not isinstance(value, bool)), f"{name}={value!r}"
+            assert not annotation.startswith("list[str]") or all(isinstance(v, str) for v in value), f"{name}={value!r}"
             assert meta["choices"] is None or value in meta["choices"], f"{name}={value!r}"
             assert meta["minimum"] is None or value >= meta["minimum"], f"{name}={value!r}"
             assert meta.get("maximum") is None or value <= meta["maximum"], f"{name}={value!r}"

@@ -70,6 +70,7 @@ def test_transformers_style_keys_without_prefix_and_json(tmp_path):
     ("- a\n- b\n", "c.yaml: the top level must be a mapping of keys to values, not a list"),
     ("num_machines: 2\nnum_processes: 2\n", "num_machines=2 needs main_process_ip"),
     ("num_processes: 3\nnum_machines: 2\nmain_process_ip: 10.0.0.1\n", "does not divide over num_machines=2"),
+    ("tpu_env: [1, 2]\n", "c.yaml: tpu_env=[1, 2] must be a list of strings (names)"),
 ])
 def test_bad_files_are_one_line_errors_naming_file_key_and_fix(tmp_path, text, message):
     with pytest.raises(ConfigError) as caught:
@@ -189,3 +190,21 @@ def test_every_deepspeed_section_key_reaches_the_config_or_is_refused():
                       "deepspeed_config": {"offload_param_nvme_path": "/nvme/param"}})
     with pytest.raises(ConfigError, match="offload_param_nvme_path='/nvme/param' needs offload_param_device 'nvme'"):
         DeepSpeedPlugin.from_section(stray.deepspeed).config()
+
+
+def test_a_launch_configs_dynamo_backend_compiles_unless_the_script_says_otherwise(monkeypatch):
+    """`dynamo_backend` in a launch config reaches every process (HF_BACKEND_DYNAMO_BACKEND), where Accelerator()
+    compiles with it as Accelerate does; the script's own dynamo_backend or dynamo_plugin wins."""
+    from hf_backend.compat import dynamo_plugin
+    from hf_backend.config.environment import DYNAMO_BACKEND, to_environment
+    from hf_backend.options import TorchDynamoPlugin
+
+    monkeypatch.delenv(DYNAMO_BACKEND, raising=False)
+    assert not dynamo_plugin(None, None).enabled
+    monkeypatch.setenv(DYNAMO_BACKEND, to_environment(validate({"dynamo_backend": "EAGER"}))[DYNAMO_BACKEND])
+    assert dynamo_plugin(None, None).backend_name == "eager"
+    assert dynamo_plugin("no", None).backend_name == "no"
+    assert dynamo_plugin(None, TorchDynamoPlugin(backend="aot_eager")).backend_name == "aot_eager"
+    monkeypatch.delenv(DYNAMO_BACKEND)
+    config, _ = effective_config(_launch_args("--dynamo_backend", "INDUCTOR"))
+    assert to_environment(config)[DYNAMO_BACKEND] == "INDUCTOR"

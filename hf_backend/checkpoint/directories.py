@@ -63,15 +63,6 @@ def stage(target: Path, process: ProcessState) -> Staging:
     return Staging(target, staging, sharing, process)
 
 
-def staged_write(target: Path, process: ProcessState, write: Callable[[Path], None],
-                 seal: Callable[[Path], None]) -> None:
-    """Run `write(staging_dir)` on every process, then `seal(staging_dir)` on the main one, then move the staging dir
-    to `target` in one rename."""
-    staging = stage(target, process)
-    write(staging.path)
-    staging.commit(seal)
-
-
 def automatic_dir(config: Any) -> Path:
     """Where `save_state()` without a directory writes: the next automatic checkpoint of a ProjectConfiguration."""
     if not config.automatic_checkpoint_naming:

@@ -19,9 +19,10 @@ from ..config.loader import ConfigError, default_config_path, read_mapping, vali
 from ..config.schema import DeepSpeedSection, FsdpSection, LaunchConfig, fields_of
 
 _TOP_FLAGS = ("num_processes", "num_machines", "machine_rank", "main_process_ip", "main_process_port",
-              "rdzv_backend", "mixed_precision", "gradient_accumulation_steps", "distributed_type", "gpu_ids")
+              "rdzv_backend", "mixed_precision", "gradient_accumulation_steps", "distributed_type", "gpu_ids",
+              "dynamo_backend")
 _ENV_KEYS = {"mixed_precision": env.MIXED_PRECISION, "gradient_accumulation_steps": env.GRADIENT_ACCUMULATION_STEPS,
-             "use_cpu": env.USE_CPU}
+             "use_cpu": env.USE_CPU, "dynamo_backend": env.DYNAMO_BACKEND}
 
 
 def add_parser(sub: Any) -> None:

@@ -18,6 +18,7 @@ PREFIX = "HF_BACKEND_"
 MIXED_PRECISION = PREFIX + "MIXED_PRECISION"
 GRADIENT_ACCUMULATION_STEPS = PREFIX + "GRADIENT_ACCUMULATION_STEPS"
 USE_CPU = PREFIX + "USE_CPU"
+DYNAMO_BACKEND = PREFIX + "DYNAMO_BACKEND"
 DISTRIBUTED_TYPE = PREFIX + "DISTRIBUTED_TYPE"
 FSDP_CONFIG = PREFIX + "FSDP_CONFIG"  # JSON of the validated fsdp_config section
 DEEPSPEED_CONFIG = PREFIX + "DEEPSPEED_CONFIG"  # JSON of the validated deepspeed_config section
@@ -37,6 +38,7 @@ def to_environment(config: Any, config_file: str | None = None) -> dict[str, str
         GRADIENT_ACCUMULATION_STEPS: str(config.gradient_accumulation_steps),
         USE_CPU: "true" if config.use_cpu else "false",
         DISTRIBUTED_TYPE: config.distributed_type,
+        DYNAMO_BACKEND: config.dynamo_backend,
     }
     if config.distributed_type == "FSDP":
         env[FSDP_CONFIG] = json.dumps(config.fsdp_config)
@@ -55,7 +57,7 @@ def read_launch_config() -> Any | None:
         return None
     raw: dict[str, Any] = {"distributed_type": launcher_setting(DISTRIBUTED_TYPE)}
     for key, name in (("mixed_precision", MIXED_PRECISION), ("use_cpu", USE_CPU),
-                      ("gradient_accumulation_steps", GRADIENT_ACCUMULATION_STEPS)):
+                      ("gradient_accumulation_steps", GRADIENT_ACCUMULATION_STEPS), ("dynamo_backend", DYNAMO_BACKEND)):
         if launcher_setting(name) is not None:
             raw[key] = launcher_setting(name)
     for key, name in (("fsdp_config", FSDP_CONFIG), ("deepspeed_config", DEEPSPEED_CONFIG)):
@@ -82,6 +84,7 @@ SETTINGS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
     "cpu": (USE_CPU, parse_bool, False),
     "mixed_precision": (MIXED_PRECISION, str, "no"),
     "gradient_accumulation_steps": (GRADIENT_ACCUMULATION_STEPS, int, 1),
+    "dynamo_backend": (DYNAMO_BACKEND, str.lower, "no"),
 }
 
 

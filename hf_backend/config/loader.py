@@ -356,6 +356,8 @@ def coerce(value: Any, f: dataclasses.Field, where: str) -> Any:
             return type(default)()
         if not isinstance(value, kind):
             raise ConfigError(f"{where}={show(value)} must be a {kind.__name__}")
+        if str(f.type).startswith("list[str]") and not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{where}={show(value)} must be a list of strings (names)")
         return value
     if value is None:
         if default is None:
@@ -386,7 +388,7 @@ def coerce(value: Any, f: dataclasses.Field, where: str) -> Any:
     return result
 
 
-_KINDS = {"bool": bool, "int": int, "float": float, "str": str, "dict": dict, "list": list}
+_KINDS = {"bool": bool, "int": int, "float": float, "str": str, "dict": dict, "list": list, "list[str]": list}
 
 
 def _as_bool(value: Any) -> bool | None:

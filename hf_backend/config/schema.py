@@ -116,11 +116,12 @@ class LaunchConfig:
     main_training_function: str = key("main", "used by notebook launchers; accepted", unused=True)
     downcast_bf16: str = key("no", "XLA/TPU only", choices=("no", "yes", "first"), unused=True)
     enable_cpu_affinity: bool = key(False, "NUMA pinning is not done by hf_backend", unused=True)
-    dynamo_backend: str = key("NO", "torch.compile is left to the script", unused=True)
+    dynamo_backend: str = key("NO", "torch.compile backend for every prepared model (inductor, eager, ...; NO: off), "
+                                    "unless the script passes its own")
     fsdp_config: dict = key({}, "FSDP settings (see below)")
     deepspeed_config: dict = key({}, "DeepSpeed settings (see below)")
     megatron_lm_config: dict = key({}, "Megatron-LM is not supported", unused=True)
-    dynamo_config: dict = key({}, "torch.compile is left to the script", unused=True)
+    dynamo_config: dict = key({}, "mode, fullgraph, dynamic: pass a TorchDynamoPlugin in the script", unused=True)
     ipex_config: dict = key({}, "IPEX is not supported", unused=True)
     mpirun_config: dict = key({}, "processes start through torch elastic, not mpirun", unused=True)
     fp8_config: dict = key({}, "fp8 is not supported", unused=True)
@@ -129,10 +130,10 @@ class LaunchConfig:
     tpu_zone: str | None = key(None, "TPU only", unused=True)
     tpu_use_cluster: bool = key(False, "TPU only", unused=True)
     tpu_use_sudo: bool = key(False, "TPU only", unused=True)
-    tpu_vm: list = key([], "TPU only", unused=True)
-    tpu_env: list = key([], "TPU only", unused=True)
+    tpu_vm: list[str] = key([], "TPU only", unused=True)
+    tpu_env: list[str] = key([], "TPU only", unused=True)
     command_file: str | None = key(None, "TPU pod commands", unused=True)
-    commands: list = key([], "TPU pod commands", unused=True)
+    commands: list[str] = key([], "TPU pod commands", unused=True)
 
     @property
     def fsdp(self) -> FsdpSection:

@@ -2,7 +2,7 @@
 
 DeepSpeed owns the step: `backward` runs the engine's backward and step every micro step, and the engine applies
 accumulation, clipping and the optimizer step at the window's end (the Accelerator tells it where that is). The
-engine is built in `bind`, from the model, optimizer and dataloader passed to one `prepare` call, after "auto"
+engine is built in `on_prepare`, from the model, optimizer and dataloader passed to one `prepare` call, after "auto"
 values in the config are resolved from them.
 """
 
