@@ -173,3 +173,21 @@ def test_a_config_files_fsdp_section_sets_only_the_keys_it_gives(tmp_path):
     path.write_text("distributed_type: FSDP\nfsdp_config:\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n")
     args = TrainingArguments(output_dir=str(tmp_path), fsdp="shard_grad_op", fsdp_config=str(path))
     assert args.fsdp_plugin.sharding_strategy == "SHARD_GRAD_OP" and args.fsdp_plugin.reshard_after_forward is False
+
+
+def test_set_auto_wrap_policy_reads_accelerates_environment(monkeypatch):
+    """A size-based policy set through FSDP_AUTO_WRAP_POLICY (as `accelerate launch` exports it) stays size-based;
+    a bad name is one line; a policy given on the plugin wins."""
+    model = torch.nn.Linear(2, 2)  # no _no_split_modules: a transformer-based policy would need layer classes
+    monkeypatch.setenv("FSDP_AUTO_WRAP_POLICY", "SIZE_BASED_WRAP")
+    monkeypatch.setenv("FSDP_MIN_NUM_PARAMS", "2000")
+    plugin = FullyShardedDataParallelPlugin()
+    plugin.set_auto_wrap_policy(model)
+    assert (plugin.auto_wrap_policy, plugin.min_num_params) == ("SIZE_BASED_WRAP", 2000)
+    assert plugin.resolved().fsdp_auto_wrap_policy == "SIZE_BASED_WRAP"
+    plugin = FullyShardedDataParallelPlugin(auto_wrap_policy="NO_WRAP")
+    plugin.set_auto_wrap_policy(model)
+    assert plugin.auto_wrap_policy == "NO_WRAP"
+    monkeypatch.setenv("FSDP_AUTO_WRAP_POLICY", "BY_SIZE")
+    with pytest.raises(HfBackendError, match=r"^set_auto_wrap_policy='BY_SIZE' is not one of TRANSFORMER_BASED_WRAP"):
+        FullyShardedDataParallelPlugin().set_auto_wrap_policy(model)

@@ -82,8 +82,16 @@ class FullyShardedDataParallelPlugin:
         self.resolved()
 
     def set_auto_wrap_policy(self, model: torch.nn.Module) -> None:
-        """For transformer-based wrapping without layer classes named, take the model's `_no_split_modules`."""
-        policy = _plain(self.auto_wrap_policy) or "TRANSFORMER_BASED_WRAP"
+        """The policy set, else FSDP_AUTO_WRAP_POLICY from the environment (with FSDP_TRANSFORMER_CLS_TO_WRAP and
+        FSDP_MIN_NUM_PARAMS, as Accelerate reads them), else transformer-based; for transformer-based wrapping
+        without layer classes named, the model's `_no_split_modules`."""
+        policy = _plain(self.auto_wrap_policy) or os.environ.get("FSDP_AUTO_WRAP_POLICY") or "TRANSFORMER_BASED_WRAP"
+        if not self.transformer_cls_names_to_wrap and os.environ.get("FSDP_TRANSFORMER_CLS_TO_WRAP"):
+            self.transformer_cls_names_to_wrap = os.environ["FSDP_TRANSFORMER_CLS_TO_WRAP"].split(",")
+        if self.min_num_params is None and os.environ.get("FSDP_MIN_NUM_PARAMS"):
+            self.min_num_params = coerce(os.environ["FSDP_MIN_NUM_PARAMS"], fields_of(FsdpSection)[
+                "fsdp_min_num_params"], "environment variable FSDP_MIN_NUM_PARAMS")
+        policy = coerce(policy, fields_of(FsdpSection)["fsdp_auto_wrap_policy"], "set_auto_wrap_policy")
         if policy == "TRANSFORMER_BASED_WRAP" and not self.transformer_cls_names_to_wrap:
             names = list(getattr(model, "_no_split_modules", None) or [])
             if not names:
