@@ -1,7 +1,9 @@
 """Hangs that name their rank.
 
-A watchdog thread, started when the process group is set up, watches the thread that set it up: when its innermost
-Python frame has not moved for `HF_BACKEND_HANG_TIMEOUT` seconds (default 300, 0 turns it off), the rank records in
+Asked for, and only then: `HF_BACKEND_HANG_TIMEOUT` (seconds) in the environment, which `hf-backend launch` sets
+(300 unless told otherwise) and a plain `torchrun` user may export. A library inside someone's program starts no
+thread and installs no hook of its own accord. A watchdog thread, started when the process group is set up, watches
+the thread that set it up: when its innermost Python frame has not moved for that long, the rank records in
 the process group's store where it waits. When every rank waits (or has exited), each prints the stacks of its
 threads, they all record one line naming every rank and where it waits, and exit: never a silent hang until the
 process group's timeout. Nothing is added to a collective: the thread samples a frame once a second and touches the
@@ -32,7 +34,7 @@ from typing import Any
 from .errors import HfBackendError
 
 TIMEOUT_VARIABLE = "HF_BACKEND_HANG_TIMEOUT"
-DEFAULT_TIMEOUT = 300.0
+DEFAULT_TIMEOUT = 300.0  # what hf-backend launch sets
 EXCHANGE_SECONDS = 5.0  # how long a rank that hit a mismatch waits for its peers' call sites
 ANSWER_GRACE = 0.5  # how long a peer's watchdog answer waits for that peer's own mismatch record to win over it
 reporting = threading.Event()  # set while this rank reports a hang; the process then ends by the watchdog's hand
@@ -42,10 +44,11 @@ _watchdog: _Watchdog | None = None
 
 
 def hang_timeout() -> float:
-    """Seconds without progress on every rank before the job is reported as hung; 0 turns the watchdog off."""
+    """Seconds without progress on every rank before the job is reported as hung; 0 (or unset) turns the watchdog
+    off."""
     raw = os.environ.get(TIMEOUT_VARIABLE, "").strip()
     if not raw:
-        return DEFAULT_TIMEOUT
+        return 0.0
     try:
         value = float(raw)
     except ValueError:
@@ -65,9 +68,9 @@ def start(group_timeout: datetime.timedelta | None = None) -> None:
     if _watchdog is not None or not dist.is_initialized() or dist.get_world_size() < 2:
         return
     seconds = hang_timeout()
-    _install_excepthook()
     if seconds <= 0:
-        return
+        return  # not asked for
+    _install_excepthook()
     from .log import warn
 
     limit = (group_timeout or dist.constants.default_pg_timeout).total_seconds()
@@ -247,14 +250,15 @@ def hang_summary(records: list[dict], timeout: float) -> str:
     return f"hang: no rank made progress for {timeout:g} s: {'; '.join(parts)}"
 
 
-def record_error(message: str, summary: str, stack: str) -> None:
-    """Write torch elastic's error file for this worker (the launcher reads `summary` from it)."""
+def record_error(message: str, summary: str | None, stack: str) -> None:
+    """Write torch elastic's error file for this worker, as its `@record` does (the launcher reads `summary`, when
+    there is one, from it)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
     now = time.time()
-    data = {"message": {"message": message, "extraInfo": {"py_callstack": stack, "timestamp": str(int(now)),
-                                                          "time": now, "summary": summary}}}
+    info = {"py_callstack": stack, "timestamp": str(int(now)), "time": now, **({"summary": summary} if summary else {})}
+    data = {"message": {"message": message, "extraInfo": info}}
     try:
         with open(path, "w") as f:
             json.dump(data, f)

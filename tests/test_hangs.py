@@ -190,7 +190,8 @@ else:
 def test_a_rank_that_got_no_error_answers_with_where_it_waits(tmp_path, launcher):
     (tmp_path / "one_sided.py").write_text(ONE_SIDED)
     command = [*LAUNCH, "one_sided.py"] if launcher == "launch" else [*TORCHRUN, "one_sided.py"]
-    code, output, _ = _run(tmp_path, [*command, str(tmp_path)])
+    asked = {} if launcher == "launch" else {hang_watch.TIMEOUT_VARIABLE: "300"}  # the launcher sets it itself
+    code, output, _ = _run(tmp_path, [*command, str(tmp_path)], **asked)
     assert code == 1, output[-4000:]
     line = ("collective mismatch: rank 0 calls monitored_barrier at one_sided.py:10; rank 1 waiting in next_batch at "
             "one_sided.py:8")
@@ -245,7 +246,7 @@ def test_a_timeout_past_the_groups_is_a_warning(tmp_path):
 
 def test_the_timeout_is_read_once_and_checked(monkeypatch):
     monkeypatch.delenv(hang_watch.TIMEOUT_VARIABLE, raising=False)
-    assert hang_watch.hang_timeout() == hang_watch.DEFAULT_TIMEOUT
+    assert hang_watch.hang_timeout() == 0  # not asked for: no watchdog (hf-backend launch sets DEFAULT_TIMEOUT)
     monkeypatch.setenv(hang_watch.TIMEOUT_VARIABLE, "0")
     assert hang_watch.hang_timeout() == 0
     for bad in ("-1", "soon", "nan"):
@@ -414,3 +415,26 @@ def test_the_watchdog_holds_a_frame_that_stood_still_and_tells_a_new_call_at_its
         gate.release()
         thread.join(30)
     assert not watchdog.look()  # the watched thread ended
+
+
+QUIET = """\
+import json, sys, threading
+from hf_backend import Accelerator
+accelerator = Accelerator(cpu=True)
+accelerator.wait_for_everyone()
+print(json.dumps({"threads": sorted(t.name for t in threading.enumerate()),
+                  "excepthook": getattr(sys.excepthook, "__module__", "")}))  # torch's init_process_group sets its own
+"""
+
+
+@pytest.mark.parametrize("asked", [False, True])
+def test_no_watchdog_or_excepthook_unless_asked(tmp_path, asked, monkeypatch):
+    """A library inside someone's program (2 processes set up without the launcher) starts no thread and leaves
+    sys.excepthook alone; HF_BACKEND_HANG_TIMEOUT (what the launcher sets) asks for both."""
+    monkeypatch.delenv(hang_watch.TIMEOUT_VARIABLE, raising=False)
+    script = tmp_path / "quiet.py"
+    script.write_text(QUIET)
+    proc = run_script(script, [], nproc=2, env={hang_watch.TIMEOUT_VARIABLE: "300"} if asked else {})
+    report = json.loads(proc.stdout.splitlines()[1])  # rank 0's line, after "[rank 0]"
+    assert ("hf-backend-hang-watchdog" in report["threads"]) == asked, report
+    assert (report["excepthook"] == "hf_backend.hang_watch") == asked, report

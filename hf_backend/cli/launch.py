@@ -166,8 +166,10 @@ def process_environment(config: LaunchConfig, args: argparse.Namespace, path: st
             raise ConfigError(f"launch: --hang_timeout {args.hang_timeout:g} is negative; give seconds, or 0 to turn "
                               "the hang watchdog off")
         out[hang_watch.TIMEOUT_VARIABLE] = f"{args.hang_timeout:g}"
-    else:
+    elif os.environ.get(hang_watch.TIMEOUT_VARIABLE, "").strip():
         hang_watch.hang_timeout()  # one inherited from the environment is checked here, not in every worker
+    else:  # the launcher watches for hangs unless told otherwise
+        out[hang_watch.TIMEOUT_VARIABLE] = f"{hang_watch.DEFAULT_TIMEOUT:g}"
     # A job that can restart (or change members) gets a store per rendezvous round: on the store torch elastic shares
     # across rounds (the default), a restarted group can read its peers' addresses of the round before and fail
     # ("connectFullMesh failed"). Without restarts the shared store stays: it lives in the launcher, so it outlives
