@@ -8,7 +8,6 @@ first use, so the command line (`hf-backend config`, `--version`) starts without
 from __future__ import annotations
 
 import importlib
-import sys
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -67,39 +66,20 @@ if TYPE_CHECKING:
     from .trainer import Trainer, TrainingArguments, on_engine
 
 
-# Accelerate's top-level names and modules that hf_backend refuses (hf_backend.compat says why, in one line).
-_REFUSED = ("ParallelismConfig", "cpu_offload", "cpu_offload_with_hook", "disk_offload", "dispatch_model",
-            "infer_auto_device_map", "init_empty_weights", "init_on_device", "load_checkpoint_and_dispatch",
-            "load_checkpoint_in_model", "prepare_pippy", "big_modeling", "checkpointing", "commands", "data_loader",
-            "hooks", "inference", "optimizer", "parallelism_config", "scheduler", "test_utils")
-
-
-class _RefusedModules:
-    """`import hf_backend.big_modeling` (a module of Accelerate's that hf_backend refuses) fails with its one line,
-    not with ModuleNotFoundError; consulted only after every other finder found nothing."""
-
-    @staticmethod
-    def find_spec(fullname: str, path: Any = None, target: Any = None) -> None:
-        package, _, name = fullname.partition(".")
-        if package == __name__ and name.split(".")[0] in _REFUSED:
-            from .compat import refuse
-
-            raise refuse(__name__, name.split(".")[0])
-
-
-sys.meta_path.append(_RefusedModules)
-
-
 def __getattr__(name: str) -> Any:
-    if name in _REFUSED:
-        from .compat import refuse
+    """A public name, imported on first use; an Accelerate name hf_backend refuses (`init_empty_weights`, the module
+    `big_modeling`, ...: hf_backend.compat lists them) is its one line. `import hf_backend.big_modeling` is Python's
+    ModuleNotFoundError: answering that form too would take an import hook on the whole process."""
+    if name in _WHERE:
+        value = getattr(importlib.import_module(_WHERE[name], __name__), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
+    if not name.startswith("__"):
+        from .refused import REFUSED_NAMES, refuse
 
-        raise refuse(__name__, name)
-    if name not in _WHERE:
-        raise AttributeError(f"module 'hf_backend' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_WHERE[name], __name__), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
+        if name in REFUSED_NAMES:
+            raise refuse(__name__, name)
+    raise AttributeError(f"module 'hf_backend' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:

@@ -1,7 +1,7 @@
 """What Accelerate scripts import from `accelerate.utils`, under the same names.
 
 A name hf_backend has is imported from its home module. A name that Accelerate has and hf_backend refuses (big-model
-inference, Megatron-LM, fp8, TPU, Accelerate's internals: `hf_backend.compat`) fails at import with one line saying
+inference, Megatron-LM, fp8, TPU, Accelerate's internals: `hf_backend.refused`) fails at import with one line saying
 why and what to use instead; docs/compat.md lists every name.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from . import availability, compat
+from . import availability, refused
 from .availability import compare_versions, is_torch_version
 from .collectives import broadcast, broadcast_object_list, gather, gather_object, pad_across_processes
 from .collectives import reduce as _reduce
@@ -181,8 +181,8 @@ def clear_environment() -> Iterator[None]:
 
 
 def __getattr__(name: str) -> Any:
-    if name in compat.REFUSED_NAMES:
-        raise compat.refuse("hf_backend.utils", name)
+    if name in refused.REFUSED_NAMES:
+        raise refused.refuse("hf_backend.utils", name)
     if name.startswith("is_") and hasattr(availability, name):
         return getattr(availability, name)
     raise AttributeError(f"module 'hf_backend.utils' has no attribute {name!r}")

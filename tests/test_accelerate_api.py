@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 
 import pytest
 import torch
@@ -123,8 +124,12 @@ def test_refused_names_fail_in_one_line():
         from hf_backend.utils import init_empty_weights  # noqa: F401
     assert "from_pretrained" in _one_line(error) and "device_map" in str(error.value)
     with pytest.raises(HfBackendError) as error:
-        import hf_backend.big_modeling  # noqa: F401
+        from hf_backend import big_modeling  # noqa: F401
     _one_line(error)
+    with pytest.raises(ModuleNotFoundError):  # no import hook on the whole process to answer this form
+        import hf_backend.big_modeling  # noqa: F401
+    assert not any(type(finder).__module__.startswith("hf_backend") or getattr(finder, "__module__", "") == "hf_backend"
+                   for finder in sys.meta_path)
     with pytest.raises(HfBackendError) as error:
         hf_backend.init_empty_weights  # noqa: B018
     assert "device_map" in _one_line(error)
@@ -466,3 +471,25 @@ def test_gradient_accumulation_steps_can_be_set_as_in_accelerate():
     assert acc.gradient_accumulation_steps == 4 and acc.gradient_state.num_steps == 4
     with pytest.raises(HfBackendError, match="must be an integer >= 1"):
         acc.gradient_accumulation_steps = 0
+
+
+def test_which_process_has_one_answer_before_the_process_state(monkeypatch, capsys):
+    """A process group set up by someone else, without torchrun's RANK (Ray, a user's own init_process_group): notes,
+    Accelerate-style logging and trackers take the group's rank, so rank 1 stays quiet."""
+    import types
+
+    from hf_backend import log, rank
+    from hf_backend.logging import get_logger
+
+    monkeypatch.delenv("RANK", raising=False)
+    group = types.SimpleNamespace(is_available=lambda: True, is_initialized=lambda: True, get_rank=lambda: 1,
+                                  get_world_size=lambda: 2)
+    monkeypatch.setitem(sys.modules, "torch.distributed", group)
+    monkeypatch.setattr("hf_backend.state._STATE", None)
+    assert (rank.process_index(), rank.num_processes(), rank.is_main_process()) == (1, 2, False)
+    log.note("a note only rank 0 prints")
+    get_logger("which_process").warning("a warning only rank 0 prints")
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(group, "is_initialized", lambda: False)
+    monkeypatch.setenv("RANK", "0")
+    assert rank.is_main_process()
