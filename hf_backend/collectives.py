@@ -16,6 +16,8 @@ from .nested import leaves, recursively_apply
 
 
 def world_size() -> int:
+    """The processes a collective spans: the default group's (1 when there is none, whatever torchrun's
+    environment says: nothing to communicate with)."""
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 

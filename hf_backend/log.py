@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-import os
+
+from .rank import is_main_process
 
 logger = logging.getLogger("hf_backend")
 if not logger.handlers:
@@ -16,18 +17,14 @@ if not logger.handlers:
 _said: set[str] = set()
 
 
-def _is_main() -> bool:
-    return os.environ.get("RANK", "0") == "0"
-
-
 def note(message: str) -> None:
     """An informational one-liner, once per process."""
-    if _is_main() and message not in _said:
+    if is_main_process() and message not in _said:
         _said.add(message)
         logger.info(message)
 
 
 def warn(message: str) -> None:
-    if _is_main() and message not in _said:
+    if is_main_process() and message not in _said:
         _said.add(message)
         logger.warning(message)

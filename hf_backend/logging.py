@@ -13,6 +13,7 @@ from typing import Any
 
 from . import state
 from .errors import HfBackendError
+from .rank import is_main_process
 
 
 def _process() -> state.ProcessState | None:
@@ -36,7 +37,7 @@ class MultiProcessAdapter(logging.LoggerAdapter):
                     self._emit(level, msg, args, kwargs)
                 process.wait_for_everyone()
             return
-        is_main = process.is_main_process if process is not None else os.environ.get("RANK", "0") == "0"
+        is_main = process.is_main_process if process is not None else is_main_process()
         if is_main or not main_process_only:
             self._emit(level, msg, args, kwargs)
 

@@ -19,20 +19,10 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from . import checks
+from . import checks, rank
 from .enums import LoggerType
 from .errors import HfBackendError
 from .log import note, warn
-
-
-def _is_main_process() -> bool:
-    """Rank 0 of the process group, or of torchrun's environment before there is one (a custom tracker may be built
-    before the Accelerator)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank() == 0
-    return os.environ.get("RANK", "0") == "0"
 
 
 def on_main_process(function: Callable) -> Callable:
@@ -40,7 +30,7 @@ def on_main_process(function: Callable) -> Callable:
 
     @functools.wraps(function)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if getattr(self, "main_process_only", False) and not _is_main_process():
+        if getattr(self, "main_process_only", False) and not rank.is_main_process():
             return None
         return function(self, *args, **kwargs)
 
