@@ -9,7 +9,6 @@ workers, so each asks the kernel for a SIGKILL when its parent dies (Linux), or 
 
 from __future__ import annotations
 
-import json
 import os
 import runpy
 import signal
@@ -24,17 +23,8 @@ _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def _record(error: BaseException) -> None:
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    now = time.time()
-    info = {"py_callstack": traceback.format_exc(), "timestamp": str(int(now)), "time": now}
-    summary = hang_watch.explain(error)  # a collective mismatch: one line naming each rank's call site
-    if summary:
-        info["summary"] = summary
-    data = {"message": {"message": f"{type(error).__name__}: {error}", "extraInfo": info}}
-    with open(path, "w") as f:
-        json.dump(data, f)
+    # a collective mismatch gets a summary: one line naming each rank's call site
+    hang_watch.record_error(f"{type(error).__name__}: {error}", hang_watch.explain(error), traceback.format_exc())
 
 
 def die_with_parent(parent: int) -> None:

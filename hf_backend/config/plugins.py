@@ -104,10 +104,9 @@ class FullyShardedDataParallelPlugin:
                             override: bool = False) -> None:
         """FSDP2's policy for `mixed_precision` ("fp16", "bf16" or "fp32"): parameters in that dtype, gradients
         reduced in fp32. Kept when one is set, unless `override`."""
-        dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "no": torch.float32}
-        dtype = dtypes.get(mixed_precision, mixed_precision) if isinstance(mixed_precision, str) else mixed_precision
-        if not isinstance(dtype, torch.dtype):
-            raise ConfigError(f"set_mixed_precision: {mixed_precision!r} is not one of {', '.join(dtypes)}")
+        from ..precision import dtype_of
+
+        dtype = dtype_of("fp32" if mixed_precision == "no" else mixed_precision, "set_mixed_precision")
         if self.mixed_precision_policy is None or override:
             from torch.distributed.fsdp import MixedPrecisionPolicy
 

@@ -24,7 +24,7 @@ from ..config.plugins import FsdpOptions, FullyShardedDataParallelPlugin
 from ..errors import HfBackendError
 from ..log import note
 from ..options import Handlers
-from ..precision import Precision
+from ..precision import Precision, dtype_of
 from ..state import DistributedType, ProcessState
 from .base import Strategy
 from .fsdp_overlap import schedule
@@ -109,10 +109,11 @@ class FSDPStrategy(Strategy):
         if policy is None:
             return MixedPrecisionPolicy()  # autocast (Precision) handles mixed precision, as in the other strategies
         if isinstance(policy, dict):
-            return MixedPrecisionPolicy(**{k: _dtype(v) for k, v in policy.items()})
+            return MixedPrecisionPolicy(**{k: dtype_of(v, f"mixed_precision_policy {k}") for k, v in policy.items()})
         if not isinstance(policy, MixedPrecisionPolicy):
-            return MixedPrecisionPolicy(param_dtype=_dtype(getattr(policy, "param_dtype", None)),
-                                        reduce_dtype=_dtype(getattr(policy, "reduce_dtype", None)))
+            return MixedPrecisionPolicy(
+                param_dtype=dtype_of(getattr(policy, "param_dtype", None), "mixed_precision_policy param_dtype"),
+                reduce_dtype=dtype_of(getattr(policy, "reduce_dtype", None), "mixed_precision_policy reduce_dtype"))
         return policy
 
     def _shard_kwargs(self) -> dict[str, Any]:
@@ -232,13 +233,6 @@ def _shard_groups(grads: list[torch.Tensor]) -> list[Any] | None:
     if not all(isinstance(p, (Shard, Replicate)) for p in placements):
         return None
     return [mesh.get_group(dim) for dim, p in enumerate(placements) if isinstance(p, Shard) and mesh.size(dim) > 1]
-
-
-def _dtype(value: Any) -> torch.dtype | None:
-    if value is None or isinstance(value, torch.dtype):
-        return value
-    return {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-            "fp32": torch.float32, "float32": torch.float32}[str(value)]
 
 
 def _is_block_like(module: torch.nn.Module) -> bool:
