@@ -98,16 +98,16 @@ class CheckpointIO:
 
     def write(self, directory: str | os.PathLike, objects: PreparedObjects | None = None, *, rng: bool = True,
               scaler: bool = True, extra: dict[str, Any] | None = None, safe_serialization: bool = True,
-              on_each_node: bool = False, writes: async_save_.Writes | None = None,
-              files: layout.FullStateFiles = layout.STATE_FILES) -> None:
+              on_each_node: bool = False, writes: async_save_.Writes | None = None) -> None:
         """Write `objects` (default: everything prepared and registered) into the existing `directory`, unstaged;
         `rng` / `scaler`: also this process's random states / the fp16 loss scaler (hf_backend.Trainer leaves both to
         transformers); `extra` replaces the facade's counters in the metadata. `on_each_node`: the files the main
         process writes are written by each node's local main process (nodes without a shared filesystem); models
         and optimizers cannot be, their states are gathered to (or coordinated by) global rank 0. `writes`: where
-        model and optimizer states go (default: written now). `files`: the names of full optimizer and scheduler
-        states (a Trainer checkpoint's are transformers')."""
+        model and optimizer states go (default: written now). The names of full optimizer and scheduler files follow
+        from the metadata's `written_by` (a Trainer checkpoint's are transformers': layout.state_files)."""
         directory, objects = Path(directory), objects if objects is not None else self.prepared
+        files = layout.state_files(extra or {})
         writes = writes if writes is not None else async_save_.Writes()
         if objects.models or objects.optimizers:
             self.check_on_each_node(on_each_node, "save_on_each_node with models or optimizers")
@@ -135,12 +135,11 @@ class CheckpointIO:
         (directory / layout.METADATA).write_text(json.dumps(meta, indent=2))
 
     def read(self, directory: str | os.PathLike, objects: PreparedObjects | None = None, *, rng: bool = True,
-             scaler: bool = True, checksums: bool = True, models_taken_by_hooks: bool = False,
-             files: layout.FullStateFiles = layout.STATE_FILES) -> dict[str, Any]:
+             scaler: bool = True, checksums: bool = True, models_taken_by_hooks: bool = False) -> dict[str, Any]:
         """Restore `objects` (default: everything prepared and registered) from `directory`; returns its metadata.
         `checksums=False`: the manifest's sizes only (the caller has just verified the checksums).
         `models_taken_by_hooks`: load-state hooks load some models themselves, so fewer models than the checkpoint
-        holds are read (in order, as Accelerate does). `files`: as `write` was given."""
+        holds are read (in order, as Accelerate does)."""
         directory, objects = interrupted_overwrite(Path(directory)), objects if objects is not None else self.prepared
         meta = read_metadata(directory, checksums)
         for kind, saved in meta["counts"].items():
@@ -149,6 +148,7 @@ class CheckpointIO:
                 raise HfBackendError(
                     f"load_state: {directory} holds {saved} {kind} but {have} are prepared/registered; prepare and "
                     "register the same objects, in the same order, as the run that saved it")
+        files = layout.state_files(meta)
         states = self._read_files(directory, objects, meta, rng, scaler, files)
         for i, model in enumerate(objects.models):
             self.load_weights(model, directory, layout.model_stem(i))

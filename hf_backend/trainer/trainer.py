@@ -332,8 +332,7 @@ class Trainer(transformers.Trainer):
         os.makedirs(output_dir, exist_ok=True)
         self.accelerator.checkpoint_io.write(output_dir, self._engine_objects(optimizer_and_scheduler), rng=False,
                                              scaler=False, extra={"written_by": checkpoint.layout.TRAINER_WRITER},
-                                             on_each_node=self.args.save_on_each_node, writes=self._async_writes,
-                                             files=checkpoint.layout.TRAINER_FILES)
+                                             on_each_node=self.args.save_on_each_node, writes=self._async_writes)
 
     def _engine_objects(self, optimizer_and_scheduler: bool) -> PreparedObjects:
         """The train loader position, with the optimizer and scheduler; transformers writes the RNG and scaler
@@ -368,8 +367,7 @@ class Trainer(transformers.Trainer):
             return
         meta = checkpoint.read_metadata(checkpoint_dir, checkpoint_dir != self._verified_checkpoint, RESUME)
         with_optimizer = meta["counts"].get("optimizers", 0) > 0  # none: saved with save_only_model
-        io.read(checkpoint_dir, self._engine_objects(with_optimizer), rng=False, scaler=False, checksums=False,
-                files=checkpoint.layout.TRAINER_FILES)
+        io.read(checkpoint_dir, self._engine_objects(with_optimizer), rng=False, scaler=False, checksums=False)
         if self.args.ignore_data_skip and self._train_loader is not None:
             self._train_loader.skip_first_batches(0)  # the resumed epoch from its first batch, as transformers
 
