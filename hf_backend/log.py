@@ -19,12 +19,12 @@ _said: set[str] = set()
 
 def note(message: str) -> None:
     """An informational one-liner, once per process."""
-    if is_main_process() and message not in _said:
+    if message not in _said and is_main_process():
         _said.add(message)
         logger.info(message)
 
 
 def warn(message: str) -> None:
-    if is_main_process() and message not in _said:
+    if message not in _said and is_main_process():
         _said.add(message)
         logger.warning(message)
