@@ -33,7 +33,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hf_backend import Accelerator, FullyShardedDataParallelPlugin
-from hf_backend.checkpoint import manifest, read_metadata
+from hf_backend.checkpoint import manifest, read_index
 from hf_backend.utils import set_seed
 
 
@@ -183,7 +183,7 @@ def throughput(accelerator, model, optimizer, root: Path, sharded: bool, repeats
         t["ours save"].append(timed(ours, ours_dir))
         t["plain load + copy"].append(timed(plain_load))
         t["ours load_state"].append(timed(lambda: accelerator.load_state(root / "ours")))
-        t["ours: manifest check alone"].append(timed(lambda: read_metadata(root / "ours", checksums=True)))
+        t["ours: manifest check alone"].append(timed(lambda: read_index(root / "ours", checksums=True)))
     total = torch.tensor(nbytes, dtype=torch.float64)
     if accelerator.num_processes > 1:
         torch.distributed.all_reduce(total)

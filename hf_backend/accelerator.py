@@ -422,19 +422,19 @@ class Accelerator(ProcessView, compat.AccelerateMembers, elastic.ElasticMembers)
     def load_state(self, input_dir: str | os.PathLike | None = None) -> None:
         """Restore what `save_state` wrote. The next pass over each prepared dataloader continues with the batch after
         the last one seen, in the same order: no manual skipping."""
-        config, _ = self.project_configuration, self.checkpoint_io.wait()  # a save under way is finished first
-        chosen = input_dir is None  # the newest usable automatic checkpoint: verified while choosing it
-        input_dir = checkpoint.latest_automatic_dir(config, checkpoint.read_metadata) if chosen else input_dir
-        objects = checkpoint.apply_load_hooks(self._load_state_pre_hooks.values(), self._objects, input_dir)
-        meta = self.checkpoint_io.read(input_dir, objects, checksums=not chosen,
-                                       models_taken_by_hooks=len(objects.models) < len(self._objects.models))
-        saved_world = meta["num_processes"]
-        if saved_world != self.num_processes:
-            note(f"load_state: {input_dir} was saved by {saved_world} processes and is resumed by "
-                 f"{self.num_processes}; random states of processes the checkpoint lacks start fresh")
-        self.step = meta.get("accumulation_step", 0)
+        self.checkpoint_io.wait()  # a save under way is finished first
+        config = self.project_configuration
+        newest = input_dir is None  # the newest automatic checkpoint that verifies
+        index = checkpoint.latest_automatic_checkpoint(config) if newest else checkpoint.read_index(input_dir)
+        objects = checkpoint.apply_load_hooks(self._load_state_pre_hooks.values(), self._objects, index.directory)
+        index = self.checkpoint_io.read(index, objects,
+                                        models_taken_by_hooks=len(objects.models) < len(self._objects.models))
+        if index.meta["num_processes"] != self.num_processes:
+            note(f"load_state: {index.directory} was saved by {index.meta['num_processes']} processes and is resumed "
+                 f"by {self.num_processes}; random states of processes the checkpoint lacks start fresh")
+        self.step = index.meta.get("accumulation_step", 0)
         if config.automatic_checkpoint_naming:  # continue the numbering after the checkpoint loaded
-            config.iteration = max(config.iteration, meta.get("iteration", -1) + 1)
+            config.iteration = max(config.iteration, index.meta.get("iteration", -1) + 1)
 
     # -- experiment tracking (hf_backend.tracking) --------------------------------------------------------------------
     def init_trackers(self, project_name: str, config: dict | None = None, init_kwargs: dict | None = None) -> None:

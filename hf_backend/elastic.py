@@ -78,10 +78,10 @@ def resume(accelerator: Any, keep_global_batch: bool = False) -> str | None:
                  "starting from the beginning")
         return None
     accelerator.load_state()  # when every checkpoint is damaged it raises: starting over would hide that
-    loaded = str(checkpoint.layout.automatic_dir(config.project_dir, config.iteration - 1))
-    meta = checkpoint.read_metadata(loaded, checksums=False, caller="resume_from_checkpoint")
+    index = accelerator.checkpoint_io.last_read
+    loaded = str(index.directory)
     if keep_global_batch:
-        _keep_global_batch(accelerator, meta)
+        _keep_global_batch(accelerator, index.meta)
     note(f"resumed from {loaded} (restart {accelerator.restart_count}, {accelerator.num_processes} processes)")
     return loaded
 

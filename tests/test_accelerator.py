@@ -304,18 +304,27 @@ def test_dynamo_backend_compiles_the_prepared_model_and_trains_the_same():
         Accelerator(dynamo_plugin={"backend": "eager", "use_regional_compilation": True})
 
 
-def test_a_checkpoint_of_an_unknown_format_version_is_refused_in_one_line(tmp_path):
+def test_a_checkpoint_of_another_format_version_is_refused_in_one_line(tmp_path):
     acc = Accelerator()
     model = acc.prepare(torch.nn.Linear(2, 1))
     acc.save_state(tmp_path / "ckpt")
     meta_path = tmp_path / "ckpt" / "hf_backend_checkpoint.json"
     meta = json.loads(meta_path.read_text())
-    assert meta["format_version"] == 1
-    for version in (2, "1", 0):
+    assert meta["format_version"] == 2
+    for version in (3, 0):
         meta_path.write_text(json.dumps({**meta, "format_version": version}))
-        with pytest.raises(HfBackendError, match=rf"has format_version {version!r}; this hf_backend reads versions 1"):
+        with pytest.raises(HfBackendError, match=rf"has format_version {version}; this hf_backend reads format 2: "
+                                                 "load it with the hf_backend that wrote it, or upgrade"):
+            acc.load_state(tmp_path / "ckpt")
+    for version in ("2", True, None):
+        meta_path.write_text(json.dumps({**meta, "format_version": version}))
+        with pytest.raises(HfBackendError, match="has no valid 'format_version'; the checkpoint is damaged"):
             acc.load_state(tmp_path / "ckpt")
     meta_path.write_text(json.dumps({**meta, "format_version": 1}))
+    with pytest.raises(HfBackendError, match="is a format-1 checkpoint .written by an hf_backend before 2026-11-27.; "
+                                             "this hf_backend reads format 2: load it with the hf_backend that wrote"):
+        acc.load_state(tmp_path / "ckpt")
+    meta_path.write_text(json.dumps({**meta, "format_version": 2}))
     acc.load_state(tmp_path / "ckpt")
     assert model.weight.shape == (1, 2)
 

@@ -8,7 +8,6 @@ import contextlib
 import io
 import json
 import pickle
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -19,9 +18,11 @@ from torch.utils.data import DataLoader, TensorDataset
 from transformers import BertConfig, BertForSequenceClassification
 
 from hf_backend import Accelerator
+from hf_backend.checkpoint import manifest
+from hf_backend.checkpoint.consolidate import convert
 from hf_backend.cli.main import main
 
-FIXTURES = Path(__file__).parent / "fixtures" / "checkpoints_v1"
+DEEPSPEED = Path(__file__).parent / "fixtures" / "deepspeed_zero2"  # DeepSpeed's own checkpoint (its README.md)
 CONFIG = dict(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
               max_position_embeddings=32, num_labels=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 
@@ -96,28 +97,31 @@ def test_a_damaged_checkpoint_is_one_line_and_a_failing_exit(one):
     assert report["rc"] == 1 and not report["verified"] and "optimizer.bin" in report["problem"]
 
 
-def test_inspect_refuses_code_in_dcp_metadata(tmp_path):
-    shutil.copytree(FIXTURES / "fsdp", tmp_path / "ckpt")
+def test_inspect_refuses_code_in_dcp_metadata(one, tmp_path):
+    convert(one, tmp_path / "ckpt", "sharded")
 
     class Payload:
         def __reduce__(self):
             return open, (str(tmp_path / "marker"), "w")
 
     (tmp_path / "ckpt" / "optimizer_dcp" / ".metadata").write_bytes(pickle.dumps(Payload()))
+    manifest.seal(tmp_path / "ckpt")  # the manifest checks out: the reader is what refuses
     done = hfb("checkpoint", "inspect", str(tmp_path / "ckpt"))
     assert done.returncode != 0 and len(done.stderr.splitlines()) == 1
     assert "optimizer_dcp/.metadata holds a pickled" in done.stderr
     assert not (tmp_path / "marker").exists()
 
 
-@pytest.mark.parametrize("kind, strategy", [("single", "not recorded"), ("fsdp", "FSDP (inferred"),
-                                            ("deepspeed", "DEEPSPEED (inferred")])
-def test_inspect_a_checkpoint_written_before_the_manifest(kind, strategy):
-    done = hfb("checkpoint", "inspect", str(FIXTURES / kind))
-    assert done.returncode == 0, done.stderr
-    assert f"strategy: {strategy}" in done.stdout
-    assert "scheduler_last_epoch" in done.stdout and "verified: yes, without checksums: it has no manifest" in \
-        done.stdout
+def test_inspect_a_checkpoint_of_format_1(one):
+    """An earlier hf_backend's checkpoint is described from its files, and does not verify: one line says why."""
+    meta_path = one / "hf_backend_checkpoint.json"
+    meta_path.write_text(json.dumps({**json.loads(meta_path.read_text()), "format_version": 1}))
+    done = hfb("checkpoint", "inspect", str(one))
+    assert done.returncode != 0 and len(done.stderr.splitlines()) == 1
+    assert f"{one} is a format-1 checkpoint (written by an hf_backend before 2026-11-27)" in done.stderr
+    report = inspect_json(one)
+    assert not report["verified"] and report["format_version"] == 1 and "format-1" in report["problem"]
+    assert report["weights"] == {"model": {"form": "full (safetensors)", "tensors": 2, "parameters": 10}}
 
 
 def state_of(directory: Path) -> dict[str, torch.Tensor]:
@@ -194,14 +198,14 @@ def test_convert_round_trip_loads_the_same_state(fsdp, tmp_path):
         assert m.keys() == moments.keys() and all(torch.equal(moments[k], m[k]) for k in moments)
 
 
-def test_consolidate_an_old_deepspeed_checkpoint(tmp_path):
-    """DeepSpeed's own ZeRO-2 files of two processes (the v1 fixture) -> one model.safetensors of the weights the
-    saving run saw, read without pickle."""
+def test_consolidate_a_deepspeed_checkpoint(tmp_path):
+    """DeepSpeed's own ZeRO-2 files of two processes (`latest` naming global_step4/, as transformers.Trainer writes
+    them under DeepSpeed) -> one model.safetensors of the weights the saving run saw, read without pickle."""
     from safetensors.torch import load_file
 
-    done = hfb("checkpoint", "consolidate", str(FIXTURES / "deepspeed"), str(tmp_path / "out"))
+    done = hfb("checkpoint", "consolidate", str(DEEPSPEED), str(tmp_path / "out"))
     assert done.returncode == 0, done.stderr
     weights = load_file(tmp_path / "out" / "model.safetensors")
-    expected = json.loads((FIXTURES / "deepspeed" / "expected.json").read_text())["weights"]
+    expected = json.loads((DEEPSPEED / "expected.json").read_text())["weights"]
     assert sorted(weights) == sorted(expected)
     assert all(weights[name].flatten().tolist() == values for name, values in expected.items())

@@ -18,9 +18,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from hf_backend import Accelerator, HfBackendError
 from hf_backend.checkpoint import manifest
+from hf_backend.checkpoint.consolidate import convert
 from hf_backend.checkpoint.safe_load import SafeEmptyPlanner, dcp_load, read_dcp_metadata
-
-FSDP_V1 = Path(__file__).parent / "fixtures" / "checkpoints_v1" / "fsdp"
 
 
 class Payload:
@@ -119,25 +118,23 @@ def test_a_torch_file_holding_code_is_refused(tmp_path, name):
 
 
 def fsdp_checkpoint(tmp_path: Path) -> tuple:
-    """The sharded checkpoint of an earlier version (model_dcp/, optimizer_dcp/, no manifest), into the model it was
-    written from."""
-    shutil.copytree(FSDP_V1, tmp_path / "ckpt")
-    progress = Counter()
-    accelerator, model, optimizer = setup(progress, torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(),
-                                                                        torch.nn.Linear(8, 2)))
+    """A sharded checkpoint (model_dcp/, optimizer_dcp/, as FSDP's SHARDED_STATE_DICT writes it: here converted from
+    a full one), and the model it was written from."""
+    accelerator, model, optimizer = setup(None, torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(),
+                                                                    torch.nn.Linear(8, 2)))
+    step(accelerator, model, optimizer)
+    accelerator.save_state(tmp_path / "full")
+    convert(tmp_path / "full", tmp_path / "ckpt", "sharded")
     return accelerator, model, optimizer
 
 
 @pytest.mark.parametrize("name", ["model_dcp/.metadata", "optimizer_dcp/.metadata"])
-@pytest.mark.parametrize("sealed", [False, True], ids=["v1", "resealed"])
-def test_a_dcp_metadata_holding_code_is_refused(tmp_path, name, sealed):
+def test_a_dcp_metadata_holding_code_is_refused(tmp_path, name):
+    """Resealed after the change: the manifest checks out, and the reader is what refuses."""
     accelerator, model, _ = fsdp_checkpoint(tmp_path)
     accelerator.load_state(tmp_path / "ckpt")  # loads as it is
     path = tmp_path / "ckpt" / name
     poison(path, tmp_path / "marker")
-    if not sealed:
-        meta = tmp_path / "ckpt" / "hf_backend_checkpoint.json"
-        meta.write_text((FSDP_V1 / "hf_backend_checkpoint.json").read_text())
     with torch.no_grad():
         model[0].weight.add_(1)
     assert_refused(accelerator, model, tmp_path / "ckpt", path, tmp_path / "marker")
@@ -152,6 +149,7 @@ def test_a_value_in_dcp_shards_holding_code_is_refused(tmp_path):
     state["optimizer"]["param_groups"][0]["lr"] = Payload(tmp_path / "marker")
     shutil.rmtree(shards)
     dcp.save(state, checkpoint_id=str(shards), no_dist=True)
+    manifest.seal(tmp_path / "ckpt")  # the manifest checks out: the reader is what refuses
     with torch.no_grad():
         model[0].weight.add_(1)
     before = {k: v.clone() for k, v in model.state_dict().items()}

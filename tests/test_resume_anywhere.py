@@ -1,5 +1,5 @@
-"""A checkpoint resumes under any strategy and world size, DeepSpeed ZeRO included (issue 18, item 5), and an old
-DeepSpeed checkpoint's files are read without running pickled code (item 4).
+"""A checkpoint resumes under any strategy and world size, DeepSpeed ZeRO included (issue 18, item 5), and DeepSpeed's
+own checkpoint files (transformers.Trainer's under DeepSpeed) are merged by consolidate without running pickled code.
 
 Each case trains tests/scripts/resume_anywhere.py for 5 of 12 optimizer steps under strategy A in `a` processes,
 saves, resumes under strategy B in `b` processes and takes the other 7; those 7 losses, learning rates and the final
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_report, run_script
+from helpers import run_report
 from safetensors.torch import load_file
 
 pytest.importorskip("deepspeed")
@@ -29,7 +29,7 @@ pytest.importorskip("transformers")
 SCRIPT = "resume_anywhere.py"
 STOP = 5  # of resume_anywhere.TOTAL = 12
 TOLERANCE = 1e-6
-FIXTURE = Path(__file__).parent / "fixtures" / "checkpoints_v1" / "deepspeed"
+FIXTURE = Path(__file__).parent / "fixtures" / "deepspeed_zero2"  # DeepSpeed's own checkpoint (its README.md)
 
 
 @pytest.fixture(scope="module")
@@ -109,10 +109,10 @@ def test_a_checkpoint_resumes_under_another_strategy_and_world_size(uninterrupte
         final, expected = load_file(tmp_path / "final" / "model.safetensors"), load_file(
             reference["final"] / "model.safetensors")
         assert all(torch.equal(final[k], expected[k]) for k in expected)
-    if native:  # DeepSpeed's own format (of earlier checkpoints), merged in this one process: the same fp32 masters
+    if native:  # DeepSpeed's own format (transformers.Trainer's), merged in this one process: the same fp32 masters
         from hf_backend.checkpoint.deepspeed_files import native_weights
 
-        merged, final = native_weights(tmp_path / "native", "model_deepspeed"), load_file(
+        merged, final = native_weights(tmp_path / "native", "global_step"), load_file(
             tmp_path / "final" / "model.safetensors")
         assert sorted(merged) == sorted(final) and all(torch.equal(merged[k], final[k]) for k in final)
     # what every strategy writes and reads: full fp32 weights and the optimizer state keyed by parameter name
@@ -128,12 +128,15 @@ def test_a_checkpoint_resumes_under_another_strategy_and_world_size(uninterrupte
                    for s in state["state"].values())
 
 
-def test_the_weights_of_an_old_deepspeed_checkpoint_are_read_without_pickle():
-    """`native_weights` (hf-backend checkpoint consolidate) merges the v1 fixture's two ZeRO-2 partitions into the
-    weights the run that saved it saw."""
+def test_the_weights_of_a_deepspeed_checkpoint_are_read_without_pickle():
+    """`native_weights` (hf-backend checkpoint consolidate) merges the fixture's two ZeRO-2 partitions into the
+    weights the run that saved it saw, and leaves DeepSpeed's own zero_to_fp32 module as it was."""
+    import deepspeed.utils.zero_to_fp32
+
     from hf_backend.checkpoint.deepspeed_files import native_weights
 
-    weights = native_weights(FIXTURE, "model_deepspeed")
+    weights = native_weights(FIXTURE, "global_step4")
+    assert deepspeed.utils.zero_to_fp32.torch is torch
     expected = json.loads((FIXTURE / "expected.json").read_text())["weights"]
     assert sorted(weights) == sorted(expected)
     for name, values in expected.items():
@@ -163,39 +166,13 @@ def test_the_poisoned_file_would_run_its_code(tmp_path):
 
 
 @pytest.mark.parametrize("poisoned", ["zero_pp_rank_1_mp_rank_00_optim_states.pt", "mp_rank_00_model_states.pt"])
-def test_consolidating_an_old_checkpoint_refuses_a_pickled_payload(tmp_path, poisoned):
+def test_consolidating_a_deepspeed_checkpoint_refuses_a_pickled_payload(tmp_path, poisoned):
     from hf_backend import HfBackendError
     from hf_backend.checkpoint.deepspeed_files import native_weights
 
     shutil.copytree(FIXTURE, tmp_path / "ckpt")
     marker = tmp_path / "marker"
-    _poison(tmp_path / "ckpt" / "model_deepspeed" / poisoned, marker)
+    _poison(tmp_path / "ckpt" / "global_step4" / poisoned, marker)
     with pytest.raises(HfBackendError, match=f"{poisoned} holds more than tensors") as raised:
-        native_weights(tmp_path / "ckpt", "model_deepspeed")
+        native_weights(tmp_path / "ckpt", "global_step4")
     assert "\n" not in str(raised.value) and not marker.exists()
-
-
-def test_resuming_an_old_deepspeed_checkpoint_refuses_a_pickled_payload(tmp_path):
-    """DeepSpeed's engine reads the model states file on every rank: with a payload in it, load_state stops with one
-    line naming the file, and the payload never runs."""
-    shutil.copytree(FIXTURE, tmp_path / "ckpt")
-    marker = tmp_path / "marker"
-    _poison(tmp_path / "ckpt" / "model_deepspeed" / "mp_rank_00_model_states.pt", marker)
-    proc = run_script("old_checkpoints.py", ["check", "--kind", "deepspeed", "--dir", str(tmp_path / "ckpt"),
-                                             "--out", str(tmp_path / "seen.json")], nproc=2, check=False)
-    assert proc.returncode != 0 and not marker.exists()
-    lines = [line for line in proc.stderr.splitlines() if "HfBackendError: " in line]
-    assert lines and all("mp_rank_00_model_states.pt holds more than tensors" in line for line in lines), \
-        proc.stderr[-3000:]
-
-
-@pytest.mark.parametrize("kind, nproc, message", [
-    ("single", 1, "is DeepSpeed's own checkpoint format (an earlier hf_backend); resume it under DeepSpeed"),
-    ("deepspeed", 3, "written by 2 processes: resume it with 2, or take its weights"),
-])
-def test_an_old_deepspeed_checkpoint_elsewhere_is_one_line(tmp_path, kind, nproc, message):
-    """DeepSpeed's own format resumes only as it was written; elsewhere load_state names the way out."""
-    proc = run_script("old_checkpoints.py", ["check", "--kind", kind, "--dir", str(FIXTURE), "--out",
-                                             str(tmp_path / "seen.json")], nproc=nproc, check=False)
-    lines = [line for line in proc.stderr.splitlines() if "HfBackendError: " in line]
-    assert proc.returncode != 0 and lines and all(message in line for line in lines), proc.stderr[-3000:]

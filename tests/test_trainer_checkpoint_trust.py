@@ -17,7 +17,7 @@ from helpers import Regression
 from transformers import TrainerCallback
 
 from hf_backend import HfBackendError, Trainer, TrainingArguments
-from hf_backend.checkpoint import read_metadata
+from hf_backend.checkpoint import read_index
 
 STEPS, EVERY = 6, 2
 
@@ -60,7 +60,7 @@ def test_every_file_of_a_trainer_checkpoint_is_in_its_manifest(reference):
     out, _ = reference
     for step in range(EVERY, STEPS + 1, EVERY):
         folder = out / f"checkpoint-{step}"
-        meta = read_metadata(folder)
+        meta = read_index(folder).meta
         on_disk = {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()}
         assert set(meta["files"]) == on_disk - {"hf_backend_checkpoint.json"}
         assert {"trainer_state.json", "model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth",
@@ -140,7 +140,7 @@ def test_save_only_model_checkpoints_are_sealed_and_resume_only_as_such(tmp_path
     out = tmp_path / "out"
     trainer(out, save_only_model=True).train()
     folder = out / "checkpoint-4"
-    assert "trainer_state.json" in read_metadata(folder)["files"]
+    assert "trainer_state.json" in read_index(folder).meta["files"]
     assert not (folder / "optimizer.pt").exists()
     with pytest.raises(HfBackendError, match=rf"^resume_from_checkpoint: {re.escape(str(folder))} holds no optimizer "
                                              r"state \(no optimizer.pt, and hf_backend_checkpoint.json lists none: "

@@ -5,6 +5,7 @@
     directories.py  staging + rename (a save appears complete or not at all), automatic naming, rotation
     durable.py      large files hashed while written (for the manifest) and fsynced; safetensors from tensor memory
     async_save.py   where a save's large writes go: now, or host memory then a writer thread (async save_state)
+    index.py        CheckpointIndex: what a checkpoint holds, read once from its verified metadata and manifest
     state_io.py     CheckpointIO: a set of prepared objects to files and back, the strategy saying what each state is
     safe_load.py    every read of a torch file or a DCP directory, none of which can run code from the file
     inspect.py      `hf-backend checkpoint inspect`: what a checkpoint holds and whether it verifies
@@ -15,10 +16,11 @@
 from __future__ import annotations
 
 from . import adapters, layout
-from .directories import automatic_dir, last_complete_trainer_checkpoint, latest_automatic_dir, rotate
+from .directories import automatic_dir, last_complete_trainer_checkpoint, latest_automatic_checkpoint, rotate
 from .files import load_file, save_object
-from .state_io import CheckpointIO, apply_load_hooks, apply_save_hooks, read_metadata
+from .index import CheckpointIndex, read_index
+from .state_io import CheckpointIO, apply_load_hooks, apply_save_hooks
 
-__all__ = ["CheckpointIO", "adapters", "apply_load_hooks", "apply_save_hooks", "automatic_dir",
-           "last_complete_trainer_checkpoint", "latest_automatic_dir", "layout", "load_file", "read_metadata", "rotate",
-           "save_object"]
+__all__ = ["CheckpointIO", "CheckpointIndex", "adapters", "apply_load_hooks", "apply_save_hooks", "automatic_dir",
+           "last_complete_trainer_checkpoint", "latest_automatic_checkpoint", "layout", "load_file", "read_index",
+           "rotate", "save_object"]

@@ -1,8 +1,9 @@
 """`hf-backend checkpoint consolidate` and `convert`, in one process without a process group.
 
 consolidate: a checkpoint's model weights, whichever form they are in (each process's DCP shards, full safetensors or
-.bin files, DeepSpeed's own files), as one safetensors model directory (sharded with an index above a size) that
-`from_pretrained` loads when a config.json goes with it; a PEFT adapter's checkpoint is merged into its base model.
+.bin files, a DeepSpeed checkpoint of transformers.Trainer), as one safetensors model directory (sharded with an
+index above a size) that `from_pretrained` loads when a config.json goes with it; a PEFT adapter's checkpoint is
+merged into its base model.
 
 convert: a `save_state` checkpoint between its two forms, model and optimizer together: `full` (model.safetensors,
 optimizer.bin: what a run without FSDP's sharded state dicts writes) and `sharded` (model_dcp/, optimizer_dcp/). Every
@@ -24,26 +25,34 @@ import torch
 from ..errors import HfBackendError
 from . import layout, manifest
 from .files import read_weights, write_weights
+from .index import CheckpointIndex, read_index
 from .safe_load import dcp_load, torch_load
-from .state_io import holds_sharded, read_metadata
 
 FORMS = ("full", "sharded")
 
 
 def model_weights(directory: str | os.PathLike, stem: str = "model", what: str = "consolidate") -> dict[str, Any]:
-    """The full weights of the checkpoint's model `stem`, read without running code from any file."""
+    """The full weights of model `stem` in an hf_backend checkpoint (verified first; shards or full files, as its
+    index says), or in a directory of full weights or DeepSpeed's own checkpoint (a `latest` file naming its tag, as
+    transformers.Trainer writes it under DeepSpeed); read without running code from any file."""
     directory = Path(directory)
-    if holds_sharded(directory, layout.sharded_dir(stem)):
-        return _dcp_state(directory / layout.sharded_dir(stem), "model", what)
-    if (directory / layout.native_dir(stem)).is_dir():
-        return _native(directory, layout.native_dir(stem))
+    if layout.holds_engine_state(directory):
+        return _checkpoint_weights(read_index(directory, caller=what), stem, what)
     if any(directory.glob(f"{stem}*.safetensors")) or (directory / f"{stem}.bin").is_file() \
             or (directory / f"{stem}.bin.index.json").is_file():
         return read_weights(directory, stem)
-    if (directory / "latest").is_file():  # a Trainer's DeepSpeed checkpoint: global_step{N}/, named by `latest`
-        return _native(directory, (directory / "latest").read_text().strip())
-    raise HfBackendError(f"{what}: {directory} holds no weights of {stem} (no {layout.sharded_dir(stem)}/, "
-                         f"{stem}.safetensors or {layout.native_dir(stem)}/); pass a checkpoint directory")
+    if (directory / "latest").is_file():  # DeepSpeed's own checkpoint: global_step{N}/, named by `latest`
+        from .deepspeed_files import native_weights  # imports deepspeed: only for DeepSpeed's own checkpoints
+
+        return native_weights(directory, (directory / "latest").read_text().strip())
+    raise HfBackendError(f"{what}: {directory} holds no weights of {stem} (no {layout.METADATA}, {stem}.safetensors "
+                         "or DeepSpeed's `latest`); pass a checkpoint directory")
+
+
+def _checkpoint_weights(index: CheckpointIndex, stem: str, what: str) -> dict[str, Any]:
+    if index.sharded(stem):
+        return _dcp_state(index.shards(stem), "model", what)
+    return read_weights(index.directory, stem)
 
 
 def _dcp_state(shards: Path, key: str, what: str) -> Any:
@@ -55,12 +64,6 @@ def _dcp_state(shards: Path, key: str, what: str) -> Any:
         raise HfBackendError(f"{what}: {shards} holds no {key} state ({sorted(state)}); pass the checkpoint's "
                              f"{key}_dcp directory's parent")
     return state[key]
-
-
-def _native(directory: Path, tag: str) -> dict[str, Any]:
-    from .deepspeed_files import native_weights  # imports deepspeed: only for DeepSpeed's own checkpoints
-
-    return native_weights(directory, tag)
 
 
 def _fresh(out: Path, what: str) -> Path:
@@ -166,26 +169,23 @@ def convert(directory: str | os.PathLike, out: str | os.PathLike, to: str) -> di
     directory, out = Path(directory), Path(out)
     if to not in FORMS:
         raise HfBackendError(f"convert: --to {to!r} is not one of {', '.join(FORMS)}")
-    meta = read_metadata(directory)  # verified: a damaged checkpoint is not converted
-    if meta.get("written_by") == layout.TRAINER_WRITER:
+    index = read_index(directory, caller="convert")  # verified: a damaged checkpoint is not converted
+    meta = index.meta
+    if index.written_by_trainer:
         raise HfBackendError(f"convert: {directory} is a Trainer checkpoint, which resumes in either form as it is; "
                              "convert takes save_state checkpoints (`consolidate` takes its weights)")
-    if any((directory / layout.native_dir(layout.model_stem(i))).is_dir() for i in range(meta["counts"]["models"])):
-        raise HfBackendError(f"convert: {directory} is DeepSpeed's own checkpoint, whose optimizer state only "
-                             "DeepSpeed reads; resume it under DeepSpeed, or take its weights with `consolidate`")
     staging = _fresh(out, "convert")
     converted: set[str] = set()
     try:
         for i in range(meta["counts"]["models"]):
             stem = layout.model_stem(i)
             converted.update(_weight_names(directory, stem))
-            _write(model_weights(directory, stem, "convert"), staging, stem, "model", to)
+            _write(_checkpoint_weights(index, stem, "convert"), staging, stem, "model", to)
         for i in range(meta["counts"]["optimizers"]):
             stem = layout.optimizer_stem(i)
-            converted.update({layout.sharded_dir(stem), layout.full_optimizer_file(stem)})
-            shards = layout.sharded_dir(stem)
-            state = _dcp_state(directory / shards, "optimizer", "convert") if holds_sharded(directory, shards) \
-                else torch_load(directory / layout.full_optimizer_file(stem), "convert")
+            converted.update({layout.sharded_dir(stem), index.files.optimizer(stem)})
+            state = _dcp_state(index.shards(stem), "optimizer", "convert") if index.sharded(stem) \
+                else torch_load(index.optimizer_file(stem), "convert")
             _write(state, staging, stem, "optimizer", to)
         for path in directory.iterdir():
             if path.name not in converted and path.name != layout.METADATA:
@@ -219,7 +219,7 @@ def _write(state: dict[str, Any], directory: Path, stem: str, key: str, to: str)
     elif key == "model":
         write_weights(state, directory, filename_stem=stem)
     else:
-        torch.save(state, directory / layout.full_optimizer_file(stem))
+        torch.save(state, directory / layout.STATE_FILES.optimizer(stem))
 
 
 __all__ = ["FORMS", "consolidate", "convert", "model_weights"]

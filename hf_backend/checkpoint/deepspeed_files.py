@@ -1,20 +1,21 @@
-"""DeepSpeed's own checkpoint files (`model_deepspeed/` of checkpoints written before ZeRO states were saved in the
-strategy-neutral format), read without running pickled code.
+"""DeepSpeed's own checkpoint files (the `global_step*/` transformers.Trainer writes under DeepSpeed), merged into
+full weights for `hf-backend checkpoint consolidate` without running pickled code.
 
 DeepSpeed reads its `.pt` files with `torch.load(weights_only=False)`; here every read goes through
 `torch.load(weights_only=True)` with the few DeepSpeed classes its files hold allow-listed (a loss scaler, the ZeRO
-stage enum, the fragment addresses of universal checkpoints). `deepspeed` is imported inside the functions: this
-module loads without it.
+stage enum, the fragment addresses of universal checkpoints). DeepSpeed's zero_to_fp32 offers no hook for how it
+reads, so a private copy of that module (it is a standalone script, which DeepSpeed also copies into each checkpoint)
+is loaded with its own `torch` answering `load` with `safe_load`; DeepSpeed's imported module is left as it is.
+`deepspeed` is imported inside the functions: this module loads without it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
+import importlib.util
 import io
 import pickle
 import types
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,27 +59,18 @@ def safe_load(path: str | Path, map_location: Any = None, **_: Any) -> Any:
                              "one") from None
 
 
-def read_safely(engine: Any) -> None:
-    """Make the engine read every checkpoint file (model states, ZeRO partitions) through `safe_load`: DeepSpeed
-    loads them all through its checkpoint engine's `load`."""
-    engine.checkpoint_engine.load = safe_load
-
-
-@contextlib.contextmanager
-def _zero_to_fp32_loading_safely() -> Iterator[Any]:
-    """DeepSpeed's zero_to_fp32 with its `torch.load` calls answered by `safe_load` (and its progress output
-    silenced) for the duration."""
-    from deepspeed.utils import zero_to_fp32
-
-    proxy = types.SimpleNamespace(**{name: getattr(torch, name) for name in dir(torch) if not name.startswith("__")})
-    proxy.load = safe_load
-    original = zero_to_fp32.torch
-    zero_to_fp32.torch = proxy
-    try:
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            yield zero_to_fp32
-    finally:
-        zero_to_fp32.torch = original
+def _safe_zero_to_fp32() -> Any:
+    """A private copy of DeepSpeed's zero_to_fp32 module whose `torch.load` is `safe_load` (module docstring)."""
+    spec = importlib.util.find_spec("deepspeed.utils.zero_to_fp32")
+    if spec is None or spec.loader is None:
+        raise HfBackendError("consolidate: DeepSpeed's zero_to_fp32 is not installed; pip install deepspeed")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    safe_torch = types.SimpleNamespace(**{name: getattr(torch, name) for name in dir(torch)
+                                          if not name.startswith("__")})
+    safe_torch.load = safe_load
+    module.torch = safe_torch
+    return module
 
 
 def native_weights(directory: Path, tag: str) -> dict[str, torch.Tensor]:
@@ -95,12 +87,13 @@ def native_weights(directory: Path, tag: str) -> dict[str, torch.Tensor]:
             raise HfBackendError(f"{folder} holds no DeepSpeed model states (mp_rank_*_model_states.pt); pass a "
                                  "directory written by DeepSpeed's save_checkpoint")
         return _stage0_weights(safe_load(models[0]))
-    with _zero_to_fp32_loading_safely() as zero_to_fp32:
-        try:
+    zero_to_fp32 = _safe_zero_to_fp32()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # its progress
             state = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(directory), tag=tag)
-        except (ValueError, FileNotFoundError, KeyError) as err:
-            raise HfBackendError(f"{folder}: not a complete DeepSpeed ZeRO checkpoint ({err}); use another "
-                                 "checkpoint") from None
+    except (ValueError, FileNotFoundError, KeyError) as err:
+        raise HfBackendError(f"{folder}: not a complete DeepSpeed ZeRO checkpoint ({err}); use another "
+                             "checkpoint") from None
     return dict(state)
 
 
@@ -119,4 +112,4 @@ def _stage0_weights(states: dict[str, Any]) -> dict[str, torch.Tensor]:
     return weights
 
 
-__all__ = ["native_weights", "read_safely", "safe_load"]
+__all__ = ["native_weights", "safe_load"]

@@ -15,6 +15,7 @@ from ..errors import HfBackendError
 from ..log import note
 from ..state import ProcessState
 from . import durable, layout
+from .index import CheckpointIndex, read_index
 
 
 @dataclasses.dataclass
@@ -87,29 +88,18 @@ def automatic_saved(config: Any, process: ProcessState) -> Callable[[], None]:
     return rotate_now
 
 
-def latest_automatic_dir(config: Any, usable: Callable[[Path], None]) -> Path:
-    """What `load_state()` without a directory reads: the newest automatic checkpoint that `usable` accepts (it
-    raises HfBackendError for one that is damaged or incomplete, which is passed over with a note)."""
+def latest_automatic_checkpoint(config: Any) -> CheckpointIndex:
+    """What `load_state()` without a directory reads: the newest automatic checkpoint that verifies (a damaged or
+    incomplete one is passed over with a note)."""
     found = layout.automatic_dirs(config.project_dir) if config.project_dir else []
     for path in reversed(found):
         try:
-            usable(path)
-            return path
+            return read_index(path)
         except HfBackendError as err:
             note(f"passing over {path}: {err}")
     where = f"{config.project_dir}/checkpoints"
     raise HfBackendError(f"load_state(): no {'usable ' if found else ''}checkpoint under {where}; pass the "
                          "directory save_state wrote")
-
-
-def interrupted_overwrite(source: Path) -> Path:
-    """`source`, or the complete checkpoint an overwriting save of it left in `source.previous` when it was killed
-    between its two renames."""
-    previous = layout.previous_dir(source)
-    if not source.exists() and (previous / layout.METADATA).is_file():
-        note(f"{source} is missing but {previous} holds the checkpoint an interrupted save was replacing; loading it")
-        return previous
-    return source
 
 
 def rotate(project_dir: str, total_limit: int) -> None:

@@ -4,9 +4,9 @@ Reads only metadata, JSON, safetensors headers, DCP metadata (through safe_load)
 loader files (`weights_only`); never the weights themselves. The dtypes of the saved weights and optimizer state
 come from those headers and metadata, and from full torch files (`optimizer.bin`, transformers' `optimizer.pt`, `.bin`
 weights) loaded `weights_only` with their storages memory-mapped, so only the structure is read, not the values; they
-are read only from a checkpoint that verified. Works for `save_state` checkpoints (with their
-manifest), those written before the manifest existed (format 1 without "files"), and transformers' / hf_backend's
-Trainer checkpoints (`checkpoint-N/` with trainer_state.json, with or without the engine's part).
+are read only from a checkpoint that verified. Works for `save_state` checkpoints and transformers' / hf_backend's
+Trainer checkpoints (`checkpoint-N/` with trainer_state.json, with or without the engine's part); one that does not
+verify (damaged, or of format 1) is described from what its files show.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Any
 
 from ..errors import HfBackendError
 from . import layout
+from .index import CheckpointIndex, read_index
 from .safe_load import check_dcp, read_dcp_metadata, torch_load
-from .state_io import holds_sharded, read_metadata
 
 _KINDS = ("models", "optimizers", "schedulers", "dataloaders", "custom")
 
@@ -38,11 +38,12 @@ def inspect_checkpoint(directory: str | os.PathLike) -> dict[str, Any]:
     report: dict[str, Any] = {"path": str(directory), "kind": "trainer" if trainer_state is not None else "engine",
                               "files": _files(directory)}
     report["total_bytes"] = sum(size for size in report["files"].values())
-    problem = None
+    problem, index = None, None
     try:
-        meta = read_metadata(directory, checksums=True) if engine else {}
+        index = read_index(directory, checksums=True, caller="inspect") if engine else None
+        meta = index.meta if index is not None else {}
     except HfBackendError as err:
-        found, problem = _json(directory / layout.METADATA), str(err).replace("load_state: ", "", 1)
+        found, problem = _json(directory / layout.METADATA), str(err).replace("inspect: ", "", 1)
         meta = found if isinstance(found, dict) else {}
     report.update(format_version=meta.get("format_version"), num_processes=meta.get("num_processes"),
                   counts=meta.get("counts"), manifest="files" in meta,
@@ -51,14 +52,14 @@ def inspect_checkpoint(directory: str | os.PathLike) -> dict[str, Any]:
     report["written_by"] = meta.get("written_by", "hf_backend.Accelerator.save_state" if engine and trainer_state
                                     is None else "transformers.Trainer" if not engine else "hf_backend.Trainer")
     report["progress"] = _progress(directory, meta, trainer_state)
-    report["weights"] = _weights(directory, meta)
+    report["weights"] = _weights(directory, meta, index)
     if "files" in meta:
         listed = set(meta["files"]) if isinstance(meta["files"], dict) else set()
         report["unlisted"] = sorted(set(report["files"]) - listed - {layout.METADATA})
     if problem is None:
-        problem = _structure_problem(directory, meta, report)
+        problem = _structure_problem(directory, index, report)
     report["verified"], report["problem"] = problem is None, problem
-    report["dtypes"] = _dtypes(directory, meta, report) if problem is None else {}
+    report["dtypes"] = _dtypes(directory, index, report) if problem is None else {}
     return report
 
 
@@ -77,7 +78,7 @@ def _files(directory: Path) -> dict[str, int]:
 
 def _inferred_strategy(directory: Path, trainer_state: Any) -> str:
     """For checkpoints written before the metadata recorded the strategy: what the files say."""
-    if (directory / layout.native_dir("model")).is_dir() or (directory / "latest").is_file():
+    if (directory / "latest").is_file():
         return "DEEPSPEED (inferred from its files)"
     if (directory / layout.sharded_dir("model")).is_dir() or (directory / layout.sharded_dir("optimizer")).is_dir():
         return "FSDP (inferred from its sharded files)"
@@ -102,16 +103,15 @@ def _progress(directory: Path, meta: dict[str, Any], trainer_state: Any) -> dict
     return progress
 
 
-def _weights(directory: Path, meta: dict[str, Any]) -> dict[str, Any]:
-    """How each model is stored, with its tensor and parameter counts where the headers say them."""
+def _weights(directory: Path, meta: dict[str, Any], index: CheckpointIndex | None) -> dict[str, Any]:
+    """How each model is stored, with its tensor and parameter counts where the headers say them: as the index says,
+    or (a checkpoint that did not verify, or transformers.Trainer's) as its files show."""
     found: dict[str, Any] = {}
     count = (meta.get("counts") or {}).get("models", 1)
     for i in range(count if isinstance(count, int) else 1):
         stem = layout.model_stem(i)
-        if holds_sharded(directory, layout.sharded_dir(stem)):
+        if index.sharded(stem) if index is not None else (directory / layout.sharded_dir(stem)).is_dir():
             found[stem] = {"form": f"sharded (DCP, {layout.sharded_dir(stem)}/)"}
-        elif (directory / layout.native_dir(stem)).is_dir():
-            found[stem] = {"form": f"DeepSpeed's own ({layout.native_dir(stem)}/)"}
         elif any(directory.glob(f"{stem}*.safetensors")):
             found[stem] = {"form": "full (safetensors)", **_safetensors_counts(directory, stem)}
         elif any(directory.glob(f"{stem}*.bin")):
@@ -149,10 +149,9 @@ _SAFETENSORS_DTYPES = {"F64": "fp64", "F32": "fp32", "F16": "fp16", "BF16": "bf1
                        "U8": "uint8", "BOOL": "bool"}
 
 
-def _dtypes(directory: Path, meta: dict[str, Any], report: dict[str, Any]) -> dict[str, Any]:
+def _dtypes(directory: Path, index: CheckpointIndex | None, report: dict[str, Any]) -> dict[str, Any]:
     """Per model and optimizer: {dtype: {"tensors": n, "values": m}} (optimizers also list the state keys, e.g.
     exp_avg, in each dtype), or {"not_read": why}."""
-    counts = meta.get("counts") or {}
     found: dict[str, Any] = {}
     for stem, weights in report["weights"].items():
         form = weights["form"]
@@ -164,14 +163,13 @@ def _dtypes(directory: Path, meta: dict[str, Any], report: dict[str, Any]) -> di
             found[stem] = _read(_torch_file_dtypes, sorted(directory.glob(f"{stem}*.bin")), False)
         else:
             found[stem] = {"not_read": "DeepSpeed's own files"}
-    optimizers = counts.get("optimizers", 0) if isinstance(counts.get("optimizers", 0), int) else 0
-    names = layout.state_files(meta)
+    optimizers = index.counts.get("optimizers", 0) if index is not None else 0
     for i in range(optimizers):
         stem = layout.optimizer_stem(i)
-        if holds_sharded(directory, layout.sharded_dir(stem)):
-            found[stem] = _read(_dcp_dtypes, directory / layout.sharded_dir(stem), True)
-        elif (directory / names.optimizer(stem)).is_file():
-            found[stem] = _read(_torch_file_dtypes, [directory / names.optimizer(stem)], True)
+        if index.sharded(stem):
+            found[stem] = _read(_dcp_dtypes, index.shards(stem), True)
+        elif index.optimizer_file(stem).is_file():
+            found[stem] = _read(_torch_file_dtypes, [index.optimizer_file(stem)], True)
     if not optimizers and (directory / layout.TRAINER_OPTIMIZER).is_file():
         found["optimizer"] = _read(_torch_file_dtypes, [directory / layout.TRAINER_OPTIMIZER], True)
     return found
@@ -246,13 +244,15 @@ def _torch_file_dtypes(paths: list[Path], optimizer: bool) -> dict[str, Any]:
     return table
 
 
-def _structure_problem(directory: Path, meta: dict[str, Any], report: dict[str, Any]) -> str | None:
-    """What the manifest does not check, or what a checkpoint without one needs: the files its counts name are
-    there, each DCP directory's metadata and values read safely and name shard files that are there."""
+def _structure_problem(directory: Path, index: CheckpointIndex | None, report: dict[str, Any]) -> str | None:
+    """What the manifest does not check: the files its counts name are there, each DCP directory's metadata and
+    values read safely and name shard files that are there."""
+    if index is None:  # transformers.Trainer's checkpoint: nothing of the engine's to check
+        return None
     try:
-        counts, names = meta.get("counts") or {}, layout.state_files(meta)
+        counts = index.counts
         for i in range(counts.get("schedulers", 0)):
-            torch_load(directory / names.scheduler(i), "inspect")
+            torch_load(index.scheduler_file(i), "inspect")
         for i in range(counts.get("dataloaders", 0)):
             torch_load(directory / layout.dataloader_file(i), "inspect")
         for i in range(counts.get("custom", 0)):  # not read: its state may hold types only the training script allows
@@ -260,14 +260,13 @@ def _structure_problem(directory: Path, meta: dict[str, Any], report: dict[str, 
                 return f"{directory / layout.custom_file(i)} is missing; the checkpoint is incomplete, use another one"
         for i in range(counts.get("optimizers", 0)):
             stem = layout.optimizer_stem(i)
-            full = directory / names.optimizer(stem)
-            native = (directory / layout.native_dir(layout.model_stem(0))).is_dir()
-            if not native and not holds_sharded(directory, layout.sharded_dir(stem)) and not full.is_file():
+            full = index.optimizer_file(stem)
+            if not index.sharded(stem) and not full.is_file():
                 return f"{full} is missing; the checkpoint is incomplete, use another one"
         for kind, stem in (("models", layout.model_stem), ("optimizers", layout.optimizer_stem)):
             for i in range(counts.get(kind, 0)):
                 name = layout.sharded_dir(stem(i))
-                if holds_sharded(directory, name):
+                if index.sharded(stem(i)):
                     dcp_meta = check_dcp(directory / name, "inspect")
                     for info in dcp_meta.storage_data.values():
                         shard = directory / name / info.relative_path
@@ -323,8 +322,7 @@ def describe(report: dict[str, Any]) -> list[str]:
         lines.append(f"not in the manifest (added after the save): {', '.join(report['unlisted'])}")
     if report["verified"]:
         how = ("every file matches the manifest's size and checksum" if report["manifest"] else
-               "without checksums: it has no manifest (written before hf_backend recorded one, or by a Trainer); "
-               "the files its metadata names are there and read as plain data")
+               "without checksums: transformers.Trainer wrote it, with no manifest")
         lines.append(f"verified: yes, {how}")
     else:
         lines.append(f"verified: no ({report['problem']})")

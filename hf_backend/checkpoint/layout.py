@@ -4,14 +4,13 @@ A state checkpoint (`save_state`; object i > 0 of a kind gets an `_i` suffix):
 
     hf_backend_checkpoint.json   what was saved: format version, counts, world size, accumulation step, iteration
     model.safetensors            full weights (sharded with an index JSON when large), or
-    model_dcp/                   each process's shards (torch.distributed.checkpoint), or (read only: written by
-    model_deepspeed/  latest     earlier versions) DeepSpeed's own checkpoint of model and optimizer, `latest` tag
+    model_dcp/                   each process's shards (torch.distributed.checkpoint)
     optimizer.bin | optimizer_dcp/
     scheduler.bin  dataloader.bin  custom_checkpoint_0.pkl  scaler.pt
     rng_state_{rank}.pt          python, numpy, torch (and CUDA) generator states of each process
 
-The metadata of a `save_state` checkpoint also lists every file with its size and checksum (manifest.py), added once
-every process has written its part and verified before anything is loaded.
+The metadata also lists every file with its size and checksum (manifest.py), added once every process has written
+its part; index.py reads and verifies it before anything is loaded, and answers what the checkpoint holds.
 
 Automatic checkpoints (`ProjectConfiguration(automatic_checkpoint_naming=True)`) are `project_dir/checkpoints/
 checkpoint_{n}`. A save is staged in `<dir>.incomplete`; an overwritten checkpoint waits in `<dir>.previous` until the
@@ -34,7 +33,7 @@ import re
 from pathlib import Path
 
 METADATA = "hf_backend_checkpoint.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 1: before 2026-11-27 (unsealed checkpoints, DeepSpeed's own files), refused by index.py
 SCALER = "scaler.pt"
 STAGING_SUFFIX = ".incomplete"
 PREVIOUS_SUFFIX = ".previous"
@@ -96,23 +95,9 @@ def state_files(meta: dict) -> FullStateFiles:
     return TRAINER_FILES if meta.get("written_by") == TRAINER_WRITER else STATE_FILES
 
 
-def full_optimizer_file(stem: str) -> str:
-    return STATE_FILES.optimizer(stem)
-
-
 def sharded_dir(stem: str) -> str:
     """The DCP directory every process writes its shards of one model or optimizer into."""
     return f"{stem}_dcp"
-
-
-def native_dir(stem: str) -> str:
-    """The tag under which DeepSpeed's engine wrote its own checkpoint (hf_backend before ZeRO states were saved
-    like every other strategy's)."""
-    return f"{stem}_deepspeed"
-
-
-def scheduler_file(index: int) -> str:
-    return STATE_FILES.scheduler(index)
 
 
 def dataloader_file(index: int) -> str:

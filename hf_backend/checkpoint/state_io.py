@@ -4,7 +4,7 @@ The strategy says *what* a model's or optimizer's state is (a full state dict ga
 process's shards, through torch's distributed state-dict API; DeepSpeed: gathered from its ZeRO partitions); this
 module decides *where and how* it is written: full weights as safetensors by the main process, shards as one DCP
 directory that every process writes into. Either form loads under any strategy and world size, so a checkpoint
-resumes anywhere (DeepSpeed's own format, written by earlier versions, only under DeepSpeed as it was).
+resumes anywhere. What a checkpoint holds is read once, from its verified metadata (index.py).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from ..prepared import PreparedObjects
 from ..state import ProcessState
 from . import adapters, durable, layout, manifest, param_groups
 from . import async_save as async_save_
-from .directories import automatic_saved, interrupted_overwrite, stage
+from .directories import automatic_saved, stage
 from .files import (
     capture_rng,
     check_loaded,
@@ -34,6 +34,7 @@ from .files import (
     tied_weight_keys,
     write_weights,
 )
+from .index import CheckpointIndex, read_index
 from .safe_load import check_dcp, dcp_load
 
 if TYPE_CHECKING:  # strategies are not imported at run time: checkpoint/ loads without FSDP and DeepSpeed
@@ -53,6 +54,7 @@ class CheckpointIO:
         self.progress = progress  # the facade's counters, written into the metadata
         self.saves = async_save_.AsyncSaves()  # the async save still under way, if any
         self._save_group: Any = None
+        self.last_read: CheckpointIndex | None = None  # the checkpoint `read` restored last
 
     @property
     def sharded(self) -> bool:
@@ -134,30 +136,25 @@ class CheckpointIO:
                 **(self.progress() if extra is None else extra)}
         (directory / layout.METADATA).write_text(json.dumps(meta, indent=2))
 
-    def read(self, directory: str | os.PathLike, objects: PreparedObjects | None = None, *, rng: bool = True,
-             scaler: bool = True, checksums: bool = True, models_taken_by_hooks: bool = False) -> dict[str, Any]:
-        """Restore `objects` (default: everything prepared and registered) from `directory`; returns its metadata.
-        `checksums=False`: the manifest's sizes only (the caller has just verified the checksums).
-        `models_taken_by_hooks`: load-state hooks load some models themselves, so fewer models than the checkpoint
-        holds are read (in order, as Accelerate does)."""
-        directory, objects = interrupted_overwrite(Path(directory)), objects if objects is not None else self.prepared
-        meta = read_metadata(directory, checksums)
-        for kind, saved in meta["counts"].items():
+    def read(self, source: str | os.PathLike | CheckpointIndex, objects: PreparedObjects | None = None, *,
+             rng: bool = True, scaler: bool = True, models_taken_by_hooks: bool = False) -> CheckpointIndex:
+        """Restore `objects` (default: everything prepared and registered) from the checkpoint `source` (a directory,
+        verified here, or the index of one already verified); returns its index. `models_taken_by_hooks`: load-state
+        hooks load some models themselves, so fewer models than the checkpoint holds are read (in order, as
+        Accelerate does)."""
+        index = source if isinstance(source, CheckpointIndex) else read_index(source)
+        objects = objects if objects is not None else self.prepared
+        for kind, saved in index.counts.items():
             have = len(getattr(objects, kind))
             if saved != have and not (kind == "models" and models_taken_by_hooks and have < saved):
                 raise HfBackendError(
-                    f"load_state: {directory} holds {saved} {kind} but {have} are prepared/registered; prepare and "
-                    "register the same objects, in the same order, as the run that saved it")
-        files = layout.state_files(meta)
-        states = self._read_files(directory, objects, meta, rng, scaler, files)
+                    f"load_state: {index.directory} holds {saved} {kind} but {have} are prepared/registered; prepare "
+                    "and register the same objects, in the same order, as the run that saved it")
+        states = self._read_files(index, objects, rng, scaler)
         for i, model in enumerate(objects.models):
-            self.load_weights(model, directory, layout.model_stem(i))
-        maps: list[param_groups.GroupMap | None] = []
-        if not (directory / layout.native_dir(layout.model_stem(0))).is_dir():  # else DeepSpeed's, read with it
-            for i, optimizer in enumerate(objects.optimizers):
-                stem, state = layout.optimizer_stem(i), states["optimizers"][i]  # state None: shards, read now
-                maps.append(self.load_optimizer(optimizer, directory, stem, file=None if state is None else
-                                                files.optimizer(stem), state=state))
+            self.load_weights(model, index, layout.model_stem(i))
+        maps = [self.load_optimizer(optimizer, index, layout.optimizer_stem(i), states["optimizers"][i])
+                for i, optimizer in enumerate(objects.optimizers)]
         for i, (scheduler, state) in enumerate(zip(objects.schedulers, states["schedulers"])):
             mapping = maps[i] if len(maps) == len(objects.schedulers) else None  # scheduler i steps optimizer i
             scheduler.load_state_dict(state if mapping is None else
@@ -170,33 +167,33 @@ class CheckpointIO:
             self.precision.scaler.load_state_dict(states["scaler"])
         if states["rng"] is not None:
             restore_rng(states["rng"])
-        return meta
+        self.last_read = index
+        return index
 
-    def _read_files(self, directory: Path, objects: PreparedObjects, meta: dict[str, Any], rng: bool,
-                    scaler: bool, names: layout.FullStateFiles) -> dict[str, Any]:
+    def _read_files(self, index: CheckpointIndex, objects: PreparedObjects, rng: bool,
+                    scaler: bool) -> dict[str, Any]:
         """Every file `read` loads from, read (and refused when it holds more than plain data) before any state
         changes; DCP directories are checked (metadata and non-tensor values) and read later, into the model."""
+        directory = index.directory
         files: dict[str, Any] = {
-            "schedulers": [load_file(directory / names.scheduler(i)) for i in range(len(objects.schedulers))],
+            "schedulers": [load_file(index.scheduler_file(i)) for i in range(len(objects.schedulers))],
             "dataloaders": [load_file(directory / layout.dataloader_file(i)) for i in range(len(objects.dataloaders))],
             "custom": [load_custom_object(directory / layout.custom_file(i)) for i in range(len(objects.custom))],
             "scaler": load_file(directory / layout.SCALER)
-            if scaler and self.precision.scaler is not None and meta.get("scaler") else None,
-            "optimizers": [None] * len(objects.optimizers),
+            if scaler and self.precision.scaler is not None and index.meta.get("scaler") else None,
+            "optimizers": [None] * len(objects.optimizers),  # None: shards, read into the optimizer later
         }
         rng_file = directory / layout.rng_file(self.process.process_index)
         files["rng"] = load_file(rng_file) if rng and rng_file.is_file() else None
-        if (directory / layout.native_dir(layout.model_stem(0))).is_dir():  # an earlier version's DeepSpeed files
-            return files  # read by DeepSpeed's engine, model and optimizer together (load_weights)
         for i in range(len(objects.models)):
-            if holds_sharded(directory, layout.sharded_dir(layout.model_stem(i))):
-                check_dcp(directory / layout.sharded_dir(layout.model_stem(i)))
+            if index.sharded(layout.model_stem(i)):
+                check_dcp(index.shards(layout.model_stem(i)))
         for i in range(len(objects.optimizers)):
             stem = layout.optimizer_stem(i)
-            if holds_sharded(directory, layout.sharded_dir(stem)):
-                check_dcp(directory / layout.sharded_dir(stem))
+            if index.sharded(stem):
+                check_dcp(index.shards(stem))
             else:
-                files["optimizers"][i] = load_file(directory / names.optimizer(stem))
+                files["optimizers"][i] = load_file(index.optimizer_file(stem))
         return files
 
     # -- one model or optimizer ----------------------------------------------------------------------------------------
@@ -214,21 +211,18 @@ class CheckpointIO:
                 state_dict = writes.snapshot(state_dict)
                 writes.file(lambda: full_weights(state_dict, directory, stem, safe_serialization, tied))
 
-    def load_weights(self, model: torch.nn.Module, directory: str | os.PathLike, stem: str = "model") -> None:
-        """Weights in either form (or an earlier version's DeepSpeed checkpoint, under DeepSpeed) into the prepared
-        model."""
-        directory = Path(directory)
-        if (directory / layout.native_dir(stem)).is_dir():  # model and optimizer, in DeepSpeed's own format
-            self.strategy.load_native(directory, layout.native_dir(stem))
-            return
-        shards = directory / layout.sharded_dir(stem)
-        if holds_sharded(directory, shards.name):
+    def load_weights(self, model: torch.nn.Module, source: str | os.PathLike | CheckpointIndex,
+                     stem: str = "model") -> None:
+        """Weights into the prepared model: from a checkpoint (its index says which form), or from a directory of full
+        weights (transformers' Trainer checkpoint, `save_model`'s output)."""
+        if isinstance(source, CheckpointIndex) and source.sharded(stem):
             state_dict = {"model": self.strategy.model_state_dict(model, sharded=True)}
-            dcp_load(state_dict, shards)
+            dcp_load(state_dict, source.shards(stem))
             self.strategy.load_model_state_dict(model, state_dict["model"], sharded=True)
-        else:
-            result = self.strategy.load_model_state_dict(model, read_weights(directory, stem))
-            check_loaded(self.strategy.unwrap_model(model), result, directory)
+            return
+        directory = source.directory if isinstance(source, CheckpointIndex) else Path(source)
+        result = self.strategy.load_model_state_dict(model, read_weights(directory, stem))
+        check_loaded(self.strategy.unwrap_model(model), result, directory)
 
     def trainable_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The full weights of the trainable parameters only (a PEFT adapter's), as a checkpoint holds them (DeepSpeed:
@@ -265,34 +259,36 @@ class CheckpointIO:
             state_dict = writes.snapshot(state_dict)
             writes.file(lambda: durable.torch_file(state_dict, directory / files.optimizer(stem)))
 
-    def load_optimizer(self, optimizer: Any, directory: str | os.PathLike, stem: str = "optimizer",
-                       file: str | None = None, state: dict[str, Any] | None = None) -> param_groups.GroupMap | None:
-        """Read the shards `<stem>_dcp/`, or the full file `file` (default `<stem>.bin`; `state`: its contents, already
-        read) keyed by parameter names or, as torch's own `optimizer.state_dict()` (transformers' `optimizer.pt`), by
-        position. Returns how the saved param groups were fitted to this optimizer's (param_groups.py), if they were."""
+    def load_optimizer(self, optimizer: Any, index: CheckpointIndex, stem: str = "optimizer",
+                       state: dict[str, Any] | None = None) -> param_groups.GroupMap | None:
+        """Read the shards `<stem>_dcp/` or the full file (`state`: its contents, already read). Returns how the saved
+        param groups were fitted to this optimizer's (param_groups.py), if they were."""
+        if not index.sharded(stem):
+            return self._load_full_optimizer(optimizer, index.optimizer_file(stem), state)
         inner, model = self._optimizer_and_model(optimizer)
-        directory = Path(directory)
-        shards = directory / layout.sharded_dir(stem)
-        if file is None and holds_sharded(directory, shards.name):
-            state_dict = {"optimizer": self.strategy.optimizer_state_dict(model, inner, sharded=True)}
-            dcp_load(state_dict, shards)
-            self.strategy.load_optimizer_state_dict(model, inner, state_dict["optimizer"], sharded=True)
-        else:
-            path = directory / (file or layout.full_optimizer_file(stem))
-            state_dict = keyed_by_name(load_file(path) if state is None else state, inner,
-                                       self.strategy.unwrap_model(model), path)
-            mapping = param_groups.group_map([len(g["params"]) for g in state_dict.get("param_groups", [])],
-                                             [len(g["params"]) for g in inner.param_groups], path)
-            if mapping is not None:
-                state_dict = param_groups.fit_optimizer_state(state_dict, mapping, inner.param_groups)
-            self.strategy.load_optimizer_state_dict(model, inner, state_dict)
-            return mapping
+        state_dict = {"optimizer": self.strategy.optimizer_state_dict(model, inner, sharded=True)}
+        dcp_load(state_dict, index.shards(stem))
+        self.strategy.load_optimizer_state_dict(model, inner, state_dict["optimizer"], sharded=True)
         return None
+
+    def _load_full_optimizer(self, optimizer: Any, path: Path,
+                             state: dict[str, Any] | None = None) -> param_groups.GroupMap | None:
+        """A full optimizer state keyed by parameter names or, as torch's own `optimizer.state_dict()`
+        (transformers' `optimizer.pt`), by position."""
+        inner, model = self._optimizer_and_model(optimizer)
+        state_dict = keyed_by_name(load_file(path) if state is None else state, inner,
+                                   self.strategy.unwrap_model(model), path)
+        mapping = param_groups.group_map([len(g["params"]) for g in state_dict.get("param_groups", [])],
+                                         [len(g["params"]) for g in inner.param_groups], path)
+        if mapping is not None:
+            state_dict = param_groups.fit_optimizer_state(state_dict, mapping, inner.param_groups)
+        self.strategy.load_optimizer_state_dict(model, inner, state_dict)
+        return mapping
 
     def read_trainer_optimizer(self, optimizer: Any, scheduler: Any, directory: str | os.PathLike) -> None:
         """transformers' `optimizer.pt` (keyed by position) and `scheduler.pt` into a prepared optimizer and
         scheduler: how a checkpoint of transformers.Trainer (without DeepSpeed) resumes on the engine."""
-        self.load_optimizer(optimizer, directory, file=layout.TRAINER_OPTIMIZER)  # positional: the same groups
+        self._load_full_optimizer(optimizer, Path(directory) / layout.TRAINER_OPTIMIZER)  # positional: same groups
         scheduler.load_state_dict(load_file(Path(directory) / layout.TRAINER_SCHEDULER))
 
     def save_pretrained(self, model: torch.nn.Module, directory: str | os.PathLike, max_shard_size: int | str,
@@ -344,74 +340,6 @@ def full_weights(state_dict: dict[str, torch.Tensor], directory: Path, stem: str
     return {}
 
 
-def read_metadata(source: str | os.PathLike, checksums: bool = True, caller: str = "load_state") -> dict[str, Any]:
-    """The checkpoint's metadata, once its format version and manifest check out (`checksums`: hash every file).
-    Whatever is wrong is one line naming the file (`caller` starts it)."""
-    source = Path(source)
-    if not source.is_dir():
-        raise HfBackendError(f"{caller}: no checkpoint directory at {source}; pass the directory save_state wrote")
-    meta_path = source / layout.METADATA
-    path = source
-    try:
-        os.listdir(source)  # pathlib would report the files of an unreadable directory as missing
-        path = meta_path
-        text = _read_metadata_file(meta_path, source, caller)
-    except OSError as err:
-        raise HfBackendError(f"{caller}: {path} cannot be read ({type(err).__name__}); give this process read access "
-                             "to it") from None
-    meta = _parse_metadata(meta_path, text, caller)
-    version = meta.get("format_version", 1)
-    if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= layout.FORMAT_VERSION:
-        raise HfBackendError(f"{caller}: {meta_path} has format_version {version!r}; this hf_backend reads versions "
-                             f"1 to {layout.FORMAT_VERSION}: load it with the hf_backend that wrote it, or upgrade")
-    manifest.check_metadata(meta_path, meta, caller)  # after the version: a newer format may seal otherwise
-    for key, kind in (("num_processes", int), ("counts", dict)):
-        if not isinstance(meta.get(key), kind):
-            raise HfBackendError(f"{caller}: {meta_path} has no valid {key!r}; the checkpoint is damaged, use another "
-                                 "one")
-    if "files" in meta:  # sealed; checkpoints of earlier versions (and Ray's per-process parts) have none
-        manifest.verify(source, meta["files"], checksums, caller)
-    return meta
-
-
-def _read_metadata_file(meta_path: Path, source: Path, caller: str) -> str:
-    if meta_path.is_dir():
-        raise HfBackendError(f"{caller}: {meta_path} is a directory where the metadata file should be; the checkpoint "
-                             "is damaged, use another one")
-    if not meta_path.is_file():
-        raise HfBackendError(f"{caller}: {source} is not an hf_backend checkpoint (no {layout.METADATA}); pass a "
-                             "directory written by Accelerator.save_state")
-    try:
-        return meta_path.read_bytes().decode()
-    except UnicodeDecodeError:
-        raise HfBackendError(f"{caller}: {meta_path} is corrupt (not UTF-8 text); use another checkpoint") from None
-
-
-def _parse_metadata(meta_path: Path, text: str, caller: str) -> dict[str, Any]:
-    if not text.strip():
-        raise HfBackendError(f"{caller}: {meta_path} is empty; use another checkpoint")
-    try:
-        meta = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise HfBackendError(f"{caller}: {meta_path} is corrupt (line {err.lineno}); use another checkpoint") \
-            from None
-    if not isinstance(meta, dict):
-        raise HfBackendError(f"{caller}: {meta_path} is corrupt (not a JSON object); use another checkpoint")
-    return meta
-
-
-def holds_sharded(directory: Path, name: str) -> bool:
-    """Whether the DCP directory `name` is part of the checkpoint: listed in its manifest when it has one (a
-    directory added after the save is never read), else present (checkpoints written before the manifest)."""
-    try:
-        files = json.loads((directory / layout.METADATA).read_text()).get("files")
-    except (OSError, ValueError, AttributeError):
-        files = None
-    if not isinstance(files, dict):
-        return (directory / name).is_dir()
-    return any(Path(f).parts[:1] == (name,) for f in files)
-
-
 def keyed_by_name(state_dict: dict[str, Any], optimizer: torch.optim.Optimizer, model: torch.nn.Module,
                   path: Path) -> dict[str, Any]:
     """A full optimizer state keyed by parameter names. torch's `optimizer.state_dict()` numbers the parameters in
@@ -458,4 +386,4 @@ def apply_load_hooks(hooks: Iterable[Callable], objects: PreparedObjects,
     return objects.with_models(models)
 
 
-__all__ = ["CheckpointIO", "full_weights", "apply_load_hooks", "apply_save_hooks", "keyed_by_name", "read_metadata"]
+__all__ = ["CheckpointIO", "full_weights", "apply_load_hooks", "apply_save_hooks", "keyed_by_name"]

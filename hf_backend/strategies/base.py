@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -177,13 +176,6 @@ class Strategy:
     def model_of(self, optimizer: Any) -> torch.nn.Module | None:
         """The prepared model an optimizer steps, where its param groups do not say (DeepSpeed's hold partitions)."""
         return None
-
-    def load_native(self, directory: Path, tag: str) -> None:
-        """Read model and optimizer from `directory/tag` in an engine's own format: DeepSpeed checkpoints written by
-        hf_backend before its ZeRO states were saved like every other strategy's."""
-        raise HfBackendError(f"load_state: {directory / tag} is DeepSpeed's own checkpoint format (an earlier "
-                             "hf_backend); resume it under DeepSpeed with the stage and world size that wrote it, or "
-                             "take its weights with `hf-backend checkpoint consolidate`")
 
     def reset(self) -> None:
         """Drop every reference to prepared objects this strategy holds (`Accelerator.free_memory`)."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -101,9 +100,6 @@ class DeepSpeedStrategy(Strategy):
             model_parameters=None if client is not None else params,
         )
         self._client_optimizer = optimizer
-        from ..checkpoint.deepspeed_files import read_safely
-
-        read_safely(self.engine)  # transformers' Trainer loads its DeepSpeed checkpoints through this engine too
 
     def _resolve_placeholders(self, config: dict[str, Any], optimizer: Any, scheduler: Any) -> None:
         """A config "optimizer"/"scheduler" section goes with DummyOptim/DummyScheduler, whose values fill "auto"."""
@@ -275,8 +271,7 @@ class DeepSpeedStrategy(Strategy):
 
     # -- state -------------------------------------------------------------------------------------------------------
     # Checkpoints hold what every strategy writes (deepspeed_state.py): full fp32 master weights and an optimizer
-    # state keyed by parameter name, gathered from the partitions, so they resume anywhere. Checkpoints of earlier
-    # versions in DeepSpeed's own format (`model_deepspeed/`) are still read, here only (`load_native`).
+    # state keyed by parameter name, gathered from the partitions, so they resume anywhere.
 
     def model_state_dict(self, model: torch.nn.Module, sharded: bool = False,
                          trainable_only: bool = False) -> dict[str, torch.Tensor]:
@@ -328,17 +323,6 @@ class DeepSpeedStrategy(Strategy):
             return None
         own = (engine.optimizer, getattr(engine.optimizer, "optimizer", None), self._client_optimizer)
         return engine if any(optimizer is o for o in own if o is not None) else None
-
-    def load_native(self, directory: Path, tag: str) -> None:
-        """A checkpoint of an earlier version, in DeepSpeed's own format: same stage and world size only. Its files
-        are read with `weights_only=True` (the engine reads through checkpoint/deepspeed_files.py since `on_prepare`):
-        no pickled code runs."""
-        written_by = len(list((directory / tag).glob("*zero_pp_rank_*_optim_states.pt")))
-        if written_by and written_by != self.process.num_processes:
-            raise HfBackendError(f"load_state: {directory / tag} is DeepSpeed's own format (an earlier hf_backend), "
-                                 f"written by {written_by} processes: resume it with {written_by}, or take its weights "
-                                 "with `hf-backend checkpoint consolidate`")
-        self.engine.load_checkpoint(str(directory), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False)
 
     def _engine_of(self, model: torch.nn.Module) -> Any:
         return model if hasattr(model, "_zero3_consolidated_16bit_state_dict") else self.engine

@@ -89,7 +89,7 @@ class Trainer(transformers.Trainer):
         self._loss_checked = False
         self._counted_model: Any = None  # floating_point_ops: the model whose parameters were counted, and how many
         self._counted_parameters = 0
-        self._verified_checkpoint: Any = None  # the checkpoint train() verified (hashed once)
+        self._resume_index: checkpoint.CheckpointIndex | None = None  # the checkpoint train() verified (hashed once)
         super().__init__(model=model, args=args, **kwargs)
         if args.enable_jit_checkpoint:
             self._coordinate_jit_checkpoint()
@@ -259,12 +259,15 @@ class Trainer(transformers.Trainer):
         that is complete and verifies, passing over newer ones with a note. An async checkpoint still being written
         is finished first, and the last one is complete when `train()` returns."""
         self.accelerator.checkpoint_io.wait()
-        usable = functools.partial(check_checkpoint, fresh_optimizer=self.args.save_only_model)
+        self._resume_index = None
+
+        def usable(directory: str | os.PathLike) -> None:
+            self._resume_index = check_checkpoint(directory, fresh_optimizer=self.args.save_only_model)
+
         if resume_from_checkpoint is True:  # under torch elastic a first start has none yet: it starts fresh
             resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir, usable, elastic.under_elastic())
         elif resume_from_checkpoint and os.path.isdir(resume_from_checkpoint):
             usable(resume_from_checkpoint)
-        self._verified_checkpoint = resume_from_checkpoint  # its files are not hashed a second time
         result = super().train(resume_from_checkpoint, *args, **kwargs)
         self.accelerator.checkpoint_io.wait()
         return result
@@ -360,14 +363,13 @@ class Trainer(transformers.Trainer):
     def _load_optimizer_and_scheduler(self, checkpoint_dir: str | None) -> None:
         if checkpoint_dir is None:
             return
-        io = self.accelerator.checkpoint_io
-        if not checkpoint.layout.holds_engine_state(checkpoint_dir):  # written by transformers.Trainer
+        io, index = self.accelerator.checkpoint_io, self._index(checkpoint_dir)
+        if index is None:  # written by transformers.Trainer
             if checkpoint.layout.holds_trainer_optimizer(checkpoint_dir):  # (none: saved with save_only_model)
                 io.read_trainer_optimizer(self.optimizer, self.lr_scheduler, checkpoint_dir)
             return
-        meta = checkpoint.read_metadata(checkpoint_dir, checkpoint_dir != self._verified_checkpoint, RESUME)
-        with_optimizer = meta["counts"].get("optimizers", 0) > 0  # none: saved with save_only_model
-        io.read(checkpoint_dir, self._engine_objects(with_optimizer), rng=False, scaler=False, checksums=False)
+        with_optimizer = index.counts.get("optimizers", 0) > 0  # none: saved with save_only_model
+        io.read(index, self._engine_objects(with_optimizer), rng=False, scaler=False)
         if self.args.ignore_data_skip and self._train_loader is not None:
             self._train_loader.skip_first_batches(0)  # the resumed epoch from its first batch, as transformers
 
@@ -379,7 +381,19 @@ class Trainer(transformers.Trainer):
 
     def _load_weights(self, model: torch.nn.Module, directory: str) -> None:
         io = self.accelerator.checkpoint_io
-        io.load_adapter(model, directory) if self._adapter_weights() else io.load_weights(model, directory)
+        if self._adapter_weights():
+            io.load_adapter(model, directory)
+        else:
+            io.load_weights(model, self._index(directory) or directory)
+
+    def _index(self, directory: str | os.PathLike) -> checkpoint.CheckpointIndex | None:
+        """The index of an hf_backend checkpoint (the one `train()` verified is not read again), None for one
+        transformers.Trainer wrote (full files, no engine metadata)."""
+        if self._resume_index is not None and self._resume_index.directory == Path(directory):
+            return self._resume_index
+        if not checkpoint.layout.holds_engine_state(directory):
+            return None
+        return checkpoint.read_index(directory, caller=RESUME)
 
 
 def _loss_of(outputs: Any) -> torch.Tensor:
@@ -405,16 +419,18 @@ def last_complete_checkpoint(output_dir: str, usable: Callable[[str], None] | No
                       "no complete checkpoint-* directory there; train without resuming or pass a checkpoint path")
 
 
-def check_checkpoint(directory: str | os.PathLike, fresh_optimizer: bool = False) -> None:
+def check_checkpoint(directory: str | os.PathLike, fresh_optimizer: bool = False) -> checkpoint.CheckpointIndex | None:
     """Raise HfBackendError, one line naming the file, unless the Trainer checkpoint `directory` is complete, its
-    manifest (when sealed) checks out, and it holds an optimizer state (or `fresh_optimizer`: save_only_model)."""
+    manifest (when sealed) checks out, and it holds an optimizer state (or `fresh_optimizer`: save_only_model).
+    Returns its index (None for a checkpoint transformers.Trainer wrote)."""
     layout, directory = checkpoint.layout, Path(directory)
     try:
         names = set(os.listdir(directory))
     except OSError as err:
         raise HfBackendError(f"{RESUME}: {directory} cannot be read ({type(err).__name__}); give this process read "
                              "access to it") from None
-    meta = checkpoint.read_metadata(directory, caller=RESUME) if layout.METADATA in names else {}
+    index = checkpoint.read_index(directory, caller=RESUME) if layout.METADATA in names else None
+    meta = index.meta if index is not None else {}
     engine = sorted(names & {layout.dataloader_file(0), layout.sharded_dir("model"), layout.sharded_dir("optimizer")})
     if not meta and engine:  # hf_backend wrote it (transformers.Trainer writes none of these): the metadata is lost
         raise HfBackendError(f"{RESUME}: {directory / layout.METADATA} is missing though hf_backend wrote the "
@@ -427,7 +443,7 @@ def check_checkpoint(directory: str | os.PathLike, fresh_optimizer: bool = False
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise HfBackendError(f"{RESUME}: {state} is damaged ({type(err).__name__}); use another checkpoint") from None
     if fresh_optimizer or meta.get("counts", {}).get("optimizers", 0) > 0 or layout.holds_trainer_optimizer(directory):
-        return
+        return index
     if not meta and any(directory.glob(layout.TRAINER_DEEPSPEED_GLOB)):
         raise HfBackendError(f"{RESUME}: {directory} holds DeepSpeed's own checkpoint (global_step*/, as "
                              "transformers.Trainer writes it under DeepSpeed), which hf_backend.Trainer does not read; "

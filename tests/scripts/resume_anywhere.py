@@ -46,8 +46,8 @@ def main() -> int:
     p.add_argument("--done", type=int, default=0, help="the optimizer steps the resumed checkpoint had taken")
     p.add_argument("--checkpoint", default=None)
     p.add_argument("--final", default=None, help="save_state here at the end (its weights: the fp32 masters)")
-    p.add_argument("--native", default=None, help="DeepSpeed: also write (and read back) the engine's own checkpoint "
-                   "here at the end, tag model_deepspeed, as hf_backend did before it wrote ZeRO states like the rest")
+    p.add_argument("--native", default=None, help="DeepSpeed: also write the engine's own checkpoint here at the end "
+                   "(tag global_step, as transformers.Trainer does under DeepSpeed), for consolidate to merge")
     args = p.parse_args()
 
     accelerator = Accelerator(split_batches=True, mixed_precision=args.mixed_precision,
@@ -83,9 +83,7 @@ def main() -> int:
     if args.final:
         accelerator.save_state(args.final)
     if args.native:
-        model.save_checkpoint(args.native, tag="model_deepspeed")
-        model.load_checkpoint(args.native, tag="model_deepspeed", load_optimizer_states=True,
-                              load_lr_scheduler_states=False)  # through hf_backend's reading without pickle
+        model.save_checkpoint(args.native, tag="global_step")
     model.eval()
     with torch.no_grad():
         report["logits"] = model(input_ids=data(4).tensors[0]).logits.float().tolist()
