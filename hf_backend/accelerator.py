@@ -403,13 +403,12 @@ class Accelerator(ProcessView, compat.AccelerateMembers, elastic.ElasticMembers)
                    async_save: bool | None = None) -> str:
         """Save everything needed to continue training exactly where it stands; returns the directory. `async_save`
         (default ProjectConfiguration.async_save): return once it is in host memory, writing it in the background."""
-        config = self.project_configuration
-        target = output_dir if output_dir is not None else checkpoint.automatic_dir(config)
+        config, automatic = self.project_configuration, output_dir is None
+        target = checkpoint.automatic_dir(config) if automatic else output_dir
         objects = checkpoint.apply_save_hooks(self._save_state_pre_hooks.values(), self._objects, target,
                                               functools.partial(self.get_state_dict, unwrap=False))
-        return str(self.checkpoint_io.save(target, objects, safe_serialization=safe_serialization,
-                                           on_each_node=config.save_on_each_node, project=output_dir is None and config,
-                                           async_save=config.async_save if async_save is None else async_save))
+        return str(self.checkpoint_io.save(target, objects, config, automatic=automatic,
+                                           safe_serialization=safe_serialization, async_save=async_save))
 
     def wait_for_checkpoint(self) -> None:
         """Block until an async `save_state` is on disk (every process); its failure raises here."""
@@ -417,7 +416,7 @@ class Accelerator(ProcessView, compat.AccelerateMembers, elastic.ElasticMembers)
 
     def _progress(self) -> dict[str, Any]:
         """The counters a checkpoint keeps besides the objects' states (restored by `load_state`)."""
-        return {"accumulation_step": self.step, **elastic.progress(self)}
+        return {"accumulation_step": self.step, **self._elastic_progress()}
 
     def load_state(self, input_dir: str | os.PathLike | None = None) -> None:
         """Restore what `save_state` wrote. The next pass over each prepared dataloader continues with the batch after

@@ -19,7 +19,7 @@ from .config import environment as env
 from .enums import DistributedType, FP8BackendType
 from .errors import HfBackendError
 from .log import note
-from .options import TorchDynamoPlugin
+from .options import DataLoaderConfiguration, Handlers, TorchDynamoPlugin
 
 # Accelerator(...) arguments with nothing to do here, and why.
 _NOOP_ARGUMENTS = {
@@ -113,73 +113,83 @@ class AccelerateMembers:
 
     rng_types = None
 
+    # What the Accelerator this is mixed into holds, which the members below answer from (declared, not set here).
+    handlers: Handlers
+    trigger: Any
+    tracking: Any
+    dataloader_config: DataLoaderConfiguration
+    state: Any  # AcceleratorState
+    distributed_type: DistributedType
+    is_local_main_process: bool
+    mixed_precision: str
+
     @property
     def ddp_handler(self) -> Any:
-        return self.handlers.ddp  # type: ignore[attr-defined]
+        return self.handlers.ddp
 
     @property
     def scaler_handler(self) -> Any:
-        return self.handlers.scaler  # type: ignore[attr-defined]
+        return self.handlers.scaler
 
     @property
     def init_handler(self) -> Any:
-        return self.handlers.init  # type: ignore[attr-defined]
+        return self.handlers.init
 
     @property
     def autocast_handler(self) -> Any:
-        return self.handlers.autocast  # type: ignore[attr-defined]
+        return self.handlers.autocast
 
     @property
     def profile_handler(self) -> Any:
-        return self.handlers.profile  # type: ignore[attr-defined]
+        return self.handlers.profile
 
     @property
     def flag_tensor(self) -> torch.Tensor:
-        return self.trigger.flag  # type: ignore[attr-defined]
+        return self.trigger.flag
 
     @property
     def log_with(self) -> list:
-        return self.tracking.log_with  # type: ignore[attr-defined]
+        return self.tracking.log_with
 
     @property
     def dispatch_batches(self) -> bool | None:
-        return self.dataloader_config.dispatch_batches  # type: ignore[attr-defined]
+        return self.dataloader_config.dispatch_batches
 
     @property
     def use_seedable_sampler(self) -> bool:
-        return self.dataloader_config.use_seedable_sampler  # type: ignore[attr-defined]
+        return self.dataloader_config.use_seedable_sampler
 
     @property
     def non_blocking(self) -> bool:
-        return self.dataloader_config.non_blocking  # type: ignore[attr-defined]
+        return self.dataloader_config.non_blocking
 
     @property
     def use_stateful_dataloader(self) -> bool:
-        return self.dataloader_config.use_stateful_dataloader  # type: ignore[attr-defined]
+        return self.dataloader_config.use_stateful_dataloader
 
     @property
     def fsdp_plugin(self) -> Any:
-        return self.state.fsdp_plugin  # type: ignore[attr-defined]
+        return self.state.fsdp_plugin
 
     @property
     def deepspeed_plugin(self) -> Any:
-        return self.state.deepspeed_plugin  # type: ignore[attr-defined]
+        return self.state.deepspeed_plugin
 
     @property
     def is_fsdp2(self) -> bool:
-        return self.state.is_fsdp2  # type: ignore[attr-defined]
+        return self.state.is_fsdp2
 
     @property
     def multi_device(self) -> bool:
-        return self.distributed_type in (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)  # type: ignore
+        return self.distributed_type in (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
 
     @property
     def should_save_model(self) -> bool:
-        return self.is_local_main_process  # type: ignore[attr-defined]
+        return self.is_local_main_process
 
     @property
     def native_amp(self) -> bool:
-        return self.mixed_precision in ("fp16", "bf16")  # type: ignore[attr-defined]
+        return self.mixed_precision in ("fp16", "bf16")
 
     @property
     def tensor_parallel_rank(self) -> int:

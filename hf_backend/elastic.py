@@ -16,11 +16,17 @@ step sees the same samples, the same learning rate and the same accumulation as 
 from __future__ import annotations
 
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from . import checkpoint
 from .errors import HfBackendError
 from .log import note
+
+if TYPE_CHECKING:
+    from .checkpoint import CheckpointIO
+    from .options import ProjectConfiguration
+    from .prepared import PreparedObjects
 
 RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 
@@ -37,18 +43,17 @@ def under_elastic() -> bool:
     return RESTART_COUNT in os.environ
 
 
-def progress(accelerator: Any) -> dict[str, Any]:
-    """Counters a checkpoint keeps: the automatic numbering, and what restores the global batch in another world (the
-    accumulation, the scheduler's steps per optimizer step)."""
-    schedulers = accelerator._objects.schedulers
-    per_update = getattr(schedulers[0], "steps_per_update", None) if schedulers else None
-    return {"iteration": accelerator.project_configuration.iteration,
-            "gradient_accumulation_steps": accelerator.gradient_accumulation_steps,
-            "scheduler_steps_per_update": per_update}
-
-
 class ElasticMembers:
-    """The Accelerator's members for restarts: `restart_count`, `is_restart`, `resume_from_checkpoint`."""
+    """The Accelerator's members for restarts: `restart_count`, `is_restart`, `resume_from_checkpoint`, and the
+    counters a checkpoint keeps for them."""
+
+    # What the Accelerator this is mixed into holds (declared, not set here).
+    _objects: PreparedObjects
+    checkpoint_io: CheckpointIO
+    project_configuration: ProjectConfiguration
+    gradient_accumulation_steps: int
+    num_processes: int
+    load_state: Callable[..., None]
 
     @property
     def restart_count(self) -> int:
@@ -63,42 +68,44 @@ class ElasticMembers:
         """Load the newest complete automatic checkpoint when there is one (call after `prepare` and
         `register_for_checkpointing`); returns its directory, or None when training starts from the beginning.
         `keep_global_batch`: in a world of another size, scale the gradient accumulation to keep the global batch."""
-        return resume(self, keep_global_batch)
+        config = self.project_configuration
+        if not (config.automatic_checkpoint_naming and config.project_dir):
+            raise HfBackendError("resume_from_checkpoint() reads automatic checkpoints; pass Accelerator(project_"
+                                 "config=ProjectConfiguration(project_dir=..., automatic_checkpoint_naming=True))")
+        if not checkpoint.layout.automatic_dirs(config.project_dir):
+            if self.restart_count:
+                note(f"restart {self.restart_count}: no checkpoint under {config.project_dir}/checkpoints yet; "
+                     "starting from the beginning")
+            return None
+        self.load_state()  # when every checkpoint is damaged it raises: starting over would hide that
+        index = self.checkpoint_io.last_read
+        if keep_global_batch:
+            self._keep_global_batch(index.meta)
+        note(f"resumed from {index.directory} (restart {self.restart_count}, {self.num_processes} processes)")
+        return str(index.directory)
 
+    def _elastic_progress(self) -> dict[str, Any]:
+        """Counters a checkpoint keeps: the automatic numbering, and what restores the global batch in another world
+        (the accumulation, the scheduler's steps per optimizer step)."""
+        schedulers = self._objects.schedulers
+        per_update = getattr(schedulers[0], "steps_per_update", None) if schedulers else None
+        return {"iteration": self.project_configuration.iteration,
+                "gradient_accumulation_steps": self.gradient_accumulation_steps,
+                "scheduler_steps_per_update": per_update}
 
-def resume(accelerator: Any, keep_global_batch: bool = False) -> str | None:
-    """`Accelerator.resume_from_checkpoint`: load the newest complete automatic checkpoint, if any."""
-    config = accelerator.project_configuration
-    if not (config.automatic_checkpoint_naming and config.project_dir):
-        raise HfBackendError("resume_from_checkpoint() reads automatic checkpoints; pass Accelerator(project_config="
-                             "ProjectConfiguration(project_dir=..., automatic_checkpoint_naming=True))")
-    if not checkpoint.layout.automatic_dirs(config.project_dir):
-        if accelerator.restart_count:
-            note(f"restart {accelerator.restart_count}: no checkpoint under {config.project_dir}/checkpoints yet; "
-                 "starting from the beginning")
-        return None
-    accelerator.load_state()  # when every checkpoint is damaged it raises: starting over would hide that
-    index = accelerator.checkpoint_io.last_read
-    loaded = str(index.directory)
-    if keep_global_batch:
-        _keep_global_batch(accelerator, index.meta)
-    note(f"resumed from {loaded} (restart {accelerator.restart_count}, {accelerator.num_processes} processes)")
-    return loaded
-
-
-def _keep_global_batch(accelerator: Any, meta: dict[str, Any]) -> None:
-    saved_world, world = int(meta["num_processes"]), accelerator.num_processes
-    saved_accumulation = int(meta.get("gradient_accumulation_steps") or 1)
-    micro_batches = saved_world * saved_accumulation  # per-process batches in one optimizer step, all processes
-    if micro_batches % world:
-        raise HfBackendError(f"resume_from_checkpoint(keep_global_batch=True): the checkpoint's global batch is "
-                             f"{micro_batches} per-process batches, which {world} processes cannot split evenly; "
-                             "resume with a world size that divides it, or keep_global_batch=False")
-    accelerator.gradient_accumulation_steps = micro_batches // world
-    per_update = meta.get("scheduler_steps_per_update")
-    for scheduler in accelerator._objects.schedulers:
-        if per_update and hasattr(scheduler, "steps_per_update"):
-            scheduler.steps_per_update = int(per_update)
-    if saved_world != world:
-        note(f"keep_global_batch: {saved_world} -> {world} processes, gradient accumulation {saved_accumulation} -> "
-             f"{accelerator.gradient_accumulation_steps}")
+    def _keep_global_batch(self, meta: dict[str, Any]) -> None:
+        saved_world, world = int(meta["num_processes"]), self.num_processes
+        saved_accumulation = int(meta.get("gradient_accumulation_steps") or 1)
+        micro_batches = saved_world * saved_accumulation  # per-process batches in one optimizer step, all processes
+        if micro_batches % world:
+            raise HfBackendError(f"resume_from_checkpoint(keep_global_batch=True): the checkpoint's global batch is "
+                                 f"{micro_batches} per-process batches, which {world} processes cannot split evenly; "
+                                 "resume with a world size that divides it, or keep_global_batch=False")
+        self.gradient_accumulation_steps = micro_batches // world
+        per_update = meta.get("scheduler_steps_per_update")
+        for scheduler in self._objects.schedulers:
+            if per_update and hasattr(scheduler, "steps_per_update"):
+                scheduler.steps_per_update = int(per_update)
+        if saved_world != world:
+            note(f"keep_global_batch: {saved_world} -> {world} processes, gradient accumulation "
+                 f"{saved_accumulation} -> {self.gradient_accumulation_steps}")

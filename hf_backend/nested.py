@@ -9,22 +9,24 @@ from typing import Any
 import torch
 
 
-def recursively_apply(fn: Callable[[torch.Tensor], Any], data: Any) -> Any:
-    """Apply `fn` to every tensor inside `data`, rebuilding the containers around the results."""
+def recursively_apply(fn: Callable[[torch.Tensor], Any], data: Any,
+                      leaf: Callable[[Any], Any] | None = None) -> Any:
+    """Apply `fn` to every tensor inside `data`, rebuilding the containers (mappings, lists, tuples, namedtuples,
+    ModelOutput) around the results; `leaf` to everything else (default: kept as it is)."""
     if isinstance(data, torch.Tensor):
         return fn(data)
     if isinstance(data, Mapping):
-        items = {k: recursively_apply(fn, v) for k, v in data.items()}
+        items = {k: recursively_apply(fn, v, leaf) for k, v in data.items()}
         try:
             return type(data)(**items) if hasattr(data, "to_tuple") else type(data)(items)
         except TypeError:
             return items
     if isinstance(data, (list, tuple)):
-        values = [recursively_apply(fn, v) for v in data]
+        values = [recursively_apply(fn, v, leaf) for v in data]
         if hasattr(data, "_fields"):  # namedtuple
             return type(data)(*values)
         return type(data)(values)
-    return data
+    return data if leaf is None else leaf(data)
 
 
 def send_to_device(data: Any, device: torch.device | str, non_blocking: bool = False) -> Any:

@@ -17,6 +17,7 @@ import torch
 
 from .errors import HfBackendError
 from .log import note
+from .nested import recursively_apply
 from .options import AutocastKwargs, GradScalerKwargs
 
 PRECISIONS = ("no", "fp16", "bf16")
@@ -48,19 +49,9 @@ def _size(n: float) -> str:
     return f"{n:.1f} TB"
 
 
-def _to_fp32(value):
-    if isinstance(value, torch.Tensor):
-        return value.float() if value.dtype in (torch.float16, torch.bfloat16) else value
-    if isinstance(value, dict):
-        # Keep ModelOutput and other dict subclasses: update in place where the type allows it.
-        try:
-            out = type(value)(**{k: _to_fp32(v) for k, v in value.items()})
-        except TypeError:
-            out = {k: _to_fp32(v) for k, v in value.items()}
-        return out
-    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(_to_fp32(v) for v in value)
-    return value
+def _to_fp32(value: Any) -> Any:
+    """Model outputs with their fp16 / bf16 tensors in fp32 (containers, ModelOutput included, rebuilt)."""
+    return recursively_apply(lambda t: t.float() if t.dtype in (torch.float16, torch.bfloat16) else t, value)
 
 
 class Precision:

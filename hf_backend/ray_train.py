@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from .accelerator import Accelerator
+from .checkpoint import manifest
 from .checkpoint.layout import RAY_MODEL_DIR
 from .errors import HfBackendError
 
@@ -79,6 +80,8 @@ def report(accelerator: Accelerator, metrics: dict[str, Any], *, model: torch.nn
         directory = Path(tmp)
         if checkpoint_state:
             accelerator.checkpoint_io.write(directory)
+            if accelerator.is_main_process:  # its own files: the other processes' parts join them in Ray's merge
+                manifest.seal(directory)
         if model is not None:
             accelerator.save_model(model, directory / RAY_MODEL_DIR)
         # Upload is synchronous: the directory is in storage when report returns and can go.

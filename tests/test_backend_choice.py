@@ -4,6 +4,7 @@ process state."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -65,7 +66,7 @@ def test_explicit_arguments_win_then_the_launcher_then_plain_data_parallelism(mo
     deepspeed_launch = _launched("DEEPSPEED", deepspeed_config={"zero_stage": 3})
     chosen = choose_backend(FullyShardedDataParallelPlugin(sharding_strategy="SHARD_GRAD_OP"), None, deepspeed_launch)
     assert chosen.kind == "FSDP" and chosen.deepspeed is None
-    assert chosen.fsdp.section.fsdp_sharding_strategy == "SHARD_GRAD_OP" and chosen.fsdp.plugin.fsdp_version == 2
+    assert chosen.fsdp.sharding_strategy == "SHARD_GRAD_OP" and chosen.fsdp.as_plugin().fsdp_version == 2
     assert notes == []  # the Accelerator overrides the launcher silently, as before
     chosen = choose_backend(True, None, deepspeed_launch, TRAINING_ARGUMENTS)
     assert (chosen.kind, chosen.fsdp, chosen.deepspeed) == ("FSDP", None, None)  # TrainingArguments read their own
@@ -76,7 +77,7 @@ def test_explicit_arguments_win_then_the_launcher_then_plain_data_parallelism(mo
     fsdp_launch = _launched("FSDP", fsdp_config={"fsdp_state_dict_type": "SHARDED_STATE_DICT"})
     for caller in (ACCELERATOR, TRAINING_ARGUMENTS):  # the launcher's options are read here for both callers
         options = choose_backend(launch_config=fsdp_launch, caller=caller).fsdp
-        assert options.section.fsdp_state_dict_type == "SHARDED_STATE_DICT"
+        assert options.state_dict_type == "SHARDED_STATE_DICT"
     assert choose_backend(launch_config=_launched("MULTI_CPU")).kind == "DATA_PARALLEL"
     assert choose_backend(launch_config=None) == backend_module.Backend("DATA_PARALLEL")
 
@@ -91,33 +92,37 @@ def test_both_backends_asked_for_is_each_callers_one_line_error():
 def test_the_launcher_environment_is_read_when_no_launch_config_is_passed(monkeypatch):
     monkeypatch.setenv(env.DISTRIBUTED_TYPE, "FSDP")
     monkeypatch.setenv(env.FSDP_CONFIG, json.dumps({"fsdp_transformer_layer_cls_to_wrap": "BertLayer"}))
-    assert choose_backend().fsdp.section.fsdp_transformer_layer_cls_to_wrap == "BertLayer"
+    assert choose_backend().fsdp.transformer_cls_names_to_wrap == "BertLayer"
 
 
-def test_the_docs_yaml_is_resolved_once_from_training_arguments_to_the_strategy(tmp_path, resolutions,
-                                                                               loading_variables):
+def test_the_docs_yaml_becomes_one_frozen_value_from_training_arguments_to_the_strategy(tmp_path, resolutions,
+                                                                                     loading_variables):
+    """The file is read into FsdpOptions once, in TrainingArguments; the Trainer hands that value on, and the
+    strategy runs from the same object (no plugin is resolved on the way)."""
     pytest.importorskip("transformers")
     from hf_backend import TrainingArguments
 
     config = tmp_path / "fsdp.yaml"
     config.write_text(DOCS_FSDP_YAML)
     args = TrainingArguments(output_dir=str(tmp_path / "out"), report_to="none", fsdp_config=str(config))
-    assert len(resolutions) == 1
-    # What the Trainer does: Accelerator(fsdp_plugin=args.fsdp_plugin) chooses, then selects the strategy.
-    chosen = choose_backend(args.fsdp_plugin, None, None)
+    # What the Trainer does: Accelerator(fsdp_plugin=args.fsdp_options) chooses, then selects the strategy.
+    chosen = choose_backend(args.fsdp_options, None, None)
     strategy = select_strategy(TWO_CPU, Precision("no", TWO_CPU.device), Handlers(), chosen)
-    assert len(resolutions) == 1, "resolved again after TrainingArguments"
-    assert isinstance(strategy, FSDPStrategy) and strategy.plugin is args.fsdp_plugin
-    assert strategy.options is chosen.fsdp.section and strategy.options.fsdp_state_dict_type == "SHARDED_STATE_DICT"
-    assert args.fsdp_config == {key: getattr(strategy.options, key) for key in args.fsdp_config}
+    assert resolutions == []
+    assert isinstance(strategy, FSDPStrategy) and strategy.options is args.fsdp_options is chosen.fsdp
+    assert strategy.options.state_dict_type == args.fsdp_plugin.state_dict_type == "SHARDED_STATE_DICT"
+    assert args.fsdp_config == strategy.options.as_config() and strategy.plugin == args.fsdp_plugin
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        strategy.options.state_dict_type = "FULL_STATE_DICT"
 
 
-def test_a_plugin_changed_after_resolution_is_resolved_anew(resolutions):
-    options = FsdpOptions.of(FullyShardedDataParallelPlugin(sharding_strategy="SHARD_GRAD_OP"))
-    assert FsdpOptions.of(options.plugin) is options and len(resolutions) == 1
-    options.plugin.activation_checkpointing = True
-    again = FsdpOptions.of(options.plugin)
-    assert again is not options and again.section.fsdp_activation_checkpointing and len(resolutions) == 2
+def test_a_plugin_is_resolved_once_and_changing_it_afterwards_changes_nothing_resolved(resolutions):
+    plugin = FullyShardedDataParallelPlugin(sharding_strategy="SHARD_GRAD_OP")
+    options = FsdpOptions.of(plugin)
+    assert FsdpOptions.of(options) is options and len(resolutions) == 1
+    assert (options.sharding_strategy, options.reshard_after_forward) == ("SHARD_GRAD_OP", False)
+    plugin.activation_checkpointing = True
+    assert not options.activation_checkpointing and FsdpOptions.of(plugin).activation_checkpointing
 
 
 def test_one_process_reports_fsdp_without_resolving_again(resolutions):
@@ -164,8 +169,8 @@ def test_a_config_files_fsdp_section_sets_only_the_keys_it_gives(tmp_path):
     """SHARD_GRAD_OP without a reshard key keeps parameters after forward, from a config file as from a dict; and
     transformers' fsdp words fill what the file leaves out instead of contradicting its defaults."""
     launched = _launched("FSDP", fsdp_config={"fsdp_sharding_strategy": "SHARD_GRAD_OP"})
-    options = choose_backend(launch_config=launched).fsdp.section
-    assert options.fsdp_sharding_strategy == "SHARD_GRAD_OP" and options.fsdp_reshard_after_forward is False
+    options = choose_backend(launch_config=launched).fsdp
+    assert options.sharding_strategy == "SHARD_GRAD_OP" and options.reshard_after_forward is False
     pytest.importorskip("transformers")
     from hf_backend import TrainingArguments
 
@@ -184,7 +189,7 @@ def test_set_auto_wrap_policy_reads_accelerates_environment(monkeypatch):
     plugin = FullyShardedDataParallelPlugin()
     plugin.set_auto_wrap_policy(model)
     assert (plugin.auto_wrap_policy, plugin.min_num_params) == ("SIZE_BASED_WRAP", 2000)
-    assert plugin.resolved().fsdp_auto_wrap_policy == "SIZE_BASED_WRAP"
+    assert plugin.resolved().auto_wrap_policy == "SIZE_BASED_WRAP"
     plugin = FullyShardedDataParallelPlugin(auto_wrap_policy="NO_WRAP")
     plugin.set_auto_wrap_policy(model)
     assert plugin.auto_wrap_policy == "NO_WRAP"

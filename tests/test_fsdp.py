@@ -123,8 +123,8 @@ def test_fsdp1_options_map_onto_fsdp2():
     from torch.distributed.fsdp import ShardingStrategy
 
     options = FullyShardedDataParallelPlugin(sharding_strategy=ShardingStrategy.SHARD_GRAD_OP).resolved()
-    assert options.fsdp_sharding_strategy == "SHARD_GRAD_OP" and options.fsdp_reshard_after_forward is False
-    assert FullyShardedDataParallelPlugin(sharding_strategy=1).resolved().fsdp_reshard_after_forward is True
+    assert options.sharding_strategy == "SHARD_GRAD_OP" and options.reshard_after_forward is False
+    assert FullyShardedDataParallelPlugin(sharding_strategy=1).resolved().reshard_after_forward is True
     with pytest.raises(HfBackendError, match="sharding_strategy='EVERYTHING' is not one of FULL_SHARD"):
         FullyShardedDataParallelPlugin(sharding_strategy="EVERYTHING").resolved()
 
@@ -135,8 +135,8 @@ def test_an_accelerate_plugin_object_is_read_by_its_fields():
         fsdp_version=2, reshard_after_forward=False, state_dict_type="SHARDED_STATE_DICT",
         transformer_cls_names_to_wrap=["BertLayer"], auto_wrap_policy="transformer_based_wrap")
     options = FullyShardedDataParallelPlugin.from_object(theirs).resolved()
-    assert options.fsdp_reshard_after_forward is False and options.fsdp_state_dict_type == "SHARDED_STATE_DICT"
-    assert options.fsdp_transformer_layer_cls_to_wrap == "BertLayer"
+    assert options.reshard_after_forward is False and options.state_dict_type == "SHARDED_STATE_DICT"
+    assert options.transformer_cls_names_to_wrap == "BertLayer"
 
 
 def test_cpu_ram_efficient_loading_gives_meta_ranks_rank0s_weights(full_shard, tmp_path):

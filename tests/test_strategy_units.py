@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hf_backend.checkpoint import CheckpointIO
+from hf_backend.checkpoint import CheckpointIO, manifest
 from hf_backend.config.plugins import DeepSpeedPlugin, FullyShardedDataParallelPlugin
 from hf_backend.gradient_state import GradientState
 from hf_backend.options import GradientAccumulationPlugin, Handlers
@@ -86,6 +86,7 @@ def test_checkpoint_round_trip(world_of_one, tmp_path, kind):
     train_step(strategy, model, optimizer)
     io = CheckpointIO(world_of_one, strategy, strategy.precision, prepared, lambda: {})
     io.write(tmp_path)
+    manifest.seal(tmp_path)  # what save() does once every process has written
     saved = full_weights(strategy, model)
     layout = sorted(p.name for p in tmp_path.iterdir())
     expected = {"single": "model.safetensors", "ddp": "model.safetensors", "fsdp_full": "model.safetensors",

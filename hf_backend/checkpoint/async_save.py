@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from ..collectives import gather_object
 from ..errors import HfBackendError
 from ..log import note
+from ..nested import recursively_apply
 from . import durable
 from .directories import Staging
 
@@ -53,7 +54,7 @@ class Writes:
     def snapshot(self, state: Any) -> Any:
         """`state` itself for a synchronous save; for an async one, a copy in host memory that later training steps
         do not touch (tensors viewing the same memory, tied weights, stay one copy)."""
-        return _host_copy(state, {}) if self.background else state
+        return _host_copy(state) if self.background else state
 
     def file(self, job: Callable[[], durable.Digests]) -> None:
         """`job()` writes files of snapshotted state and returns their digests."""
@@ -138,9 +139,9 @@ class AsyncSaves:
 
     def __init__(self) -> None:
         self.pending: PendingSave | None = None
-        _LIVE.add(self)
 
     def put(self, pending: PendingSave) -> None:
+        _finish_at_exit_once(self)
         pending.writes.start()
         self.pending = pending
 
@@ -164,23 +165,35 @@ class AsyncSaves:
             note(str(err))
 
 
-_LIVE: weakref.WeakSet[AsyncSaves] = weakref.WeakSet()
+_LIVE: weakref.WeakSet[AsyncSaves] = weakref.WeakSet()  # those that have put an async save (AsyncSaves.put)
+_HOOKED = False
 
 
-@atexit.register
+def _finish_at_exit_once(saves: AsyncSaves) -> None:
+    """Finish `saves` at exit (AsyncSaves.at_exit): the exit hook is registered with the first async save, never on
+    import or for synchronous saves."""
+    global _HOOKED
+    if not _HOOKED:
+        atexit.register(_finish_at_exit)
+        _HOOKED = True
+    _LIVE.add(saves)
+
+
 def _finish_at_exit() -> None:
     for saves in list(_LIVE):
         saves.at_exit()
 
 
-def _host_copy(obj: Any, memo: dict) -> Any:
-    if isinstance(obj, torch.Tensor):
-        key = (obj.device, obj.data_ptr(), obj.dtype, tuple(obj.shape), obj.stride()) if obj.numel() else id(obj)
+def _host_copy(state: Any) -> Any:
+    """`state` with every tensor copied to host memory (tensors sharing memory stay shared) and every other value
+    deep-copied: a snapshot that training can no longer change."""
+    memo: dict[Any, torch.Tensor] = {}
+
+    def copy_tensor(tensor: torch.Tensor) -> torch.Tensor:
+        key = (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride()) \
+            if tensor.numel() else id(tensor)
         if key not in memo:
-            memo[key] = obj.detach().to("cpu", copy=True)
+            memo[key] = tensor.detach().to("cpu", copy=True)
         return memo[key]
-    if isinstance(obj, dict):
-        return type(obj)((k, _host_copy(v, memo)) for k, v in obj.items())
-    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
-        return type(obj)(_host_copy(v, memo) for v in obj)
-    return copy.deepcopy(obj)
+
+    return recursively_apply(copy_tensor, state, copy.deepcopy)

@@ -62,15 +62,18 @@ class CheckpointIO:
         return self.strategy.sharded_checkpoints
 
     # -- whole checkpoints ---------------------------------------------------------------------------------------------
-    def save(self, target: str | os.PathLike, objects: PreparedObjects | None = None, *,
-             safe_serialization: bool = True, on_each_node: bool = False, async_save: bool = False,
-             project: Any = None) -> Path:
+    def save(self, target: str | os.PathLike, objects: PreparedObjects | None = None, project: Any = None, *,
+             automatic: bool = False, safe_serialization: bool = True, on_each_node: bool | None = None,
+             async_save: bool | None = None) -> Path:
         """`write` into a new directory `target`, staged so that it appears complete or not at all, and durable
-        (fsynced) once it does. `on_each_node` (ProjectConfiguration.save_on_each_node) is only meaningful on one
-        node. `async_save`: return once the state is in host memory; the files are written in the background and the
-        checkpoint appears at the next `wait()` (async_save.py). `project`: the ProjectConfiguration whose automatic
-        checkpoint this is: its iteration counts on now, its rotation runs once the checkpoint is in place."""
+        (fsynced) once it does. `project`: the ProjectConfiguration whose `save_on_each_node` and `async_save` apply
+        where these arguments are None; `automatic`: `target` is its next automatic checkpoint, whose iteration
+        counts on now and whose rotation runs once it is in place. `on_each_node` is only meaningful on one node.
+        `async_save`: return once the state is in host memory; the files are written in the background and the
+        checkpoint appears at the next `wait()` (async_save.py)."""
         self.wait()
+        on_each_node = bool(getattr(project, "save_on_each_node", False) if on_each_node is None else on_each_node)
+        async_save = bool(getattr(project, "async_save", False) if async_save is None else async_save)
         self.check_on_each_node(on_each_node, "save_state")
         target = Path(target)
         if target.exists() and not target.is_dir():
@@ -79,7 +82,7 @@ class CheckpointIO:
         writes = async_save_.Writes(async_save, self.save_group() if async_save and self.sharded else None)
         staging = stage(target, self.process)
         self.write(staging.path, objects, safe_serialization=safe_serialization, writes=writes)
-        after = automatic_saved(project, self.process) if project else None
+        after = automatic_saved(project, self.process) if automatic else None
         pending = async_save_.PendingSave(staging, writes, manifest.seal, after)
         if async_save:
             self.saves.put(pending)

@@ -16,7 +16,7 @@ from typing import Any
 from ..log import note
 from .environment import read_launch_config
 from .loader import ConfigError
-from .plugins import DeepSpeedPlugin, FsdpOptions, FullyShardedDataParallelPlugin
+from .plugins import DeepSpeedPlugin, FsdpOptions
 
 FSDP, DEEPSPEED, DATA_PARALLEL = "FSDP", "DEEPSPEED", "DATA_PARALLEL"
 
@@ -74,8 +74,7 @@ def choose_backend(fsdp: Any = None, deepspeed: Any = None, launch_config: Any =
         return Backend(DEEPSPEED, deepspeed=DeepSpeedPlugin.from_object(deepspeed))
     if launched == FSDP:
         # only the keys the file gave: the rest follow from them (SHARD_GRAD_OP keeps parameters after forward)
-        plugin = FullyShardedDataParallelPlugin.from_section(launch_config.fsdp, set(launch_config.fsdp_config))
-        return Backend(FSDP, fsdp=FsdpOptions.of(plugin))
+        return Backend(FSDP, fsdp=FsdpOptions.from_section(launch_config.fsdp, set(launch_config.fsdp_config)))
     if launched == DEEPSPEED:
         return Backend(DEEPSPEED, deepspeed=DeepSpeedPlugin.from_section(launch_config.deepspeed))
     return Backend(DATA_PARALLEL)

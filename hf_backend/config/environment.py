@@ -31,22 +31,25 @@ def launcher_setting(name: str) -> str | None:
     return value or None
 
 
+# The LaunchConfig keys a launcher hands over, each in its variable (the sections below travel as JSON)
+_CARRIED = {"distributed_type": DISTRIBUTED_TYPE, "mixed_precision": MIXED_PRECISION, "use_cpu": USE_CPU,
+            "gradient_accumulation_steps": GRADIENT_ACCUMULATION_STEPS, "dynamo_backend": DYNAMO_BACKEND}
+_SECTIONS = {"FSDP": ("fsdp_config", FSDP_CONFIG), "DEEPSPEED": ("deepspeed_config", DEEPSPEED_CONFIG)}
+
+
 def to_environment(config: Any, config_file: str | None = None) -> dict[str, str]:
     """The variables that carry a LaunchConfig to the processes."""
-    env = {
-        MIXED_PRECISION: config.mixed_precision,
-        GRADIENT_ACCUMULATION_STEPS: str(config.gradient_accumulation_steps),
-        USE_CPU: "true" if config.use_cpu else "false",
-        DISTRIBUTED_TYPE: config.distributed_type,
-        DYNAMO_BACKEND: config.dynamo_backend,
-    }
-    if config.distributed_type == "FSDP":
-        env[FSDP_CONFIG] = json.dumps(config.fsdp_config)
-    if config.distributed_type == "DEEPSPEED":
-        env[DEEPSPEED_CONFIG] = json.dumps(config.deepspeed_config)
+    env = {name: _text(getattr(config, key)) for key, name in _CARRIED.items()}
+    if config.distributed_type in _SECTIONS:
+        key, name = _SECTIONS[config.distributed_type]
+        env[name] = json.dumps(getattr(config, key))
     if config_file:
         env[CONFIG_FILE] = str(config_file)
     return env
+
+
+def _text(value: Any) -> str:
+    return ("true" if value else "false") if isinstance(value, bool) else str(value)
 
 
 def read_launch_config() -> Any | None:
@@ -55,12 +58,9 @@ def read_launch_config() -> Any | None:
 
     if launcher_setting(DISTRIBUTED_TYPE) is None:
         return None
-    raw: dict[str, Any] = {"distributed_type": launcher_setting(DISTRIBUTED_TYPE)}
-    for key, name in (("mixed_precision", MIXED_PRECISION), ("use_cpu", USE_CPU),
-                      ("gradient_accumulation_steps", GRADIENT_ACCUMULATION_STEPS), ("dynamo_backend", DYNAMO_BACKEND)):
-        if launcher_setting(name) is not None:
-            raw[key] = launcher_setting(name)
-    for key, name in (("fsdp_config", FSDP_CONFIG), ("deepspeed_config", DEEPSPEED_CONFIG)):
+    raw: dict[str, Any] = {key: launcher_setting(name) for key, name in _CARRIED.items()
+                           if launcher_setting(name) is not None}
+    for key, name in _SECTIONS.values():
         if launcher_setting(name) is not None:
             try:
                 raw[key] = json.loads(launcher_setting(name))

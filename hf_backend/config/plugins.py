@@ -1,9 +1,9 @@
 """`FullyShardedDataParallelPlugin` and `DeepSpeedPlugin`: options with the field names users know from Accelerate.
 
 Each field may be given as Accelerate and transformers spell it (strings, 1-5 for sharding strategies, torch enums,
-FSDP1 config objects); `resolved()` turns them into the settings the FSDP2 strategy uses, and `FsdpOptions` holds
-those settings with the canonical plugin. A plugin object from `accelerate` is read by its fields (`from_object`),
-never imported.
+FSDP1 config objects); `resolved()` turns them, once, into `FsdpOptions`: the one frozen value the FSDP strategy
+runs from, whatever the options came from (a plugin, a config file's `fsdp_config:` section, TrainingArguments). A
+plugin object from `accelerate` is read by its fields (`from_object`), never imported.
 """
 
 from __future__ import annotations
@@ -57,11 +57,6 @@ class FullyShardedDataParallelPlugin:
     cpu_ram_efficient_loading: bool | None = None
     transformer_cls_names_to_wrap: Any = None
     min_num_params: int | None = None
-
-    @classmethod
-    def from_section(cls, section: FsdpSection, keys: set[str] | None = None) -> FullyShardedDataParallelPlugin:
-        """The plugin holding `section`'s options (only those named in `keys`, when given; the rest stay unset)."""
-        return cls(**_plugin_fields(section, keys))
 
     def given_options(self) -> set[str]:
         """The config keys (FsdpSection names) of the fields set on this plugin."""
@@ -122,7 +117,7 @@ class FullyShardedDataParallelPlugin:
     def validate_cpu_offload(self) -> None:
         self.resolved()
 
-    def resolved(self) -> FsdpSection:
+    def resolved(self) -> FsdpOptions:
         """The options in canonical form; raises ConfigError naming a bad field."""
         values: dict[str, Any] = {}
         fields = fields_of(FsdpSection)
@@ -134,9 +129,6 @@ class FullyShardedDataParallelPlugin:
                 raise ConfigError("FullyShardedDataParallelPlugin(auto_wrap_policy=<function>): give the policy by "
                                   "name (TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP, NO_WRAP)")
             values[key] = coerce(value, fields[key], f"FullyShardedDataParallelPlugin.{name}")
-        section = FsdpSection(**values)
-        if "fsdp_reshard_after_forward" not in values:  # derive FSDP2's switch from the FSDP1 strategy
-            section.fsdp_reshard_after_forward = section.fsdp_sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD")
         if self.limit_all_gathers is False:
             note("FullyShardedDataParallelPlugin.limit_all_gathers=False: FSDP2 always limits in-flight all-gathers")
         if self.param_init_fn is not None:
@@ -153,50 +145,62 @@ class FullyShardedDataParallelPlugin:
         if self.use_orig_params is False:
             note("FullyShardedDataParallelPlugin.use_orig_params=False has no FSDP2 meaning: parameters stay as they "
                  "are (sharded as DTensors)")
-        return section
+        return FsdpOptions.from_section(FsdpSection(**values), set(values), self.mixed_precision_policy)
+
+
+_RESHARDING = ("FULL_SHARD", "HYBRID_SHARD")  # the FSDP1 strategies that free gathered parameters after forward
 
 
 @dataclass(frozen=True)
 class FsdpOptions:
-    """FSDP options resolved once, the one object the FSDP strategy receives. `section`: what the strategy runs;
-    `plugin`: the canonical plugin (the section's values under Accelerate's field names, fsdp_version 2, and the
-    fields without a config key, mixed_precision_policy among them), which `accelerator.state.fsdp_plugin` and
-    `TrainingArguments.fsdp_plugin` show.
+    """The FSDP options, resolved once where they enter (`FullyShardedDataParallelPlugin.resolved`, `from_section`):
+    the one value the FSDP strategy runs from. Accelerate's plugin field names, canonical values (the config schema's
+    choices: FsdpSection); fsdp_version is 2, the only implementation."""
 
-    The canonical plugin remembers these options, so handing it on (TrainingArguments -> Trainer -> Accelerator)
-    does not resolve it again; a plugin with a field reassigned since is resolved anew."""
-
-    section: FsdpSection
-    plugin: FullyShardedDataParallelPlugin
+    sharding_strategy: str
+    reshard_after_forward: bool
+    cpu_offload: bool
+    auto_wrap_policy: str
+    transformer_cls_names_to_wrap: str | None  # comma-separated; None: the model's _no_split_modules
+    min_num_params: int
+    backward_prefetch: str
+    forward_prefetch: bool | None
+    state_dict_type: str
+    cpu_ram_efficient_loading: bool
+    sync_module_states: bool
+    use_orig_params: bool
+    activation_checkpointing: bool
+    mixed_precision_policy: Any = None  # a MixedPrecisionPolicy (or its dtypes); None: autocast, as elsewhere
+    fsdp_version: int = 2
 
     @classmethod
     def of(cls, source: Any) -> FsdpOptions:
-        """The options of a plugin (ours or Accelerate's), resolved unless they already are."""
+        """The options of a plugin (ours or Accelerate's); options are returned as they are."""
         if isinstance(source, FsdpOptions):
             return source
-        plugin = FullyShardedDataParallelPlugin.from_object(source)
-        options, values = vars(plugin).get("_resolved_as", (None, None))
-        if options is not None and values == _field_values(plugin):
-            return options
-        return cls.from_plugin(plugin)
+        return FullyShardedDataParallelPlugin.from_object(source).resolved()
 
     @classmethod
-    def from_plugin(cls, plugin: FullyShardedDataParallelPlugin, section: FsdpSection | None = None) -> FsdpOptions:
-        """Resolve `plugin` (or take `section`, its options as the caller already resolved and adjusted them)."""
-        section = plugin.resolved() if section is None else section
-        canonical = dataclasses.replace(plugin, **{**_plugin_fields(section), "fsdp_version": 2})
-        options = cls(section, canonical)
-        canonical._resolved_as = (options, _field_values(canonical))  # not a field: replace() and == ignore it
-        return options
+    def from_section(cls, section: FsdpSection, given: set[str], mixed_precision_policy: Any = None) -> FsdpOptions:
+        """A validated `fsdp_config:` section; `given`: the keys that were set (reshard_after_forward follows from the
+        sharding strategy unless given)."""
+        values = {field: getattr(section, key) for field, key in _KEYS.items() if field != "fsdp_version"}
+        if "fsdp_reshard_after_forward" not in given:
+            values["reshard_after_forward"] = section.fsdp_sharding_strategy in _RESHARDING
+        return cls(**values, mixed_precision_policy=mixed_precision_policy)
 
+    def with_sharding_strategy(self, strategy: str, reshard_given: bool) -> FsdpOptions:
+        """These options under another sharding strategy (reshard_after_forward following it unless given)."""
+        reshard = self.reshard_after_forward if reshard_given else strategy in _RESHARDING
+        return dataclasses.replace(self, sharding_strategy=strategy, reshard_after_forward=reshard)
 
-def _field_values(plugin: FullyShardedDataParallelPlugin) -> tuple:
-    return tuple(getattr(plugin, f.name) for f in dataclasses.fields(plugin))
+    def as_plugin(self) -> FullyShardedDataParallelPlugin:
+        """The plugin `accelerator.state.fsdp_plugin` and `TrainingArguments.fsdp_plugin` show."""
+        return FullyShardedDataParallelPlugin(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
 
-
-def _plugin_fields(section: FsdpSection, keys: set[str] | None = None) -> dict[str, Any]:
-    """Plugin field -> value for the options of `section` (those named in `keys`, when given)."""
-    return {field: getattr(section, key) for field, key in _KEYS.items() if keys is None or key in keys}
+    def as_config(self) -> dict[str, Any]:
+        """The options under the config file's keys (`TrainingArguments.fsdp_config`)."""
+        return {key: getattr(self, field) for field, key in _KEYS.items()}
 
 
 # torch's FSDP1 wrap-policy functions, which Accelerate's plugin turns policy names into

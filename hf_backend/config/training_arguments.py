@@ -11,6 +11,7 @@ out and contradicting it is an error. `deepspeed` may be a DeepSpeed JSON path, 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Any
@@ -20,15 +21,16 @@ from .loader import ConfigError, read_mapping, validate, validate_section
 from .plugins import DeepSpeedPlugin, FsdpOptions, FullyShardedDataParallelPlugin
 from .schema import FsdpSection
 
-_FSDP_WORDS = {
-    "full_shard": ("fsdp_sharding_strategy", "FULL_SHARD"),
-    "shard_grad_op": ("fsdp_sharding_strategy", "SHARD_GRAD_OP"),
-    "no_shard": ("fsdp_sharding_strategy", "NO_SHARD"), "hybrid_shard": ("fsdp_sharding_strategy", "HYBRID_SHARD"),
-    "hybrid_shard_zero2": ("fsdp_sharding_strategy", "HYBRID_SHARD_ZERO2"), "offload": ("fsdp_offload_params", True),
-    "auto_wrap": ("fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP"),
+_FSDP_WORDS = {  # word: (config key, options field, value)
+    "full_shard": ("fsdp_sharding_strategy", "sharding_strategy", "FULL_SHARD"),
+    "shard_grad_op": ("fsdp_sharding_strategy", "sharding_strategy", "SHARD_GRAD_OP"),
+    "no_shard": ("fsdp_sharding_strategy", "sharding_strategy", "NO_SHARD"),
+    "hybrid_shard": ("fsdp_sharding_strategy", "sharding_strategy", "HYBRID_SHARD"),
+    "hybrid_shard_zero2": ("fsdp_sharding_strategy", "sharding_strategy", "HYBRID_SHARD_ZERO2"),
+    "offload": ("fsdp_offload_params", "cpu_offload", True),
+    "auto_wrap": ("fsdp_auto_wrap_policy", "auto_wrap_policy", "TRANSFORMER_BASED_WRAP"),
 }
 _XLA_KEYS = ("xla", "xla_fsdp_v2", "xla_fsdp_grad_ckpt", "xla_fsdp_settings")
-_PLUGIN_ONLY_KEYS = ("limit_all_gathers",)  # plugin fields without a config-file key
 
 
 def fsdp_options_from_arguments(fsdp: Any, fsdp_config: Any) -> FsdpOptions | None:
@@ -38,25 +40,21 @@ def fsdp_options_from_arguments(fsdp: Any, fsdp_config: Any) -> FsdpOptions | No
         return None
     source = "fsdp_config"
     if fsdp_config is None:
-        plugin = FullyShardedDataParallelPlugin()
+        options, given = FsdpOptions.from_section(FsdpSection(), set()), set()
     elif isinstance(fsdp_config, (str, os.PathLike, dict)):
         raw = fsdp_config
         if not isinstance(fsdp_config, dict):
             source = str(fsdp_config)
             raw = read_mapping(fsdp_config)
         if "fsdp_config" in raw or "distributed_type" in raw:
-            plugin = FullyShardedDataParallelPlugin.from_section(*_from_launch_config(raw, source))
+            section, given = _from_launch_config(raw, source)
         else:
-            flat, extras = _split_flat(raw, source)
-            section, given = validate_section(flat, FsdpSection, source)
-            plugin = FullyShardedDataParallelPlugin.from_section(section, given)
-            for key, value in extras.items():
-                setattr(plugin, key, value)
+            section, given = validate_section(_split_flat(raw, source), FsdpSection, source)
+        options = FsdpOptions.from_section(section, given)
     else:
         plugin = FullyShardedDataParallelPlugin.from_object(fsdp_config)
-    section = plugin.resolved()
-    _apply_words(section, _fsdp_words(fsdp), plugin.given_options(), source)
-    return FsdpOptions.from_plugin(plugin, section)
+        options, given = plugin.resolved(), plugin.given_options()
+    return _apply_words(options, _fsdp_words(fsdp), given, source)
 
 
 def _fsdp_words(fsdp: Any) -> list[str]:
@@ -67,36 +65,40 @@ def _fsdp_words(fsdp: Any) -> list[str]:
     return []
 
 
-def _apply_words(section: FsdpSection, words: list[str], given: set[str], source: str) -> None:
+def _apply_words(options: FsdpOptions, words: list[str], given: set[str], source: str) -> FsdpOptions:
+    """transformers' option words over the options; `given`: the config keys the options were given."""
     for word in words:
         if word not in _FSDP_WORDS:
             raise ConfigError(f"fsdp={word!r} is not an FSDP option; use fsdp=True or one of "
                               f"{', '.join(_FSDP_WORDS)}")
-        key, value = _FSDP_WORDS[word]
-        if key in given and getattr(section, key) != value:
+        key, field, value = _FSDP_WORDS[word]
+        if key in given and getattr(options, field) != value:
             raise ConfigError(f"fsdp={word!r} contradicts {source}'s {key.removeprefix('fsdp_')}="
-                              f"{getattr(section, key)!r}; keep one")
-        setattr(section, key, value)
-        if key == "fsdp_sharding_strategy" and "fsdp_reshard_after_forward" not in given:
-            section.fsdp_reshard_after_forward = value in ("FULL_SHARD", "HYBRID_SHARD")
+                              f"{getattr(options, field)!r}; keep one")
+        if field == "sharding_strategy":
+            options = options.with_sharding_strategy(value, "fsdp_reshard_after_forward" in given)
+        else:
+            options = dataclasses.replace(options, **{field: value})
+    return options
 
 
-def _split_flat(raw: Any, source: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """transformers' flat options minus its XLA keys and the plugin-only keys."""
+def _split_flat(raw: Any, source: str) -> dict[str, Any]:
+    """transformers' flat options minus its XLA keys and the plugin-only keys (noted)."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: the FSDP options must be a mapping, not a {type(raw).__name__}")
-    flat, extras = {}, {}
+    flat = {}
     for key, value in raw.items():
         bare = key.removeprefix("fsdp_") if isinstance(key, str) else key
         if bare in _XLA_KEYS:
             if value:
                 raise ConfigError(f"{source}: {key} asks for PyTorch/XLA FSDP, which hf_backend does not run; "
                                   "remove it")
-        elif bare in _PLUGIN_ONLY_KEYS:
-            extras[bare] = value
+        elif bare == "limit_all_gathers":  # a plugin field without a config key
+            if value is False:
+                note(f"{source}: limit_all_gathers=False: FSDP2 always limits in-flight all-gathers")
         else:
             flat[key] = value
-    return flat, extras
+    return flat
 
 
 def _from_launch_config(raw: dict[str, Any], source: str) -> tuple[FsdpSection, set[str]]:

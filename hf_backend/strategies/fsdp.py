@@ -38,14 +38,14 @@ class FSDPStrategy(Strategy):
         """`fsdp`: the options `config.backend.choose_backend` resolved (a plugin, ours or Accelerate's, is resolved
         here)."""
         super().__init__(process, precision, handlers)
-        resolved = FsdpOptions.of(fsdp)
-        self.options, self.plugin = resolved.section, resolved.plugin
-        self.sharded_checkpoints = self.options.fsdp_state_dict_type != "FULL_STATE_DICT"
-        if self.options.fsdp_cpu_ram_efficient_loading:
+        self.options = FsdpOptions.of(fsdp)
+        self.plugin = self.options.as_plugin()  # what accelerator.state.fsdp_plugin shows
+        self.sharded_checkpoints = self.options.state_dict_type != "FULL_STATE_DICT"
+        if self.options.cpu_ram_efficient_loading:
             set_ram_efficient_loading_variables()
         self._new_params: dict[int, torch.nn.Parameter] = {}  # id(parameter before sharding) -> sharded one
-        if self.options.fsdp_backward_prefetch != "BACKWARD_PRE":
-            note(f"fsdp backward_prefetch={self.options.fsdp_backward_prefetch}: FSDP2 always prefetches the next "
+        if self.options.backward_prefetch != "BACKWARD_PRE":
+            note(f"fsdp backward_prefetch={self.options.backward_prefetch}: FSDP2 always prefetches the next "
                  "block in backward (BACKWARD_PRE)")
 
 
@@ -55,7 +55,7 @@ class FSDPStrategy(Strategy):
         if isinstance(model, FSDPModule):  # sharded by an earlier prepare (transformers evaluates, frees, trains)
             return model
         before = list(model.parameters())  # what an optimizer built before prepare holds; mapped to the shards below
-        efficient = self.options.fsdp_cpu_ram_efficient_loading
+        efficient = self.options.cpu_ram_efficient_loading
         main = self.process.is_main_process
         on_meta = any(p.is_meta for p in model.parameters())
         if on_meta and (main or not efficient):
@@ -67,11 +67,11 @@ class FSDPStrategy(Strategy):
         model = super().setup_model(model, device_placement and not (efficient and not main))
         if not evaluation_mode:  # on every rank (meta included), so that all shards have one dtype
             self.precision.keep_fp32_masters(model, sharded=True, param_dtype=self._mp_policy().param_dtype)
-        if self.options.fsdp_sync_module_states and not efficient:
+        if self.options.sync_module_states and not efficient:
             for tensor in [*model.parameters(), *model.buffers()]:  # ranks that seeded differently train one model
                 torch.distributed.broadcast(tensor.data, src=0)
         blocks = self._blocks(model)
-        if self.options.fsdp_activation_checkpointing:
+        if self.options.activation_checkpointing:
             _checkpoint_blocks(model, blocks)
         kwargs = self._shard_kwargs()
         for block in blocks:
@@ -79,9 +79,9 @@ class FSDPStrategy(Strategy):
         fully_shard(model, **kwargs)
         if efficient:
             self._receive_rank0_weights(model, full)
-        on_cpu = self.process.device.type == "cpu" and not self.options.fsdp_offload_params  # offloading: left to FSDP2
-        prefetch = self.options.fsdp_forward_prefetch  # unset: where nothing else overlaps forward's all-gathers
-        schedule(model, blocks, reshard_after_forward=self.options.fsdp_reshard_after_forward,
+        on_cpu = self.process.device.type == "cpu" and not self.options.cpu_offload  # offloading: left to FSDP2
+        prefetch = self.options.forward_prefetch  # unset: where nothing else overlaps forward's all-gathers
+        schedule(model, blocks, reshard_after_forward=self.options.reshard_after_forward,
                  forward_prefetch=on_cpu if prefetch is None else prefetch, on_cpu=on_cpu,
                  replicated=kwargs["mesh"].ndim > 1)
         self._new_params.update({id(old): new for old, new in zip(before, model.parameters())})
@@ -96,7 +96,7 @@ class FSDPStrategy(Strategy):
 
     def _mesh(self) -> Any:
         device, world = self.process.device.type, self.process.num_processes
-        strategy = self.options.fsdp_sharding_strategy
+        strategy = self.options.sharding_strategy
         if strategy == "NO_SHARD":
             return init_device_mesh(device, (world, 1), mesh_dim_names=("replicate", "shard"))
         if strategy in ("HYBRID_SHARD", "HYBRID_SHARD_ZERO2"):
@@ -105,7 +105,7 @@ class FSDPStrategy(Strategy):
         return init_device_mesh(device, (world,))
 
     def _mp_policy(self) -> MixedPrecisionPolicy:
-        policy = self.plugin.mixed_precision_policy
+        policy = self.options.mixed_precision_policy
         if policy is None:
             return MixedPrecisionPolicy()  # autocast (Precision) handles mixed precision, as in the other strategies
         if isinstance(policy, dict):
@@ -117,19 +117,19 @@ class FSDPStrategy(Strategy):
         return policy
 
     def _shard_kwargs(self) -> dict[str, Any]:
-        offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.options.fsdp_offload_params \
+        offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.options.cpu_offload \
             else OffloadPolicy()
-        return {"mesh": self._mesh(), "reshard_after_forward": self.options.fsdp_reshard_after_forward,
+        return {"mesh": self._mesh(), "reshard_after_forward": self.options.reshard_after_forward,
                 "mp_policy": self._mp_policy(), "offload_policy": offload}
 
     def _blocks(self, model: torch.nn.Module) -> list[torch.nn.Module]:
         """The submodules that become their own FSDP unit, in forward order."""
-        policy = self.options.fsdp_auto_wrap_policy
+        policy = self.options.auto_wrap_policy
         if policy == "NO_WRAP":
             return []
         if policy == "SIZE_BASED_WRAP":
-            return _size_based(model, self.options.fsdp_min_num_params)
-        names = self.options.fsdp_transformer_layer_cls_to_wrap
+            return _size_based(model, self.options.min_num_params)
+        names = self.options.transformer_cls_names_to_wrap
         wanted = [n.strip() for n in names.split(",") if n.strip()] if names else \
             list(getattr(model, "_no_split_modules", None) or [])
         present = {type(m).__name__ for m in model.modules()}

@@ -91,14 +91,16 @@ class TrainingArguments(transformers.TrainingArguments):
         return self.distributed_state.device
 
     def _process_fsdp_args(self) -> None:
-        """Called by transformers' __post_init__: the options (the launcher's, or these arguments' read now) give
-        `fsdp_plugin` (the canonical plugin, which the Trainer hands to the Accelerator) and `fsdp_config` (the options
-        in effect, a plain dict); transformers' own plugin arguments stay None (its Accelerate path is unused)."""
-        options = self._backend.fsdp or fsdp_options_from_arguments(self.fsdp, self.fsdp_config)
-        self.fsdp_plugin = options.plugin if options is not None else None
+        """Called by transformers' __post_init__: the options (the launcher's, or these arguments' read now, once),
+        which the Trainer hands to the Accelerator, shown as `fsdp_plugin` (Accelerate's plugin) and `fsdp_config` (the
+        options in effect, a plain dict); transformers' own plugin arguments stay None (its Accelerate path is
+        unused)."""
+        self.fsdp_options = self._backend.fsdp or fsdp_options_from_arguments(self.fsdp, self.fsdp_config)
+        options = self.fsdp_options
+        self.fsdp_plugin = options.as_plugin() if options is not None else None
         if options is None:
             return None
-        self.fsdp_config = dataclasses.asdict(options.section)
+        self.fsdp_config = options.as_config()
         # transformers' Trainer refuses FSDP in one process; the engine trains unsharded there, with a note.
         self.fsdp = self.world_size > 1
         return None

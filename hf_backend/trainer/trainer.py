@@ -141,7 +141,7 @@ class Trainer(transformers.Trainer):
             kwargs_handlers=[self._ddp_kwargs()],
             dynamo_plugin=TorchDynamoPlugin(backend=args.torch_compile_backend, mode=args.torch_compile_mode)
             if args.torch_compile else None,
-            fsdp_plugin=args.fsdp_plugin,
+            fsdp_plugin=args.fsdp_options,
             deepspeed_plugin=args.deepspeed_plugin,
         )
         self.gather_function = functools.partial(self.accelerator.gather_for_metrics,
