@@ -140,7 +140,7 @@ def gather_for_metrics(input_data: Any, gradient_state: Any, use_gather_object: 
     """`gather`, then drop the rows a short last batch was padded with (the active loader knows how many are real)."""
     tensors_only = all(isinstance(t, torch.Tensor) for t in leaves(input_data))
     loader = gradient_state.active_dataloader
-    uneven = loader is not None and not getattr(loader.index_sampler, "even_batches", True)
+    uneven = loader is not None and not getattr(loader.source, "even_batches", True)
     if use_gather_object or not tensors_only:
         data = gather_object(input_data)
     else:

@@ -24,7 +24,7 @@ this process's part, which knows the global batch, the real rows of the last one
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset
@@ -65,12 +65,55 @@ class ShardedBatchSampler:
         self.even_batches = even_batches
         self.batch_size = batch_size
         self.drop_last = bool(getattr(batch_sampler, "drop_last", False))
-        self.skip = 0  # steps to skip at the start of the next iteration (set by the loader on resume)
+        self.skip = 0  # steps to skip at the start of the next iteration (`begin`)
         self.remainder = 0  # real rows in the global batch last yielded, 0 when it was full
+        self.order_seed: int | None = None  # epoch e is shuffled with seed order_seed + e (None: the generator's own)
+        self._epoch_rng: torch.Tensor | None = None  # the order generator's state when the pass in progress began
 
     @property
     def sampler(self) -> Any:
         return getattr(self.batch_sampler, "sampler", None)
+
+    # -- the loader's source interface (PreparedDataLoader) ------------------------------------------------------------
+    restores_its_own_position = False
+
+    @property
+    def per_process_batch_size(self) -> int | None:
+        if self.batch_size is None:
+            return None
+        return self.batch_size // self.num_processes if self.split_batches else self.batch_size
+
+    def begin(self, epoch: int, skip: int, mark: dict[str, Any] | None) -> None:
+        """The next pass is epoch `epoch` from step `skip`; `mark` (from `mark`) restores the order of a pass that
+        began in another run: its generator state, and the seed epochs derive from."""
+        gen = sampler_generator(self.batch_sampler)
+        if mark is not None:
+            self.order_seed = mark.get("order_seed", self.order_seed)
+        if gen is not None and self.order_seed is not None:
+            gen.manual_seed((self.order_seed + epoch) % 2**64)  # the order follows from the seed and the epoch alone
+        elif gen is not None and mark is not None and mark.get("rng_state") is not None:
+            gen.set_state(mark["rng_state"])
+        self._epoch_rng = gen.get_state() if gen is not None else None
+        self.skip = skip
+        for obj in (self.batch_sampler, self.sampler):
+            if hasattr(obj, "set_epoch"):
+                obj.set_epoch(epoch)
+
+    def mark(self, steps: int, started: bool) -> dict[str, Any]:
+        """What `begin` needs to replay a pass: the order generator's state when it began (or, for a pass not
+        begun, now) and the order seed."""
+        gen = sampler_generator(self.batch_sampler)
+        rng = self._epoch_rng if started else gen.get_state() if gen is not None else None
+        return {"rng_state": rng, "order_seed": self.order_seed}
+
+    def ended(self, steps: int) -> bool:
+        return steps >= len(self)
+
+    def resumed(self, batches: Iterator[Any]) -> Iterator[Any]:
+        return batches  # the skipped steps' indices are passed over in __iter__, no sample is loaded
+
+    def remainder_of(self, batch: Any) -> int:
+        return self.remainder
 
     @property
     def global_batch_size(self) -> int | None:
@@ -170,56 +213,100 @@ class ShardedBatchSampler:
         return padded[start:start + per_rank], len(real)
 
 
+class PlainBatches:
+    """The source of an iterable loader that is not split here (one process, or Ray's shards, one per worker
+    already): a resumed pass reads past its first steps; where this process's batches are the global ones
+    (`count_short_batch`), a short last batch reports its rows."""
+
+    restores_its_own_position = False
+    num_processes = 1
+
+    def __init__(self, batch_size: int | None, count_short_batch: bool) -> None:
+        self.per_process_batch_size = self.global_batch_size = batch_size
+        self.count_short_batch = count_short_batch
+        self._skip = 0
+
+    def begin(self, epoch: int, skip: int, mark: Any) -> None:
+        self._skip = skip
+
+    def mark(self, steps: int, started: bool) -> None:
+        return None
+
+    def ended(self, steps: int) -> bool:
+        return False
+
+    def resumed(self, batches: Iterator[Any]) -> Iterator[Any]:
+        for _ in range(self._skip):
+            if next(batches, None) is None:
+                break
+        return batches
+
+    def remainder_of(self, batch: Any) -> int:
+        """The rows of a short last batch (no `__len__` needed: streaming datasets too); -1 when nothing is cut."""
+        size = self.global_batch_size
+        if not self.count_short_batch or not size:
+            return -1
+        rows = next((t.shape[0] for t in leaves(batch) if isinstance(t, torch.Tensor) and t.dim() > 0), None)
+        return rows if rows is not None and rows < size else -1
+
+
+class Position(NamedTuple):
+    """Where a prepared loader stands: pass `epoch`, `steps` handed out of it, and the source's `mark` of where the
+    pass began (ShardedBatchSampler: its order; a stream: each process's place in it). `running`: the pass is being
+    iterated (`following`: the epoch of the pass after it, when `set_epoch` named one meanwhile); `restored`:
+    `load_state_dict` / `skip_first_batches` set it, and the next `iter()` continues it."""
+
+    epoch: int = 0
+    steps: int = 0
+    mark: Any = None
+    running: bool = False
+    restored: bool = False
+    following: int | None = None
+
+    def after(self) -> Position:
+        """The position once this pass is over: the start of the next."""
+        return Position(self.following if self.following is not None else self.epoch + 1)
+
+
 class PreparedDataLoader(DataLoader):
     """A DataLoader over this process's shard that puts batches on the device and can resume mid-epoch.
 
-    `epoch` is the index of the pass the next `iter()` serves (or the one in progress); `end_of_dataloader` is True
-    while the last batch of a pass is being processed.
+    Its `source` is what it iterates: a ShardedBatchSampler (map-style datasets), a split stream (streaming.py), or
+    PlainBatches (an iterable not split here); each begins a pass at a step, marks where a pass began, and says the
+    real rows of the last batch. Its `position` is one value (`Position`). `epoch` is the index of the pass the next
+    `iter()` serves (or the one in progress); `end_of_dataloader` is True while the last batch of a pass is being
+    processed.
     """
 
-    def __init__(self, loader: DataLoader, batch_sampler: ShardedBatchSampler | None, device: torch.device | None,
-                 gradient_state: GradientState, non_blocking: bool = False, order_seed: int | None = None,
-                 count_short_batch: bool = False, stream: Any = None) -> None:
+    def __init__(self, loader: DataLoader, source: Any, device: torch.device | None, gradient_state: GradientState,
+                 non_blocking: bool = False) -> None:
         kwargs = {attr: getattr(loader, attr) for attr in _LOADER_ATTRS if hasattr(loader, attr)}
         if loader.num_workers > 0:
             kwargs["prefetch_factor"] = loader.prefetch_factor
-        self.index_sampler = batch_sampler  # the sharded sampler of index batches (None for an iterable dataset)
-        self.stream = stream  # this process's part of a stream split across processes (streaming.py), or None
-        if stream is not None:
-            super().__init__(stream, batch_size=stream.per_rank, **kwargs)
-        elif self._iterable:
+        self.source = source
+        if isinstance(source, ShardedBatchSampler):
+            if loader.batch_sampler is None:  # the user's `sampler` yields index lists the dataset reads at once
+                super().__init__(loader.dataset, sampler=source, batch_size=None, **kwargs)
+            else:
+                super().__init__(loader.dataset, batch_sampler=source, **kwargs)
+        elif isinstance(source, PlainBatches):
             super().__init__(loader.dataset, batch_size=loader.batch_size, drop_last=loader.drop_last, **kwargs)
-        elif loader.batch_sampler is None:  # the user's `sampler` yields index lists the dataset reads at once
-            super().__init__(loader.dataset, sampler=batch_sampler, batch_size=None, **kwargs)
-        else:
-            super().__init__(loader.dataset, batch_sampler=batch_sampler, **kwargs)
+        else:  # this process's part of a split stream
+            super().__init__(source, batch_size=source.per_rank, **kwargs)
         self.base_dataloader = loader
         self.device = device
         self.non_blocking = non_blocking
         self.gradient_state = gradient_state
-        self.order_seed = order_seed  # epoch e is shuffled with seed order_seed + e (None: the generator's own stream)
-        self.count_short_batch = count_short_batch  # an iterable loader in one process: its own batches are global
         self.end_of_dataloader = False
         self.remainder = -1
-        self._next_epoch = 0
-        self._current_epoch: int | None = None  # the pass in progress
-        self._steps = 0  # steps handed out in the pass in progress
-        self._epoch_rng: torch.Tensor | None = None
-        self._resume: tuple[int, int, torch.Tensor | None] | None = None
-        self._resume_position: Any = None  # where a stream resumes (streaming.py), with `_resume`
-
-    @property
-    def _iterable(self) -> bool:
-        return self.index_sampler is None
+        self.position = Position()
 
     # -- sizes (Accelerate's names) ----------------------------------------------------------------------------------
     @property
     def batch_size(self) -> int | None:  # type: ignore[override]
         """This process's batch size."""
-        sampler = self.index_sampler
-        if sampler is None or sampler.batch_size is None:
-            return self._batch_size
-        return sampler.batch_size // sampler.num_processes if sampler.split_batches else sampler.batch_size
+        size = getattr(self, "source", None) and self.source.per_process_batch_size
+        return size if size is not None else self._batch_size
 
     @batch_size.setter
     def batch_size(self, value: int | None) -> None:  # DataLoader.__init__ sets it
@@ -228,8 +315,7 @@ class PreparedDataLoader(DataLoader):
     @property
     def total_batch_size(self) -> int | None:
         """The global batch: one step's samples over all processes."""
-        sampler = self.index_sampler or self.stream
-        return sampler.global_batch_size if sampler is not None else self._batch_size
+        return self.source.global_batch_size
 
     @property
     def total_dataset_length(self) -> int:
@@ -237,113 +323,71 @@ class PreparedDataLoader(DataLoader):
         return dataset.total_length if hasattr(dataset, "total_length") else len(dataset)
 
     # -- position --------------------------------------------------------------------------------------------------
-    @property
-    def generator_of_order(self) -> torch.Generator | None:
-        return None if self._iterable else sampler_generator(self.index_sampler.batch_sampler)
+    def _now(self) -> Position:
+        """The position as a checkpoint records it: a pass whose last step was handed out counts as over."""
+        position = self.position
+        return position.after() if position.running and self.source.ended(position.steps) else position
 
     @property
     def epoch(self) -> int:
-        if self._resume is not None:
-            return self._resume[0]
-        return self._current_epoch if self._in_progress() else self._next_epoch
-
-    def _in_progress(self) -> bool:
-        return self._current_epoch is not None and (self._iterable or self._steps < len(self))
+        return self._now().epoch
 
     @property
     def resuming(self) -> bool:
         """Whether the next `iter()` continues a position that `load_state_dict` restored."""
-        return self._resume is not None
+        return self.position.restored
 
     def set_epoch(self, epoch: int) -> None:
-        """Serve pass `epoch` on the next `iter()` (for scripts that call `set_epoch` themselves)."""
-        if self._resume is None:
-            self._next_epoch = epoch
+        """Serve pass `epoch` on the next `iter()` (for scripts that call `set_epoch` themselves, between passes)."""
+        now = self._now()
+        if now.running:
+            self.position = now._replace(following=epoch)
+        elif not now.restored:
+            self.position = Position(epoch)
 
     def state_dict(self) -> dict[str, Any]:
-        gen = self.generator_of_order
-        position = None
-        if self._resume is not None:
-            epoch, steps, rng = self._resume
-            position = self._resume_position
-        elif self._in_progress():
-            epoch, steps, rng = self._current_epoch, self._steps, self._epoch_rng
-            position = self.stream.position(steps) if self.stream is not None else None
-        else:
-            epoch, steps, rng = self._next_epoch, 0, gen.get_state() if gen is not None else None
-        sampler = self.index_sampler or self.stream
-        state = {
-            "epoch": epoch,
-            "steps": steps,
-            "rng_state": rng,
-            "order_seed": self.order_seed,
-            "num_processes": sampler.num_processes if sampler else 1,
-            "global_batch_size": sampler.global_batch_size if sampler else None,
-        }
-        if position is not None:
-            state["stream_position"] = position  # every process's dataset state (datasets' state_dict)
-        return state
+        now = self._now()
+        return {"epoch": now.epoch, "steps": now.steps,
+                "mark": now.mark if now.restored else self.source.mark(now.steps, now.running),
+                "num_processes": self.source.num_processes, "global_batch_size": self.source.global_batch_size}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        steps = int(state["steps"])
-        sampler = self.index_sampler or self.stream
-        position = state.get("stream_position")
-        if position is not None and steps and state["num_processes"] != sampler.num_processes:
-            raise HfBackendError(
-                f"the checkpoint stopped {steps} steps into a stream split across {state['num_processes']} processes; "
-                f"each process's position in its part does not map to {sampler.num_processes} processes: resume "
-                f"with {state['num_processes']} processes or from an epoch boundary")
-        if sampler is not None and steps and state["num_processes"] != sampler.num_processes:
-            saved, now = state["global_batch_size"], sampler.global_batch_size
+        steps, source = int(state["steps"]), self.source
+        if steps and state["num_processes"] != source.num_processes:
+            if source.restores_its_own_position:
+                raise HfBackendError(
+                    f"the checkpoint stopped {steps} steps into a stream split across {state['num_processes']} "
+                    f"processes; each process's position in its part does not map to {source.num_processes} "
+                    f"processes: resume with {state['num_processes']} processes or from an epoch boundary")
+            saved, now = state["global_batch_size"], source.global_batch_size
             if not saved or not now or (steps * saved) % now:
                 raise HfBackendError(
                     f"the checkpoint stopped {steps} steps into an epoch with {state['num_processes']} processes "
-                    f"(global batch {saved}); that point is not a whole step with {sampler.num_processes} processes "
+                    f"(global batch {saved}); that point is not a whole step with {source.num_processes} processes "
                     f"(global batch {now}): resume with {state['num_processes']} processes or from an epoch boundary"
                 )
             steps = steps * saved // now
-        self._resume = (int(state["epoch"]), steps, state.get("rng_state"))
-        self._resume_position = position
-        self.order_seed = state.get("order_seed", self.order_seed)
-        self._current_epoch = None
+        self.position = Position(int(state["epoch"]), steps, state.get("mark"), restored=True)
 
     def skip_first_batches(self, num_batches: int) -> PreparedDataLoader:
-        """Start the next pass at step `num_batches` (an absolute position: it replaces a position from load_state)."""
-        if self._resume is not None:
-            epoch, steps, rng = self._resume
-            if steps != num_batches:
-                self._resume_position = None  # the stream is read again from the start of the epoch
+        """Start the next pass at step `num_batches` (an absolute position: it replaces a position from load_state;
+        a stream then reads its epoch again from the start)."""
+        now = self._now()
+        now = now.after() if now.running else now
+        if now.restored:
+            mark = now.mark if num_batches == now.steps or not self.source.restores_its_own_position else None
         else:
-            gen = self.generator_of_order
-            epoch, rng = self._next_epoch, gen.get_state() if gen is not None else None
-        self._resume = (epoch, int(num_batches), rng)
+            mark = self.source.mark(0, False)
+        self.position = Position(now.epoch, int(num_batches), mark, restored=True)
         return self
 
     # -- iteration -------------------------------------------------------------------------------------------------
-    def _start_pass(self) -> int:
-        gen = self.generator_of_order
-        position = self._resume_position
-        if self._resume is not None:
-            (epoch, skip, rng), self._resume, self._resume_position = self._resume, None, None
-        else:
-            epoch, skip, rng = self._next_epoch, 0, None
-        if gen is not None and self.order_seed is not None:
-            gen.manual_seed((self.order_seed + epoch) % 2**64)  # the order follows from the seed and the epoch alone
-        elif gen is not None and rng is not None:
-            gen.set_state(rng)
-        self._epoch_rng = gen.get_state() if gen is not None else None
-        self._current_epoch, self._next_epoch, self._steps = epoch, epoch + 1, skip
-        if self.stream is not None:
-            self.stream.begin(epoch, skip, position)  # the stream starts at that step itself
-        if not self._iterable:
-            self.index_sampler.skip = skip
-            for obj in (self.index_sampler.batch_sampler, self.index_sampler.sampler):
-                if hasattr(obj, "set_epoch"):
-                    obj.set_epoch(epoch)
-        return skip
-
     def __iter__(self) -> Iterator[Any]:
-        skip = self._start_pass()
+        now = self._now()
+        now = now.after() if now.running else now  # a pass left before its end: the next one
+        epoch, skip = now.epoch, now.steps if now.restored else 0
+        self.source.begin(epoch, skip, now.mark if now.restored else None)
+        self.position = Position(epoch, skip, running=True)
         self.end_of_dataloader = False
         self.remainder = -1
         self.gradient_state.enter_dataloader(self)
@@ -354,37 +398,20 @@ class PreparedDataLoader(DataLoader):
             it = super().__iter__()
             if rng is not None:
                 torch.set_rng_state(rng)
-            if self._iterable and self.stream is None:
-                for _ in range(skip):
-                    if next(it, None) is None:
-                        break
+            it = self.source.resumed(it)
             current = next(it, _END)
             while current is not _END:
                 upcoming = next(it, _END)
                 if upcoming is _END:
                     self.end_of_dataloader = True
-                    self.remainder = self._remainder_of_last(current)
+                    self.remainder = self.source.remainder_of(current)
                 batch = current if self.device is None else send_to_device(current, self.device, self.non_blocking)
-                self._steps += 1
+                self.position = self.position._replace(steps=self.position.steps + 1)
                 yield batch
                 current = upcoming
-            self._current_epoch = None
+            self.position = self.position.after()
         finally:
             self.gradient_state.exit_dataloader(self)
-
-    def _remainder_of_last(self, batch: Any) -> int:
-        """Real rows of the last global batch when it is short (what `gather_for_metrics` keeps), else 0 or -1.
-
-        A sharded loader's sampler knows it. An iterable one in one process counts the rows of its last batch
-        (no `__len__` needed: streaming datasets too); in several processes (Ray's shards) nothing is cut."""
-        if not self._iterable:
-            return self.index_sampler.remainder
-        if self.stream is not None:
-            return self.stream.remainder
-        if not self.count_short_batch or not self._batch_size:
-            return -1
-        rows = next((t.shape[0] for t in leaves(batch) if isinstance(t, torch.Tensor) and t.dim() > 0), None)
-        return rows if rows is not None and rows < self._batch_size else -1
 
 
 _END = object()
@@ -408,9 +435,9 @@ def prepare_dataloader(loader: DataLoader, *, num_processes: int, process_index:
         if (num_processes > 1 or own_state) and not _split_by_ray(loader.dataset):
             check_stream_loader(loader, num_processes)
             stream = make_stream(loader, num_processes, process_index, split_batches)
-            return PreparedDataLoader(loader, None, device, gradient_state, non_blocking, stream=stream)
-        return PreparedDataLoader(loader, None, device, gradient_state, non_blocking,
-                                  count_short_batch=num_processes == 1)
+            return PreparedDataLoader(loader, stream, device, gradient_state, non_blocking)
+        plain = PlainBatches(loader.batch_size, count_short_batch=num_processes == 1)
+        return PreparedDataLoader(loader, plain, device, gradient_state, non_blocking)
     batch_sampler = loader.batch_sampler
     if batch_sampler is None and isinstance(loader.sampler, torch.utils.data.BatchSampler):
         batch_sampler = loader.sampler  # batch_size=None with a BatchSampler as `sampler`: sharded the same way
@@ -419,9 +446,9 @@ def prepare_dataloader(loader: DataLoader, *, num_processes: int, process_index:
                              "a BatchSampler as its sampler (batch_size=None alone gives it nothing to shard)")
     if isinstance(getattr(batch_sampler, "sampler", None), torch.utils.data.DistributedSampler):
         num_processes, process_index = 1, 0  # the user's sampler shards already: do not split twice
-    order_seed = _share_order_generator(batch_sampler, data_seed)
     sharded = ShardedBatchSampler(batch_sampler, num_processes, process_index, split_batches, even_batches)
-    return PreparedDataLoader(loader, sharded, device, gradient_state, non_blocking, order_seed)
+    sharded.order_seed = _share_order_generator(batch_sampler, data_seed)
+    return PreparedDataLoader(loader, sharded, device, gradient_state, non_blocking)
 
 
 def _split_by_ray(dataset: IterableDataset) -> bool:

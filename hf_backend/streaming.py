@@ -66,9 +66,16 @@ class _Stream(IterableDataset):
         self._epoch = 0
         self._start: tuple[int, Position | None] = (0, None)
 
+    # -- the loader's source interface (data.PreparedDataLoader) ------------------------------------------------------
+    restores_its_own_position = True  # its mark holds each process's place in its part: it is kept on resume
+
     @property
     def global_batch_size(self) -> int:
         return self.per_rank * self.num_processes
+
+    @property
+    def per_process_batch_size(self) -> int:
+        return self.per_rank
 
     def begin(self, epoch: int, skip: int, position: Position | None = None) -> None:
         """The next pass is epoch `epoch` starting at step `skip` (from `position` when there is one)."""
@@ -80,6 +87,18 @@ class _Stream(IterableDataset):
     def position(self, step: int) -> Position | None:
         """Where step `step` of the pass in progress starts (None: the step count alone says it)."""
         return None
+
+    def mark(self, steps: int, started: bool) -> Position | None:
+        return self.position(steps) if started else None
+
+    def ended(self, steps: int) -> bool:
+        return False
+
+    def resumed(self, batches: Iterator[Any]) -> Iterator[Any]:
+        return batches  # the stream starts at the step itself
+
+    def remainder_of(self, batch: Any) -> int:
+        return self.remainder
 
     def _mine(self, batch: list) -> list:
         return batch[self.process_index * self.per_rank:(self.process_index + 1) * self.per_rank]

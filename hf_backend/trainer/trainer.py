@@ -59,7 +59,7 @@ def _skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
     pass at that batch (an absolute position, consistent with the one a checkpoint restored). A stream split across
     processes keeps the position its checkpoint restored: transformers counts a stream's steps as if the run were
     still in its first pass, and that position also holds each process's dataset state."""
-    if getattr(dataloader, "stream", None) is not None and dataloader.resuming:
+    if dataloader.resuming and dataloader.source.restores_its_own_position:
         return dataloader
     return dataloader.skip_first_batches(num_batches)
 

@@ -133,7 +133,7 @@ def join_uneven_inputs():
             steps += 1
     acc.wait_for_everyone()
     return {"ddp": type(model).__name__, "len_before": before, "len_inside": inside, "steps": steps,
-            "len_after": len(loader), "even_batches_after": loader.index_sampler.even_batches}
+            "len_after": len(loader), "even_batches_after": loader.source.even_batches}
 
 
 @check
