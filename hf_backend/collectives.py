@@ -13,12 +13,9 @@ import torch.distributed as dist
 from .checks import show
 from .errors import HfBackendError
 from .nested import leaves, recursively_apply
+from .rank import group_size
 
-
-def world_size() -> int:
-    """The processes a collective spans: the default group's (1 when there is none, whatever torchrun's
-    environment says: nothing to communicate with)."""
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+world_size = group_size  # the processes a collective spans (rank.py)
 
 
 def _all_gather_cat(tensor: torch.Tensor) -> torch.Tensor:

@@ -27,5 +27,12 @@ def num_processes() -> int:
     return dist.get_world_size() if dist is not None else int(os.environ.get("WORLD_SIZE", "1") or 1)
 
 
+def group_size() -> int:
+    """The processes a collective spans: the default group's (1 when there is none, whatever torchrun's environment
+    says: there is nothing to communicate with)."""
+    dist = _group()
+    return dist.get_world_size() if dist is not None else 1
+
+
 def is_main_process() -> bool:
     return process_index() == 0
