@@ -19,6 +19,7 @@ is answered for by its watchdog, with where it stands still.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import json
 import os
@@ -238,8 +239,16 @@ class _Watchdog:
         except Exception:  # noqa: BLE001 - the store's host is gone
             pass
         record_error(f"HangError: {summary}", summary, "".join(_format_stack(frame)))
-        if self.rank == waiting[0] and not reported_by_launcher:
-            print(f"hf_backend: {summary}", file=sys.stderr, flush=True)
+        if self.rank == waiting[0]:
+            if not reported_by_launcher:
+                print(f"hf_backend: {summary}", file=sys.stderr, flush=True)
+            with contextlib.suppress(Exception):  # the store's host is gone
+                self.store.set(_key("summary", self.rank), "1")
+        else:  # the first rank to exit has the launcher stop the others: not before the summary is out
+            with contextlib.suppress(Exception):
+                deadline = time.monotonic() + 5
+                while not self.store.check([_key("summary", waiting[0])]) and time.monotonic() < deadline:
+                    time.sleep(0.05)
         os._exit(1)
 
 
