@@ -40,6 +40,7 @@ class TrainingArguments(transformers.TrainingArguments):
         "hf_backend: a checkpoint's large files are copied to host memory and written in the background while "
         "training goes on; the checkpoint counts (trainer_state.json, rotation) once every file is written")})
     _shares_process_state = False  # True in arguments classes put on the engine by on_engine (subclasses.py)
+    fsdp_options = None  # the FSDP options resolved once (config.plugins.FsdpOptions), set by _process_fsdp_args
 
     def __post_init__(self) -> None:
         for name in ("gradient_accumulation_steps", "per_device_train_batch_size", "per_device_eval_batch_size"):
