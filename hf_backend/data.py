@@ -305,7 +305,8 @@ class PreparedDataLoader(DataLoader):
     @property
     def batch_size(self) -> int | None:  # type: ignore[override]
         """This process's batch size."""
-        size = getattr(self, "source", None) and self.source.per_process_batch_size
+        source = getattr(self, "source", None)  # DataLoader.__init__ asks before the source is set
+        size = source.per_process_batch_size if source is not None else None
         return size if size is not None else self._batch_size
 
     @batch_size.setter
