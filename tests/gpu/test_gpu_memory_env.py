@@ -42,6 +42,7 @@ def test_free_memory_returns_the_gpu_memory_of_prepared_objects():
 
 
 def test_release_memory_empties_the_cuda_cache():
+    torch.cuda.empty_cache()  # free blocks earlier tests left cached would be returned too, and blur the count
     block = torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda")
     reserved = torch.cuda.memory_reserved()
     (block,) = release_memory(block)  # the caller's reference goes only once the call returns: the block is cached
