@@ -130,7 +130,7 @@ class FullyShardedDataParallelPlugin:
                                   "name (TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP, NO_WRAP)")
             values[key] = coerce(value, fields[key], f"FullyShardedDataParallelPlugin.{name}")
         if self.limit_all_gathers is False:
-            note("FullyShardedDataParallelPlugin.limit_all_gathers=False: FSDP2 always limits in-flight all-gathers")
+            note_limit_all_gathers("FullyShardedDataParallelPlugin")
         if self.param_init_fn is not None:
             note("FullyShardedDataParallelPlugin.param_init_fn is not called: FSDP2 materializes meta-device modules "
                  "with to_empty() and receives rank 0's weights")
@@ -142,10 +142,12 @@ class FullyShardedDataParallelPlugin:
             if config is not None and getattr(config, "rank0_only", False):
                 note(f"FullyShardedDataParallelPlugin.{name}(rank0_only=True): full states are gathered to rank 0 "
                      "for saving in any case")
-        if self.use_orig_params is False:
-            note("FullyShardedDataParallelPlugin.use_orig_params=False has no FSDP2 meaning: parameters stay as they "
-                 "are (sharded as DTensors)")
         return FsdpOptions.from_section(FsdpSection(**values), set(values), self.mixed_precision_policy)
+
+
+def note_limit_all_gathers(where: str) -> None:
+    """limit_all_gathers=False (a plugin field, and a key of transformers' flat options) has nothing to turn off."""
+    note(f"{where}: limit_all_gathers=False: FSDP2 always limits in-flight all-gathers")
 
 
 _RESHARDING = ("FULL_SHARD", "HYBRID_SHARD")  # the FSDP1 strategies that free gathered parameters after forward
@@ -185,6 +187,8 @@ class FsdpOptions:
         """A validated `fsdp_config:` section; `given`: the keys that were set (reshard_after_forward follows from the
         sharding strategy unless given)."""
         values = {field: getattr(section, key) for field, key in _KEYS.items() if field != "fsdp_version"}
+        if not section.fsdp_use_orig_params:
+            note("fsdp use_orig_params=False has no FSDP2 meaning: parameters stay as they are (sharded as DTensors)")
         if "fsdp_reshard_after_forward" not in given:
             values["reshard_after_forward"] = section.fsdp_sharding_strategy in _RESHARDING
         return cls(**values, mixed_precision_policy=mixed_precision_policy)

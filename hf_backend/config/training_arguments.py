@@ -18,7 +18,7 @@ from typing import Any
 
 from ..log import note
 from .loader import ConfigError, read_mapping, validate, validate_section
-from .plugins import DeepSpeedPlugin, FsdpOptions, FullyShardedDataParallelPlugin
+from .plugins import DeepSpeedPlugin, FsdpOptions, FullyShardedDataParallelPlugin, note_limit_all_gathers
 from .schema import FsdpSection
 
 _FSDP_WORDS = {  # word: (config key, options field, value)
@@ -95,7 +95,7 @@ def _split_flat(raw: Any, source: str) -> dict[str, Any]:
                                   "remove it")
         elif bare == "limit_all_gathers":  # a plugin field without a config key
             if value is False:
-                note(f"{source}: limit_all_gathers=False: FSDP2 always limits in-flight all-gathers")
+                note_limit_all_gathers(source)
         else:
             flat[key] = value
     return flat
