@@ -27,6 +27,8 @@ _WHERE = {
     "synchronize_rng_states": ".seeding",
     "DeepSpeedPlugin": ".config.plugins",
     "FullyShardedDataParallelPlugin": ".config.plugins",
+    "ParallelismConfig": ".config.parallelism",
+    "TorchTensorParallelConfig": ".config.parallelism",
     "HfBackendError": ".errors",
     "AutocastKwargs": ".options",
     "DataLoaderConfiguration": ".options",
@@ -44,6 +46,7 @@ _WHERE = {
 if TYPE_CHECKING:
     from .accelerator import Accelerator
     from .availability import is_rich_available
+    from .config.parallelism import ParallelismConfig, TorchTensorParallelConfig
     from .config.plugins import DeepSpeedPlugin, FullyShardedDataParallelPlugin
     from .data import skip_first_batches
     from .enums import DDPCommunicationHookType
@@ -108,7 +111,9 @@ __all__ = [  # the same names as _WHERE, spelled out for tools that read __all__
     "GradientAccumulationPlugin",
     "HfBackendError",
     "InitProcessGroupKwargs",
+    "ParallelismConfig",
     "ProjectConfiguration",
+    "TorchTensorParallelConfig",
     "Trainer",
     "TrainingArguments",
     "on_engine",

@@ -26,7 +26,14 @@ from .errors import HfBackendError
 from .gradient_state import GradientState
 from .log import note
 from .memory import release_memory
-from .optim import AcceleratedOptimizer, AcceleratedScheduler, DummyOptim, DummyScheduler, as_placeholder
+from .optim import (
+    AcceleratedOptimizer,
+    AcceleratedScheduler,
+    DummyOptim,
+    DummyScheduler,
+    EngineStepped,
+    as_placeholder,
+)
 from .options import (
     KWARGS_HANDLERS,
     DataLoaderConfiguration,
@@ -45,8 +52,8 @@ from .state import (
     shutdown_process_group,
 )
 from .strategies import select_strategy
-from .strategies.base import is_compiled_module
 from .trigger import Trigger, uneven_inputs
+from .unwrap import is_compiled_module
 
 _HANDLER_SLOTS = dict(zip(KWARGS_HANDLERS, ("ddp", "scaler", "init", "autocast", "profile")))
 
@@ -69,11 +76,14 @@ class Accelerator(ProcessView, compat.AccelerateMembers, elastic.ElasticMembers)
         fsdp_plugin: Any = None,
         deepspeed_plugin: Any = None,
         log_with: Any = None,
+        parallelism_config: Any = None,
         **other: Any,
     ) -> None:
-        """Accelerate's arguments. Those that name features hf_backend does not run (Megatron-LM, tensor or context
+        """Accelerate's arguments. Those that name features hf_backend does not run (Megatron-LM, sequence
         parallelism) are refused in one line; those with nothing to do here are accepted with a note
-        (hf_backend.compat lists both)."""
+        (hf_backend.compat lists both). `parallelism_config` (ours or Accelerate's, or from the launcher's
+        PARALLELISM_CONFIG_* variables) lays the processes out on one DeviceMesh: tensor parallelism from the
+        model's tp_plan, FSDP / HSDP over the data-parallel dimensions (docs/parallelism.md)."""
         self.dynamo_plugin = compat.dynamo_plugin(other.pop("dynamo_backend", None), other.pop("dynamo_plugin", None))
         deepspeed_plugin = compat.check_accelerator_arguments(other, deepspeed_plugin)
         loader_options = {k: other.pop(k) for k in ("dispatch_batches", "use_seedable_sampler") if k in other}
@@ -126,8 +136,9 @@ class Accelerator(ProcessView, compat.AccelerateMembers, elastic.ElasticMembers)
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self.launch_config = env.read_launch_config()  # what `hf-backend launch` handed over, or None
         backend = choose_backend(fsdp_plugin, deepspeed_plugin, self.launch_config)
+        shape = env.parallelism_shape(parallelism_config, self.process.num_processes)
         self.strategy = select_strategy(self.process, self.precision, self.handlers, backend, self.gradient_state,
-                                        self.dataloader_config.split_batches)
+                                        self.dataloader_config.split_batches, shape)
         self._objects = PreparedObjects()
         self.checkpoint_io = checkpoint.CheckpointIO(self.process, self.strategy, self.precision, self._objects,
                                                      self._progress)
@@ -203,35 +214,49 @@ class Accelerator(ProcessView, compat.AccelerateMembers, elastic.ElasticMembers)
     def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
         """Prepare models, optimizers, dataloaders and schedulers; returns them in the order given.
 
-        Models go first (optimizers may need the wrapped parameters), then dataloaders, optimizers and schedulers.
-        An object that is already prepared comes back as it is.
+        What is not prepared yet goes to the strategy in one joint `setup` call (models first: optimizers may need the
+        wrapped parameters; DeepSpeed builds one engine from all of it). An object that is already prepared comes
+        back as it is.
         """
         placement = device_placement or [None] * len(args)
         if len(placement) != len(args):
             raise HfBackendError(f"prepare(): device_placement has {len(placement)} entries for {len(args)} objects")
         args = tuple(as_placeholder(obj) for obj in args)
-        self.strategy.on_prepare([obj for obj in args if not _is_prepared(obj)])
         result = list(args)
-        passes = (
-            (torch.nn.Module, lambda obj, p: self.prepare_model(obj, device_placement=p)),
-            (DataLoader, lambda obj, p: self.prepare_data_loader(obj, device_placement=p)),
-            ((torch.optim.Optimizer, DummyOptim), lambda obj, p: self.prepare_optimizer(obj)),
-            ((torch.optim.lr_scheduler.LRScheduler, DummyScheduler), lambda obj, p: self.prepare_scheduler(obj)),
-        )
-        for kind, prepare_one in passes:
-            for i, obj in enumerate(args):
-                if isinstance(obj, kind):
-                    result[i] = prepare_one(obj, placement[i])
+        kinds = {"models": torch.nn.Module, "optimizers": (torch.optim.Optimizer, DummyOptim),
+                 "schedulers": (torch.optim.lr_scheduler.LRScheduler, DummyScheduler)}
+        new = {kind: [i for i, obj in enumerate(args) if isinstance(obj, cls) and not self._is_prepared(obj)]
+               for kind, cls in kinds.items()}
+        loaders = [i for i, obj in enumerate(args) if isinstance(obj, DataLoader)]
+        models, optimizers, schedulers = self.strategy.setup(
+            [args[i] for i in new["models"]], [args[i] for i in new["optimizers"]],
+            [args[i] for i in new["schedulers"]], [args[i] for i in loaders],
+            [self.device_placement if placement[i] is None else placement[i] for i in new["models"]])
+        for i, model in zip(new["models"], models):
+            result[i] = self._register_model(model)
+        for i in loaders:
+            result[i] = self.prepare_data_loader(args[i], device_placement=placement[i])
+        for i, optimizer in zip(new["optimizers"], optimizers):
+            result[i] = self._register_optimizer(optimizer)
+        for i, scheduler in zip(new["schedulers"], schedulers):
+            result[i] = self._register_scheduler(scheduler, steps=args[i])
         return result[0] if len(result) == 1 else tuple(result)
+
+    def _is_prepared(self, obj: Any) -> bool:
+        return any(obj is prepared for prepared in self._objects.models) or \
+            isinstance(obj, (AcceleratedOptimizer, AcceleratedScheduler, PreparedDataLoader))
 
     def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None,
                       evaluation_mode: bool = False) -> torch.nn.Module:
         """`evaluation_mode`: the model is only evaluated, so it is placed and autocast but not wrapped for training
         (no DDP)."""
-        if any(model is m for m in self._objects.models):
+        if self._is_prepared(model):
             return model
         placement = self.device_placement if device_placement is None else device_placement
-        prepared = self.strategy.setup_model(model, device_placement=placement, evaluation_mode=evaluation_mode)
+        (prepared,), _, _ = self.strategy.setup([model], device_placement=[placement], evaluation_mode=evaluation_mode)
+        return self._register_model(prepared)
+
+    def _register_model(self, prepared: torch.nn.Module) -> torch.nn.Module:
         if self.dynamo_plugin.enabled and not is_compiled_module(prepared):
             prepared = self.strategy.compile_model(prepared, self.dynamo_plugin)  # once, around the wrapper
         self._objects.models.append(prepared)
@@ -240,19 +265,28 @@ class Accelerator(ProcessView, compat.AccelerateMembers, elastic.ElasticMembers)
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer | DummyOptim) -> AcceleratedOptimizer:
         if isinstance(optimizer, AcceleratedOptimizer):
             return optimizer
-        inner = self.strategy.setup_optimizer(optimizer)
-        wrapped = AcceleratedOptimizer(inner, self.gradient_state, self.scaler, self.strategy.steps_in_backward(inner))
+        _, (inner,), _ = self.strategy.setup([], [optimizer])
+        return self._register_optimizer(inner)
+
+    def _register_optimizer(self, inner: Any) -> AcceleratedOptimizer:
+        wrapped = AcceleratedOptimizer(inner, self.gradient_state, self.scaler)
         self._objects.optimizers.append(wrapped)
         return wrapped
 
     def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
         if isinstance(scheduler, AcceleratedScheduler):
             return scheduler
-        steps = getattr(scheduler, "optimizer", None)
-        linked = [opt for opt in self._objects.optimizers if opt.optimizer is steps] or list(self._objects.optimizers)
-        inner = self.strategy.setup_scheduler(scheduler)
+        _, _, (inner,) = self.strategy.setup([], [], [scheduler])
+        return self._register_scheduler(inner, steps=scheduler)
+
+    def _register_scheduler(self, inner: Any, steps: Any) -> AcceleratedScheduler:
+        """`steps`: the scheduler as given, whose `optimizer` links it to the prepared optimizers it follows."""
+        given = getattr(steps, "optimizer", None)
+        linked = [opt for opt in self._objects.optimizers if given is opt.optimizer or
+                  (isinstance(opt.optimizer, EngineStepped) and given is opt.optimizer.stepped)] \
+            or list(self._objects.optimizers)
         wrapped = AcceleratedScheduler(inner, linked, self.gradient_state, self.step_scheduler_with_optimizer,
-                                       self.split_batches, self.num_processes, self.strategy.steps_in_backward(inner))
+                                       self.split_batches, self.strategy.data_shard.count)
         self._objects.schedulers.append(wrapped)
         return wrapped
 
@@ -262,7 +296,8 @@ class Accelerator(ProcessView, compat.AccelerateMembers, elastic.ElasticMembers)
         placement = self.device_placement if device_placement is None else device_placement
         # Batches are built on the CPU: placing them on a CPU device would only cost time.
         device = self.device if placement and self.device.type != "cpu" else None
-        prepared = prepare_dataloader(data_loader, num_processes=self.num_processes, process_index=self.process_index,
+        shard = self.strategy.data_shard  # tensor / context parallel neighbours read the same batches
+        prepared = prepare_dataloader(data_loader, num_processes=shard.count, process_index=shard.index,
                                       device=device, split_batches=self.split_batches, even_batches=self.even_batches,
                                       gradient_state=self.gradient_state, data_seed=self.dataloader_config.data_seed,
                                       non_blocking=self.dataloader_config.non_blocking)
@@ -348,7 +383,8 @@ class Accelerator(ProcessView, compat.AccelerateMembers, elastic.ElasticMembers)
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
         """Gather predictions or labels of an evaluation batch: exactly one row per dataset item over the whole loop
         (the padding a short last batch got is dropped)."""
-        return collectives.gather_for_metrics(input_data, self.gradient_state, use_gather_object)
+        return collectives.gather_for_metrics(input_data, self.gradient_state, use_gather_object,
+                                              self.strategy.data_shard)
 
     def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
         return collectives.reduce(tensor, reduction, scale)
@@ -435,29 +471,7 @@ class Accelerator(ProcessView, compat.AccelerateMembers, elastic.ElasticMembers)
         if config.automatic_checkpoint_naming:  # continue the numbering after the checkpoint loaded
             config.iteration = max(config.iteration, index.meta.get("iteration", -1) + 1)
 
-    # -- experiment tracking (hf_backend.tracking) --------------------------------------------------------------------
-    def init_trackers(self, project_name: str, config: dict | None = None, init_kwargs: dict | None = None) -> None:
-        self.tracking.init_trackers(project_name, config, init_kwargs)
-
-    def log(self, values: dict, step: int | None = None, log_kwargs: dict | None = None) -> None:
-        self.tracking.log(values, step, log_kwargs)
-
-    def get_tracker(self, name: str, unwrap: bool = False) -> Any:
-        return self.tracking.get_tracker(name, unwrap)
-
-    @property
-    def trackers(self) -> list:
-        return self.tracking.trackers
-
     # -- coordination between processes -------------------------------------------------------------------------------
-    def set_trigger(self) -> None:
-        """Raise this process's flag; the next `check_trigger()` is True on every process."""
-        self.trigger.set()
-
-    def check_trigger(self) -> bool:
-        """True on every process when any process called `set_trigger()` since the last check (collective)."""
-        return self.trigger.check()
-
     @contextlib.contextmanager
     def join_uneven_inputs(self, joinables: list, even_batches: bool | None = None) -> Iterator[None]:
         """Train on loaders whose processes run out at different steps (torch's Join for DDP models); `even_batches`
@@ -468,12 +482,6 @@ class Accelerator(ProcessView, compat.AccelerateMembers, elastic.ElasticMembers)
     def trigger_sync_in_backward(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
         """A block whose backward all-reduces gradients although it runs under `no_sync` (DDP; others need nothing)."""
         return self.strategy.trigger_sync_in_backward(model)
-
-    def profile(self, profile_handler: Any = None) -> contextlib.AbstractContextManager:
-        """A torch.profiler context (ProfileKwargs); each process writes its own Chrome trace when asked."""
-        from .profiling import profile
-
-        return profile(profile_handler or self.handlers.profile, self.process_index)
 
     # -- lifecycle -------------------------------------------------------------------------------------------------
     def free_memory(self, *objects: Any) -> list[None]:
@@ -494,6 +502,3 @@ class Accelerator(ProcessView, compat.AccelerateMembers, elastic.ElasticMembers)
         self.wait_for_everyone()
         shutdown_process_group()
 
-
-def _is_prepared(obj: Any) -> bool:
-    return isinstance(obj, (AcceleratedOptimizer, AcceleratedScheduler, PreparedDataLoader))

@@ -133,13 +133,26 @@ def gather_uneven(data: Any) -> Any:
     return recursively_apply(_gather, data)
 
 
-def gather_for_metrics(input_data: Any, gradient_state: Any, use_gather_object: bool = False) -> Any:
-    """`gather`, then drop the rows a short last batch was padded with (the active loader knows how many are real)."""
+def gather_for_metrics(input_data: Any, gradient_state: Any, use_gather_object: bool = False,
+                       shard: Any = None) -> Any:
+    """`gather`, then drop the rows a short last batch was padded with (the active loader knows how many are real).
+    `shard` (a strategies.mesh.DataShard): where tensor / context parallel neighbours share a batch, only the first
+    of them contributes its rows, so every item is counted once."""
+    if shard is not None and shard.sequence_slices > 1:
+        raise HfBackendError(f"gather_for_metrics under context parallelism (cp_size={shard.sequence_slices}): each "
+                             "rank holds a slice of every sequence; evaluate with cp_size=1")
     tensors_only = all(isinstance(t, torch.Tensor) for t in leaves(input_data))
     loader = gradient_state.active_dataloader
     uneven = loader is not None and not getattr(loader.source, "even_batches", True)
-    if use_gather_object or not tensors_only:
+    shared = shard is not None and shard.replicas > 1
+    if (use_gather_object or not tensors_only) and shared:
+        parts = gather_object([input_data] if shard.first else [])
+        data = [item for part in parts for item in part] if all(isinstance(p, list) for p in parts) else parts
+    elif use_gather_object or not tensors_only:
         data = gather_object(input_data)
+    elif shared:
+        data = gather_uneven(input_data if shard.first else
+                             recursively_apply(lambda t: (t[None] if t.ndim == 0 else t)[:0], input_data))
     else:
         data = gather_uneven(input_data) if uneven else gather(input_data)
     remainder = gradient_state.remainder

@@ -29,8 +29,7 @@ _NOOP_ARGUMENTS = {
 # Accelerator(...) arguments that ask for a feature hf_backend does not run, and what to do instead.
 _REFUSED_ARGUMENTS = {
     "megatron_lm_plugin": "Megatron-LM is not supported; use FSDP or DeepSpeed ZeRO-3 for models that do not fit",
-    "torch_tp_plugin": "tensor parallelism is not supported; use FSDP or DeepSpeed ZeRO-3",
-    "parallelism_config": "tensor/context/pipeline parallelism is not supported; use FSDP or DeepSpeed ZeRO-3",
+    "torch_tp_plugin": "Accelerate deprecated it; pass parallelism_config=ParallelismConfig(tp_size=...)",
 }
 
 
@@ -90,8 +89,8 @@ def checked(value: Any, cls: type, argument: str) -> Any:
 
 
 def _not_configured(what: str) -> HfBackendError:
-    return HfBackendError(f"{what}: no parallelism_config is set (hf_backend does not run tensor, context or pipeline "
-                          "parallelism); use accelerator.process_index for the data-parallel rank")
+    return HfBackendError(f"{what}: no parallelism_config is set (and hf_backend does not run pipeline parallelism); "
+                          "use accelerator.process_index for the data-parallel rank")
 
 
 class AccelerateMembers:
@@ -106,15 +105,14 @@ class AccelerateMembers:
     ao_recipe_handler = None
     te_recipe_handler = None
     msamp_recipe_handler = None
-    parallelism_config = None
-    torch_device_mesh = None
-    is_composable_parallelism_enabled = False
     fp8_backend = FP8BackendType.NO
 
     rng_types = None
 
     # What the Accelerator this is mixed into holds, which the members below answer from (declared, not set here).
     handlers: Handlers
+    process: Any  # ProcessState
+    strategy: Any
     trigger: Any
     tracking: Any
     dataloader_config: DataLoaderConfiguration
@@ -122,6 +120,34 @@ class AccelerateMembers:
     distributed_type: DistributedType
     is_local_main_process: bool
     mixed_precision: str
+
+    # -- forwarded to the pieces that own them: experiment tracking, the trigger -------------------------------------
+    def init_trackers(self, project_name: str, config: dict | None = None, init_kwargs: dict | None = None) -> None:
+        self.tracking.init_trackers(project_name, config, init_kwargs)
+
+    def log(self, values: dict, step: int | None = None, log_kwargs: dict | None = None) -> None:
+        self.tracking.log(values, step, log_kwargs)
+
+    def get_tracker(self, name: str, unwrap: bool = False) -> Any:
+        return self.tracking.get_tracker(name, unwrap)
+
+    @property
+    def trackers(self) -> list:
+        return self.tracking.trackers
+
+    def set_trigger(self) -> None:
+        """Raise this process's flag; the next `check_trigger()` is True on every process."""
+        self.trigger.set()
+
+    def check_trigger(self) -> bool:
+        """True on every process when any process called `set_trigger()` since the last check (collective)."""
+        return self.trigger.check()
+
+    def profile(self, profile_handler: Any = None) -> contextlib.AbstractContextManager:
+        """A torch.profiler context (ProfileKwargs); each process writes its own Chrome trace when asked."""
+        from .profiling import profile
+
+        return profile(profile_handler or self.handlers.profile, self.process.process_index)
 
     @property
     def ddp_handler(self) -> Any:
@@ -192,8 +218,28 @@ class AccelerateMembers:
         return self.mixed_precision in ("fp16", "bf16")
 
     @property
+    def parallelism_config(self) -> Any:
+        """The process grid as Accelerate's ParallelismConfig shows it (None without one: DDP, DeepSpeed, one
+        process); transformers' Trainer reads its tp / cp / sp sizes."""
+        shape = self.strategy.shape
+        return shape.as_config() if shape is not None else None
+
+    @property
+    def torch_device_mesh(self) -> Any:
+        return self.strategy.mesh
+
+    @property
+    def is_composable_parallelism_enabled(self) -> bool:
+        return self.strategy.mesh is not None
+
+    def _mesh_rank(self, what: str, dim: str) -> int:
+        if self.strategy.mesh is None:
+            raise _not_configured(what)
+        return self.strategy.mesh.get_local_rank(dim)
+
+    @property
     def tensor_parallel_rank(self) -> int:
-        raise _not_configured("tensor_parallel_rank")
+        return self._mesh_rank("tensor_parallel_rank", "tp")
 
     @property
     def pipeline_parallel_rank(self) -> int:
@@ -201,20 +247,24 @@ class AccelerateMembers:
 
     @property
     def context_parallel_rank(self) -> int:
-        raise _not_configured("context_parallel_rank")
+        return self._mesh_rank("context_parallel_rank", "cp")
 
     @property
     def data_parallel_rank(self) -> int:
-        raise _not_configured("data_parallel_rank")
+        if self.strategy.mesh is None:
+            raise _not_configured("data_parallel_rank")
+        return self.strategy.data_shard.index
 
     @property
     def data_parallel_shard_rank(self) -> int:
-        raise _not_configured("data_parallel_shard_rank")
+        return self._mesh_rank("data_parallel_shard_rank", "dp_shard")
 
     def maybe_context_parallel(self, buffers: Any = None, buffer_seq_dims: Any = None,
                                no_restore_buffers: Any = None) -> contextlib.AbstractContextManager:
-        """No context parallelism here, so (as in Accelerate without it) a context that does nothing."""
-        return contextlib.nullcontext()
+        """With context parallelism (cp_size > 1), each rank keeps its slice of the buffers' sequences inside the
+        block, and the buffers not in `no_restore_buffers` are whole again after it; otherwise nothing happens."""
+        return self.strategy.context_parallel(list(buffers or []), list(buffer_seq_dims or []),
+                                              list(no_restore_buffers or []))
 
     def verify_device_map(self, model: torch.nn.Module) -> bool:
         """True when the model was loaded with a device map over several devices (big-model inference), which

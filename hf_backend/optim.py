@@ -12,17 +12,15 @@ from .gradient_state import GradientState
 class AcceleratedOptimizer(torch.optim.Optimizer):
     """Steps (and zeroes) only on gradient-sync steps; with fp16, steps through the GradScaler.
 
-    `step_was_skipped` is True after a step the scaler skipped because of inf/nan gradients. `stepped_by_engine`:
-    the strategy's backward steps and zeroes the optimizer itself (DeepSpeed), so `step` and `zero_grad` do nothing.
+    `step_was_skipped` is True after a step the scaler skipped because of inf/nan gradients.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, gradient_state: GradientState,
-                 scaler: torch.amp.GradScaler | None = None, stepped_by_engine: bool = False) -> None:
+                 scaler: torch.amp.GradScaler | None = None) -> None:
         # Deliberately not calling Optimizer.__init__: this object only forwards to `optimizer`.
         self.optimizer = optimizer
         self.gradient_state = gradient_state
         self.scaler = scaler
-        self.stepped_by_engine = stepped_by_engine
         self.step_was_skipped = False
 
     @property
@@ -45,19 +43,17 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self.optimizer.add_param_group(param_group)
 
     def state_dict(self) -> dict[str, Any]:
-        """The optimizer's state; empty when an engine steps it (DeepSpeed: its own checkpoint holds the state)."""
-        return {} if self.stepped_by_engine else self.optimizer.state_dict()
+        return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if not self.stepped_by_engine:
-            self.optimizer.load_state_dict(state_dict)
+        self.optimizer.load_state_dict(state_dict)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self.gradient_state.sync_gradients and not self.stepped_by_engine:
+        if self.gradient_state.sync_gradients:
             self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def step(self, closure: Any = None) -> Any:
-        if not self.gradient_state.sync_gradients or self.stepped_by_engine:
+        if not self.gradient_state.sync_gradients:
             return None
         if self.scaler is None:
             self.step_was_skipped = False
@@ -84,22 +80,20 @@ class AcceleratedScheduler:
     """Advances only when its optimizers really stepped.
 
     A schedule is usually sized from `len(dataloader)` before `prepare`; each process then sees 1/N of the batches,
-    so unless `split_batches` the scheduler advances N times per optimizer step, spanning the run as planned.
-    `stepped_by_engine`: the strategy steps it at each optimizer step (DeepSpeed's own scheduler); `step` does nothing.
+    so unless `split_batches` the scheduler advances N times per optimizer step, spanning the run as planned
+    (N: the data-parallel processes, which read different batches).
     """
 
     def __init__(self, scheduler: Any, optimizers: list[AcceleratedOptimizer], gradient_state: GradientState,
-                 step_with_optimizer: bool = True, split_batches: bool = False, num_processes: int = 1,
-                 stepped_by_engine: bool = False) -> None:
+                 step_with_optimizer: bool = True, split_batches: bool = False, num_processes: int = 1) -> None:
         self.scheduler = scheduler
-        self.stepped_by_engine = stepped_by_engine
         self.optimizers = optimizers
         self.gradient_state = gradient_state
         self.step_with_optimizer = step_with_optimizer
         self.steps_per_update = 1 if split_batches else num_processes
 
     def step(self, *args: Any, **kwargs: Any) -> None:
-        if self.stepped_by_engine:
+        if isinstance(self.scheduler, EngineSteppedScheduler):
             return
         if not self.step_with_optimizer:
             self.scheduler.step(*args, **kwargs)
@@ -130,6 +124,66 @@ class AcceleratedScheduler:
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for attributes not found on the wrapper: forward to the scheduler (last_epoch, base_lrs, ...).
+        if name == "scheduler":
+            raise AttributeError(name)
+        return getattr(self.scheduler, name)
+
+
+class EngineStepped(torch.optim.Optimizer):
+    """An optimizer that a training engine steps and zeroes itself, inside backward (DeepSpeed's engine does, at the
+    end of each accumulation window): what a strategy's `setup` hands back in its place, so that the script's
+    `step()` and `zero_grad()` calls do nothing. param_groups and state are the engine's optimizer's; `model` is
+    the engine, whose optimizer steps partitions of the parameters rather than the parameters its param groups
+    would show; `state_dict()` is empty (checkpoints take the state from the engine)."""
+
+    def __init__(self, stepped: Any, model: torch.nn.Module) -> None:
+        # Deliberately not calling Optimizer.__init__: this object only forwards to `stepped`.
+        self.stepped = stepped
+        self.model = model
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("stepped", "model"):
+            raise AttributeError(name)
+        return getattr(self.stepped, name)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.stepped.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.stepped.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return getattr(self.stepped, "defaults", {})
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        return None
+
+    def __repr__(self) -> str:
+        return f"EngineStepped({self.stepped!r})"
+
+
+class EngineSteppedScheduler:
+    """A scheduler the engine steps at each optimizer step: `step()` does nothing, the rest is the scheduler's."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def __getattr__(self, name: str) -> Any:
         if name == "scheduler":
             raise AttributeError(name)
         return getattr(self.scheduler, name)

@@ -19,6 +19,7 @@ from . import availability, refused
 from .availability import compare_versions, is_torch_version
 from .collectives import broadcast, broadcast_object_list, gather, gather_object, pad_across_processes
 from .collectives import reduce as _reduce
+from .config.parallelism import ParallelismConfig, TorchContextParallelConfig, TorchTensorParallelConfig
 from .config.plugins import DeepSpeedPlugin, FullyShardedDataParallelPlugin
 from .enums import (
     ComputeEnvironment,
@@ -50,7 +51,7 @@ from .options import (
 )
 from .seeding import set_seed, synchronize_rng_state, synchronize_rng_states
 from .state import PartialState
-from .strategies.base import extract_model_from_parallel, is_compiled_module
+from .unwrap import extract_model_from_parallel, is_compiled_module
 
 
 def reduce(tensor: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
@@ -192,8 +193,10 @@ __all__ = [
     "AutocastKwargs", "ComputeEnvironment", "CustomDtype", "DDPCommunicationHookType", "DataLoaderConfiguration",
     "DeepSpeedPlugin", "DistributedDataParallelKwargs", "DistributedType", "DummyOptim", "DummyScheduler",
     "DynamoBackend", "FP8BackendType", "FullyShardedDataParallelPlugin", "GradScalerKwargs",
-    "GradientAccumulationPlugin", "InitProcessGroupKwargs", "KwargsHandler", "LoggerType", "PrecisionType",
-    "ProfileKwargs", "ProjectConfiguration", "TorchDynamoPlugin", "RNGType", "SageMakerDistributedType", "broadcast",
+    "GradientAccumulationPlugin", "InitProcessGroupKwargs", "KwargsHandler", "LoggerType", "ParallelismConfig",
+    "PrecisionType", "ProfileKwargs", "ProjectConfiguration", "TorchContextParallelConfig", "TorchDynamoPlugin",
+    "TorchTensorParallelConfig",
+    "RNGType", "SageMakerDistributedType", "broadcast",
     "broadcast_object_list", "clear_environment", "compare_versions", "concatenate", "extract_model_from_parallel",
     "find_batch_size", "find_executable_batch_size", "gather", "gather_object", "get_int_from_env",
     "is_compiled_module", "is_namedtuple", "is_port_in_use", "is_torch_tensor", "is_torch_version", "listify", "load",

@@ -30,6 +30,27 @@ def bert_ddp(tmp_path_factory) -> dict:
     return run_report(BERT_LOOP, tmp_path_factory.mktemp("bert_ddp") / "r.json", BERT_TRAIN, nproc=2)
 
 
+@pytest.fixture
+def two_fake_processes():
+    """This process as rank 0 of 2 on torch's fake process group (collectives do nothing), for building a strategy
+    whose constructor lays out a DeviceMesh; the group and any process state set up on it go afterwards."""
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from hf_backend.state import ProcessState, process_state_is_set_up, reset_process_state
+
+    assert not dist.is_initialized()
+    had_state = process_state_is_set_up()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        yield ProcessState(torch.device("cpu"), 2, 0, 0, 2, "gloo")
+    finally:
+        dist.destroy_process_group()
+        if not had_state:
+            reset_process_state()  # what the test set up on the fake group (TrainingArguments do) goes with it
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> tuple[Path, Path]:
     """A tiny BERT with a word-level vocabulary (saved like a hub model) and an MRPC-format data folder."""

@@ -96,7 +96,8 @@ def test_the_launcher_environment_is_read_when_no_launch_config_is_passed(monkey
 
 
 def test_the_docs_yaml_becomes_one_frozen_value_from_training_arguments_to_the_strategy(tmp_path, resolutions,
-                                                                                     loading_variables):
+                                                                                     loading_variables,
+                                                                                     two_fake_processes):
     """The file is read into FsdpOptions once, in TrainingArguments; the Trainer hands that value on, and the
     strategy runs from the same object (no plugin is resolved on the way)."""
     pytest.importorskip("transformers")
@@ -158,7 +159,8 @@ def test_a_deepspeed_config_file_is_json_whatever_its_name(tmp_path):
         DeepSpeedPlugin(hf_ds_config=str(tmp_path / "nowhere.json")).config()
 
 
-def test_cpu_ram_efficient_loading_sets_transformers_variables_keeping_a_launchers(loading_variables, monkeypatch):
+def test_cpu_ram_efficient_loading_sets_transformers_variables_keeping_a_launchers(loading_variables, monkeypatch,
+                                                                                  two_fake_processes):
     monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "false")  # as a launcher or the user left it
     FSDPStrategy(TWO_CPU, Precision("no", TWO_CPU.device), Handlers(),
                  FullyShardedDataParallelPlugin(cpu_ram_efficient_loading=True))

@@ -122,13 +122,16 @@ def test_the_scripts_own_flags_pass_through_even_when_they_look_like_launch_flag
 
 def test_interactive_config_reads_piped_answers(tmp_path):
     path = tmp_path / "answers.yaml"
-    # machine type, machines, processes, FSDP?, sharding, offload, wrap policy, layer class, state dict, precision
-    answers = "cpu\n1\n2\nyes\nSHARD_GRAD_OP\nno\n\nBertLayer\nSHARDED_STATE_DICT\nbf16\n"
+    # machine type, machines, processes, FSDP?, sharding, offload, wrap policy, layer class, state dict,
+    # ParallelismConfig? (its sizes), precision
+    answers = "cpu\n1\n4\nyes\nSHARD_GRAD_OP\nno\n\nBertLayer\nSHARDED_STATE_DICT\nyes\n1\n2\n2\n1\nbf16\n"
     proc = cli("config", "--config_file", str(path), input=answers)
     assert proc.returncode == 0, proc.stderr
     config = load_config(path)
     assert (config.distributed_type, config.num_processes, config.use_cpu, config.mixed_precision) == (
-        "FSDP", 2, True, "bf16")
+        "FSDP", 4, True, "bf16")
+    assert (config.parallelism.parallelism_config_dp_shard_size, config.parallelism.parallelism_config_tp_size) == (
+        2, 2)
     assert config.fsdp.fsdp_sharding_strategy == "SHARD_GRAD_OP"
     assert config.fsdp.fsdp_transformer_layer_cls_to_wrap == "BertLayer"
 

@@ -109,7 +109,7 @@ def _strategy(**plugin) -> FSDPStrategy:
     return FSDPStrategy(state, Precision("no", state.device), Handlers(), FullyShardedDataParallelPlugin(**plugin))
 
 
-def test_a_wrong_layer_class_lists_the_models_block_classes():
+def test_a_wrong_layer_class_lists_the_models_block_classes(two_fake_processes):
     model = transformers.BertForSequenceClassification(transformers.BertConfig(**CONFIG))
     with pytest.raises(HfBackendError, match=r"T5Block not in the model; its block classes are .*BertLayer"):
         _strategy(transformer_cls_names_to_wrap="T5Block")._blocks(model)

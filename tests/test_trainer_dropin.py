@@ -116,11 +116,17 @@ def test_errors_keep_transformers_phrases(tmp_path):
                                                     gradient_accumulation_steps=2))
 
 
-def test_parallelism_config_is_refused(tmp_path):
+def test_accelerates_parallelism_config_is_read_once_into_ours(tmp_path):
     from accelerate.parallelism_config import ParallelismConfig  # what transformers' docs pass
 
-    with pytest.raises(ValueError, match=r"^parallelism_config: tensor, context and sequence parallelism are not "):
-        _arguments(tmp_path, parallelism_config=ParallelismConfig())
+    import hf_backend
+
+    args = _arguments(tmp_path, parallelism_config=ParallelismConfig(tp_size=2, dp_shard_size=2))
+    assert isinstance(args.parallelism_config, hf_backend.ParallelismConfig)
+    assert (args.parallelism_config.tp_size, args.parallelism_config.dp_shard_size) == (2, 2)
+    assert args.to_dict()["parallelism_config"]["tp_size"] == 2
+    with pytest.raises(ValueError, match=r"^ParallelismConfig sp_size=2: DeepSpeed Ulysses sequence parallelism"):
+        _arguments(tmp_path, parallelism_config=ParallelismConfig(sp_size=2))
 
 
 def test_deepspeed_in_one_process_names_the_sections_it_does_not_use(tmp_path, monkeypatch):

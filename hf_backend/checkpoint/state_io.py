@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..errors import HfBackendError
+from ..optim import EngineStepped
 from ..precision import Precision
 from ..prepared import PreparedObjects
 from ..state import ProcessState
@@ -208,7 +209,7 @@ class CheckpointIO:
             writes.shards({"model": self.strategy.model_state_dict(model, sharded=True)},
                           directory / layout.sharded_dir(stem))
         else:
-            state_dict = self.strategy.checkpoint_state_dict(model)
+            state_dict = self.strategy.model_state_dict(model, masters=True)
             if self.process.is_main_process:
                 tied = tied_weight_keys(self.strategy.unwrap_model(model))
                 state_dict = writes.snapshot(state_dict)
@@ -230,7 +231,7 @@ class CheckpointIO:
     def trainable_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The full weights of the trainable parameters only (a PEFT adapter's), as a checkpoint holds them (DeepSpeed:
         the fp32 masters): the frozen base is not gathered. Collective; the main process gets the tensors."""
-        return self.strategy.checkpoint_state_dict(model, trainable_only=True)
+        return self.strategy.model_state_dict(model, trainable_only=True, masters=True)
 
     def load_adapter(self, model: torch.nn.Module, directory: str | os.PathLike) -> None:
         """The adapter weights PEFT wrote into `directory` (a checkpoint of a PEFT model, under any strategy) into
@@ -321,9 +322,8 @@ class CheckpointIO:
     def _optimizer_and_model(self, optimizer: Any) -> tuple[torch.optim.Optimizer, torch.nn.Module]:
         """The torch optimizer inside a prepared one, and the prepared model whose parameters it updates."""
         inner = getattr(optimizer, "optimizer", optimizer)
-        owner = self.strategy.model_of(inner)
-        if owner is not None:
-            return inner, owner
+        if isinstance(inner, EngineStepped):  # the engine's optimizer steps partitions: the engine says whose
+            return inner, inner.model
         ids = {id(p) for group in inner.param_groups for p in group["params"]}
         for model in self.prepared.models:
             if any(id(p) in ids for p in model.parameters()):

@@ -13,7 +13,14 @@ from collections.abc import Callable
 from typing import Any
 
 from ..config.loader import ConfigError, coerce, default_config_path, load_config, validate, write_config
-from ..config.schema import DeepSpeedSection, FsdpSection, LaunchConfig, default_of, fields_of
+from ..config.schema import (
+    DeepSpeedSection,
+    FsdpSection,
+    LaunchConfig,
+    ParallelismSection,
+    default_of,
+    fields_of,
+)
 
 
 def add_parser(sub: Any) -> None:
@@ -116,6 +123,9 @@ def run_interactive(args: argparse.Namespace) -> int:
         elif ask("Use FullyShardedDataParallel (FSDP2 over gloo)? (yes/no)", False, _yes_no):
             top["distributed_type"] = "FSDP"
             top["fsdp_config"] = _section(ask, FsdpSection)
+        if top["distributed_type"] != "DEEPSPEED" and ask(
+                "Lay the processes out with a ParallelismConfig (tensor parallelism x FSDP)? (yes/no)", False, _yes_no):
+            top["parallelism_config"] = _section(ask, ParallelismSection)
     if machine == "NO":
         _field_question(ask, LaunchConfig, "use_cpu", top)
     _field_question(ask, LaunchConfig, "mixed_precision", top)

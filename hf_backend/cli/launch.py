@@ -16,7 +16,7 @@ from typing import Any
 from .. import hang_watch
 from ..config import environment as env
 from ..config.loader import ConfigError, default_config_path, read_mapping, validate
-from ..config.schema import DeepSpeedSection, FsdpSection, LaunchConfig, fields_of
+from ..config.schema import DeepSpeedSection, FsdpSection, LaunchConfig, ParallelismSection, fields_of
 
 _TOP_FLAGS = ("num_processes", "num_machines", "machine_rank", "main_process_ip", "main_process_port",
               "rdzv_backend", "mixed_precision", "gradient_accumulation_steps", "distributed_type", "gpu_ids",
@@ -58,6 +58,12 @@ def add_parser(sub: Any) -> None:
     for name, f in fields_of(DeepSpeedSection).items():
         if name != "gradient_accumulation_steps" and not f.metadata["unused"]:
             p.add_argument(f"--{name}", default=None, metavar="VALUE", help=f.metadata["help"])
+    p.add_argument("--use_parallelism_config", action="store_true",
+                   help="lay the processes out by the --parallelism_config_* sizes (Accelerate's flag; any of them "
+                        "given implies it)")
+    for name, f in fields_of(ParallelismSection).items():
+        if not f.metadata["unused"]:
+            p.add_argument(f"--{name}", default=None, metavar="VALUE", help=f.metadata["help"])
     p.add_argument("-m", "--module", action="store_true", help="run training_script as a module (python -m)")
     p.add_argument("training_script", help="the script (or module, with -m) to run in every process")
     p.add_argument("training_script_args", nargs=argparse.REMAINDER, help="its arguments")
@@ -83,7 +89,8 @@ def effective_config(args: argparse.Namespace) -> tuple[LaunchConfig, str | None
         raw["num_machines"] = elastic_range(args.nnodes)[1]
     if args.debug:
         raw["debug"] = True
-    for section, model in (("fsdp_config", FsdpSection), ("deepspeed_config", DeepSpeedSection)):
+    for section, model in (("fsdp_config", FsdpSection), ("deepspeed_config", DeepSpeedSection),
+                           ("parallelism_config", ParallelismSection)):
         given = {name: flags[name] for name in fields_of(model) if flags.get(name) is not None}
         if given:
             raw[section] = {**(raw.get(section) or {}), **given}

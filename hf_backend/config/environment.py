@@ -23,6 +23,9 @@ DISTRIBUTED_TYPE = PREFIX + "DISTRIBUTED_TYPE"
 FSDP_CONFIG = PREFIX + "FSDP_CONFIG"  # JSON of the validated fsdp_config section
 DEEPSPEED_CONFIG = PREFIX + "DEEPSPEED_CONFIG"  # JSON of the validated deepspeed_config section
 CONFIG_FILE = PREFIX + "CONFIG_FILE"  # the file the launcher read, for `hf-backend env` and messages
+# Accelerate's names, so that `accelerate launch --parallelism_config_tp_size 2` starts hf_backend scripts too; the
+# sizes travel in PARALLELISM_CONFIG_<NAME>_SIZE, which ParallelismConfig reads (config/parallelism.py)
+USE_PARALLELISM_CONFIG = "ACCELERATE_USE_PARALLELISM_CONFIG"
 
 
 def launcher_setting(name: str) -> str | None:
@@ -43,6 +46,10 @@ def to_environment(config: Any, config_file: str | None = None) -> dict[str, str
     if config.distributed_type in _SECTIONS:
         key, name = _SECTIONS[config.distributed_type]
         env[name] = json.dumps(getattr(config, key))
+    if config.parallelism_config and config.distributed_type != "DEEPSPEED":  # ParallelismConfig() reads these
+        env[USE_PARALLELISM_CONFIG] = "true"
+        for key, value in config.parallelism_config.items():
+            env[key.upper()] = str(value)  # parallelism_config_tp_size -> PARALLELISM_CONFIG_TP_SIZE
     if config_file:
         env[CONFIG_FILE] = str(config_file)
     return env
@@ -68,6 +75,19 @@ def read_launch_config() -> Any | None:
                 raise HfBackendError(f"environment variable {name} is not JSON; start the job with hf-backend "
                                      "launch, or unset it") from None
     return validate(raw, source=f"the launcher's environment ({PREFIX}*)")
+
+
+def parallelism_shape(given: Any, world: int) -> Any:
+    """The process grid (a MeshShape) for `Accelerator(parallelism_config=...)`, or the launcher's when none is
+    given; None when neither asks for one."""
+    from .parallelism import MeshShape, ParallelismConfig
+
+    if given is None:
+        raw = launcher_setting(USE_PARALLELISM_CONFIG)
+        if raw is None or not parse_bool(raw):
+            return None
+        given = ParallelismConfig()
+    return MeshShape.of(ParallelismConfig.of(given), world)
 
 
 def parse_bool(raw: str) -> bool:

@@ -454,6 +454,9 @@ def _check_together(config: LaunchConfig, source: str) -> None:
     for section, kind in (("fsdp_config", "FSDP"), ("deepspeed_config", "DEEPSPEED")):
         if getattr(config, section) and config.distributed_type != kind:
             note(f"{source}: {section} is not used because distributed_type is {config.distributed_type}")
+    if config.parallelism_config and config.distributed_type == "DEEPSPEED":
+        raise ConfigError(f"{source}: parallelism_config goes with the native path, not DeepSpeed; set "
+                          "distributed_type FSDP (or MULTI_CPU / MULTI_GPU) or drop parallelism_config")
 
 
 def write_config(config: LaunchConfig, path: str | os.PathLike) -> Path:

@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from .schema import DeepSpeedSection, FsdpSection, LaunchConfig, default_of, fields_of
+from .schema import DeepSpeedSection, FsdpSection, LaunchConfig, ParallelismSection, default_of, fields_of
 
 _INTRO = """# Config file reference
 
@@ -41,7 +41,10 @@ def render() -> str:
     parts = [_INTRO, "## Top level", "", *_table(LaunchConfig), "",
              "## `fsdp_config`", "", "Keys may also be written without the `fsdp_` prefix (as in transformers' "
              "`fsdp_config` JSON).", "", *_table(FsdpSection), "",
-             "## `deepspeed_config`", "", *_table(DeepSpeedSection), ""]
+             "## `deepspeed_config`", "", *_table(DeepSpeedSection), "",
+             "## `parallelism_config`", "",
+             "Each key is also a `hf-backend launch` flag (`--parallelism_config_tp_size 2`), as in `accelerate "
+             "launch`; what runs: docs/parallelism.md.", "", *_table(ParallelismSection), ""]
     return "\n".join(parts)
 
 

@@ -89,6 +89,29 @@ class DeepSpeedSection:
 
 
 @dataclass
+class ParallelismSection:
+    """`parallelism_config:` (Accelerate's keys and flags): the process grid of the native mesh path, a
+    ParallelismConfig in every process. The sizes multiply to the number of processes (all 1: not used)."""
+
+    parallelism_config_dp_replicate_size: int = key(1, "data-parallel replicas (HSDP's replicate dimension)",
+                                                    minimum=1, maximum=MAX_PROCESSES,
+                                                    question="Data-parallel replicas (dp_replicate_size)")
+    parallelism_config_dp_shard_size: int = key(1, "data-parallel shards (FSDP over this dimension)", minimum=1,
+                                                maximum=MAX_PROCESSES, question="FSDP shards (dp_shard_size)")
+    parallelism_config_tp_size: int = key(1, "tensor-parallel shards (from the model's tp_plan)", minimum=1,
+                                          maximum=MAX_PROCESSES, question="Tensor-parallel size (tp_size)")
+    parallelism_config_cp_size: int = key(1, "context-parallel slices of each sequence (causal attention)",
+                                          minimum=1, maximum=MAX_PROCESSES,
+                                          question="Context-parallel size (cp_size)")
+    parallelism_config_cp_backend: str = key("torch", "context parallelism backend", choices=("torch",))
+    parallelism_config_cp_comm_strategy: str = key("allgather", "how K/V are exchanged: hf_backend all-gathers them",
+                                                   unused=True)
+    parallelism_config_sp_size: int = key(1, "DeepSpeed Ulysses sequence parallelism is not supported", minimum=1,
+                                          maximum=1)
+    parallelism_config_sp_backend: str = key("deepspeed", "sequence parallelism backend", unused=True)
+
+
+@dataclass
 class LaunchConfig:
     """What `hf-backend launch` starts and how `Accelerator()` in each process is set up."""
 
@@ -125,7 +148,7 @@ class LaunchConfig:
     ipex_config: dict = key({}, "IPEX is not supported", unused=True)
     mpirun_config: dict = key({}, "processes start through torch elastic, not mpirun", unused=True)
     fp8_config: dict = key({}, "fp8 is not supported", unused=True)
-    parallelism_config: dict = key({}, "tensor/context parallelism is not supported", unused=True)
+    parallelism_config: dict = key({}, "the process grid: tensor parallelism x FSDP / HSDP (see below)")
     tpu_name: str | None = key(None, "TPU only", unused=True)
     tpu_zone: str | None = key(None, "TPU only", unused=True)
     tpu_use_cluster: bool = key(False, "TPU only", unused=True)
@@ -143,6 +166,10 @@ class LaunchConfig:
     def deepspeed(self) -> DeepSpeedSection:
         return DeepSpeedSection(**self.deepspeed_config)
 
+    @property
+    def parallelism(self) -> ParallelismSection:
+        return ParallelismSection(**self.parallelism_config)
+
     def to_dict(self) -> dict[str, Any]:
         """The keys worth writing: everything used, plus unused keys only where they differ from the default."""
         out = {}
@@ -154,7 +181,8 @@ class LaunchConfig:
         return out
 
 
-SECTIONS: dict[str, type] = {"fsdp_config": FsdpSection, "deepspeed_config": DeepSpeedSection}
+SECTIONS: dict[str, type] = {"fsdp_config": FsdpSection, "deepspeed_config": DeepSpeedSection,
+                             "parallelism_config": ParallelismSection}
 
 
 def fields_of(model: type) -> dict[str, dataclasses.Field]:

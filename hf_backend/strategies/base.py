@@ -1,13 +1,16 @@
-"""The one interface every way of wrapping a model (one process, DDP, FSDP, DeepSpeed) implements.
+"""The one interface every way of training a model (one process, DDP, the native mesh path, DeepSpeed) implements.
 
-The Accelerator picks a strategy once and routes every model-touching call through it; it never asks which one it has.
+The Accelerator picks a strategy once and routes every model-touching call through it; it never asks which one it
+has. `setup` prepares what one `prepare` call was given, jointly (as a Lightning Fabric strategy does): the native
+strategies build it from `setup_model` / `setup_optimizer` / `setup_scheduler`; DeepSpeed builds one engine from all
+of it and hands back optimizers it steps itself (optim.EngineStepped).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -19,7 +22,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import HfBackendError
 from ..log import note
@@ -27,32 +29,8 @@ from ..optim import DummyScheduler
 from ..options import Handlers
 from ..precision import Precision
 from ..state import DistributedType, ProcessState
-
-
-def is_compiled_module(module: torch.nn.Module) -> bool:
-    """A `torch.compile(...)` wrapper."""
-    return isinstance(module, torch._dynamo.eval_frame.OptimizedModule)
-
-
-def extract_model_from_parallel(model: torch.nn.Module, keep_fp32_wrapper: bool = True,
-                                keep_torch_compile: bool = True,
-                                is_wrapper: Callable[[torch.nn.Module], bool] | None = None) -> torch.nn.Module:
-    """Strip parallel wrappers (DDP, `nn.DataParallel`, a DeepSpeed engine, or what `is_wrapper` says) and, unless
-    `keep_torch_compile`, the torch.compile wrapper."""
-    wrappers = (DistributedDataParallel, torch.nn.DataParallel)
-    while True:
-        wrapped = isinstance(model, wrappers) or type(model).__name__ == "DeepSpeedEngine"
-        if wrapped or (is_wrapper is not None and is_wrapper(model)):
-            inner = getattr(model, "module", None)
-        else:
-            inner = None if keep_torch_compile or not is_compiled_module(model) else model._orig_mod
-        if not isinstance(inner, torch.nn.Module):
-            if not keep_fp32_wrapper:
-                from ..precision import Precision
-
-                Precision.unwrap_forward(model)
-            return model
-        model = inner
+from ..unwrap import extract_model_from_parallel
+from .mesh import DataShard
 
 
 class Strategy:
@@ -66,7 +44,26 @@ class Strategy:
         self.precision = precision
         self.handlers = handlers
 
+    mesh: Any = None  # the DeviceMesh the parallelisms are applied over, where there is one
+    shape: Any = None  # its MeshShape
+
+    @property
+    def data_shard(self) -> DataShard:
+        """Which part of each global batch this process reads: its own, unless tensor or context parallel
+        neighbours share it."""
+        return DataShard(self.process.num_processes, self.process.process_index)
+
     # -- preparing ---------------------------------------------------------------------------------------------------
+    def setup(self, models: Sequence[torch.nn.Module], optimizers: Sequence[Any] = (), schedulers: Sequence[Any] = (),
+              loaders: Sequence[Any] = (), device_placement: Sequence[bool] | None = None,
+              evaluation_mode: bool = False) -> tuple[list[torch.nn.Module], list[Any], list[Any]]:
+        """Everything one `prepare` call was given that is not prepared yet, in one call: returns the prepared models,
+        optimizers and schedulers, in the order given. Loaders are only read (DeepSpeed sizes its batches from
+        them); `evaluation_mode`: the models are only evaluated (placed and autocast, not wrapped for training)."""
+        placement = list(device_placement) if device_placement is not None else [True] * len(models)
+        return ([self.setup_model(m, p, evaluation_mode) for m, p in zip(models, placement, strict=True)],
+                [self.setup_optimizer(o) for o in optimizers], [self.setup_scheduler(s) for s in schedulers])
+
     def setup_model(self, model: torch.nn.Module, device_placement: bool = True,
                     evaluation_mode: bool = False) -> torch.nn.Module:
         if device_placement:
@@ -100,20 +97,17 @@ class Strategy:
         return torch.compile(model, **plugin.compile_kwargs())
 
     # -- training step -----------------------------------------------------------------------------------------------
-    def steps_in_backward(self, optimizer_or_scheduler: Any) -> bool:
-        """Whether `backward` already steps (and zeroes) this prepared optimizer or scheduler, so that the script's
-        `step()` / `zero_grad()` calls are no-ops (DeepSpeed's engine does)."""
-        return False
-
-    def on_prepare(self, objects: list[Any]) -> None:
-        """Called by `prepare` with everything passed in one call, before any of it is prepared (DeepSpeed builds
-        its engine from the model, optimizer and loader together)."""
-
     def backward(self, loss: torch.Tensor, accumulation_steps: int, sync: bool, **kwargs: Any) -> None:
         """Backward of one micro step; `sync` says whether it ends an accumulation window."""
         self.precision.scale_and_backward(loss / accumulation_steps if accumulation_steps > 1 else loss, **kwargs)
 
     def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def context_parallel(self, buffers: Sequence[torch.Tensor], seq_dims: Sequence[int],
+                         keep: Sequence[torch.Tensor]) -> contextlib.AbstractContextManager:
+        """Accelerate's `maybe_context_parallel`: each rank keeps its slice of the buffers inside the block (only
+        with context parallelism; elsewhere nothing happens)."""
         return contextlib.nullcontext()
 
     def trigger_sync_in_backward(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
@@ -146,17 +140,14 @@ class Strategy:
     save_options = StateDictOptions()  # how full states are taken from this strategy's models
     load_options = StateDictOptions(strict=False)  # how full states are given back (missing tied keys checked)
 
-    def model_state_dict(self, model: torch.nn.Module, sharded: bool = False,
-                         trainable_only: bool = False) -> dict[str, torch.Tensor]:
+    def model_state_dict(self, model: torch.nn.Module, sharded: bool = False, trainable_only: bool = False,
+                         masters: bool = False) -> dict[str, torch.Tensor]:
         """The full state dict (collective for sharded strategies: call it on every process), or with `sharded`
-        this process's shards; `trainable_only`: the parameters that require grad, nothing else gathered."""
+        this process's shards; `trainable_only`: the parameters that require grad, nothing else gathered.
+        `masters`: the weights the optimizer steps, which a checkpoint holds; they are the model's parameters
+        (precision.py keeps them in fp32) except where an engine keeps a master copy of its own (DeepSpeed)."""
         options = StateDictOptions() if sharded else self.save_options
         return get_model_state_dict(model, options=dataclasses.replace(options, ignore_frozen_params=trainable_only))
-
-    def checkpoint_state_dict(self, model: torch.nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
-        """The full weights a checkpoint holds: the model's, or where the optimizer steps a master copy of its own
-        (DeepSpeed), that copy; `trainable_only`: of the parameters that require grad. Collective."""
-        return self.model_state_dict(model, trainable_only=trainable_only)
 
     def load_model_state_dict(self, model: torch.nn.Module, state_dict: dict[str, Any], sharded: bool = False) -> Any:
         """Give the model a full state dict (or, with `sharded`, this process's shards); returns torch's missing and
@@ -172,10 +163,6 @@ class Strategy:
                                   state_dict: dict[str, Any], sharded: bool = False) -> None:
         set_optimizer_state_dict(model, optimizer, state_dict,
                                  options=StateDictOptions() if sharded else self.load_options)
-
-    def model_of(self, optimizer: Any) -> torch.nn.Module | None:
-        """The prepared model an optimizer steps, where its param groups do not say (DeepSpeed's hold partitions)."""
-        return None
 
     def reset(self) -> None:
         """Drop every reference to prepared objects this strategy holds (`Accelerator.free_memory`)."""

@@ -1,16 +1,17 @@
 """DeepSpeed ZeRO (stages 0-3) through the `deepspeed` package.
 
-DeepSpeed owns the step: `backward` runs the engine's backward and step every micro step, and the engine applies
-accumulation, clipping and the optimizer step at the window's end (the Accelerator tells it where that is). The
-engine is built in `on_prepare`, from the model, optimizer and dataloader passed to one `prepare` call, after "auto"
-values in the config are resolved from them.
+One adapter behind the strategy interface's joint `setup`: the engine is built from the model, optimizer, scheduler
+and dataloader passed to one `prepare` call, after "auto" values in the config are resolved from them, and the
+optimizer (and DeepSpeed's own scheduler) come back as `EngineStepped` stand-ins: DeepSpeed owns the step.
+`backward` runs the engine's backward and step every micro step, and the engine applies accumulation, clipping and
+the optimizer step at the window's end (the Accelerator tells it where that is).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -20,7 +21,7 @@ from ..config.plugins import DeepSpeedPlugin
 from ..errors import HfBackendError
 from ..gradient_state import GradientState
 from ..log import note
-from ..optim import DummyOptim, DummyScheduler
+from ..optim import DummyOptim, DummyScheduler, EngineStepped, EngineSteppedScheduler
 from ..options import Handlers
 from ..precision import Precision
 from ..state import DistributedType, ProcessState
@@ -59,7 +60,6 @@ class DeepSpeedStrategy(Strategy):
         self.gradient_state = gradient_state
         self.split_batches = split_batches
         self.engine: Any = None
-        self._client_optimizer: torch.optim.Optimizer | None = None
         self._zero3_init = None
         if plugin.zero3_init_flag and self.zero_stage == 3:
             self._zero3_init = _partition_at_construction(self.config, precision.mode == "bf16")
@@ -69,21 +69,38 @@ class DeepSpeedStrategy(Strategy):
         return int(self.config["zero_optimization"]["stage"])
 
     # -- building the engine -----------------------------------------------------------------------------------------
-    def on_prepare(self, objects: list[Any]) -> None:
-        models = [o for o in objects if isinstance(o, torch.nn.Module)]
+    def setup(self, models: Sequence[torch.nn.Module], optimizers: Sequence[Any] = (), schedulers: Sequence[Any] = (),
+              loaders: Sequence[Any] = (), device_placement: Sequence[bool] | None = None,
+              evaluation_mode: bool = False) -> tuple[list[torch.nn.Module], list[Any], list[Any]]:
+        """One engine from everything one `prepare` call holds; a later call may only prepare the model again without
+        an optimizer (transformers' Trainer does, to evaluate: the engine comes back) or torch schedulers, which the
+        loop steps."""
         if not models:
-            return
-        if self.engine is not None or len(models) > 1:
+            if optimizers or any(isinstance(s, DummyScheduler) for s in schedulers):
+                raise HfBackendError("DeepSpeed: prepare() the optimizer in the same call as its model")
+            return [], [], list(schedulers)
+        if len(models) > 1 or (self.engine is not None and optimizers):
             raise HfBackendError("DeepSpeed trains one model per Accelerator: prepare it once, with its optimizer")
-        optimizers = [o for o in objects if isinstance(o, (torch.optim.Optimizer, DummyOptim))]
-        if len(optimizers) > 1:
-            raise HfBackendError("DeepSpeed takes one optimizer; pass param groups to a single optimizer instead")
-        schedulers = [o for o in objects if isinstance(o, (torch.optim.lr_scheduler.LRScheduler, DummyScheduler))]
-        loaders = [o for o in objects if isinstance(o, DataLoader)]
-        optimizer = optimizers[0] if optimizers else None
-        scheduler = schedulers[0] if schedulers else None
+        if self.engine is None:
+            if len(optimizers) > 1:
+                raise HfBackendError("DeepSpeed takes one optimizer; pass param groups to a single optimizer instead")
+            self._build(models[0], optimizers[0] if optimizers else None, schedulers[0] if schedulers else None,
+                        next((loader for loader in loaders if isinstance(loader, DataLoader)), None))
+        engine = self.engine
+        stepped = [EngineStepped(engine.optimizer if isinstance(o, DummyOptim) else o, engine) for o in optimizers]
+        own = []
+        for scheduler in schedulers:
+            if isinstance(scheduler, DummyScheduler):
+                if engine.lr_scheduler is None:
+                    raise HfBackendError("DummyScheduler: DeepSpeed built no scheduler; check the config's scheduler "
+                                         "section")
+                scheduler = EngineSteppedScheduler(engine.lr_scheduler)
+            own.append(scheduler)
+        return [engine], stepped, own
+
+    def _build(self, model: torch.nn.Module, optimizer: Any, scheduler: Any, loader: DataLoader | None) -> None:
         # Read the plugin's config again: transformers' Trainer completes it ("auto" values) after construction.
-        self.config = self._resolve(self.plugin.config(), models[0], loaders[0] if loaders else None)
+        self.config = self._resolve(self.plugin.config(), model, loader)
         self._resolve_placeholders(self.config, optimizer, scheduler)
         import deepspeed
 
@@ -92,14 +109,13 @@ class DeepSpeedStrategy(Strategy):
                 "device", "none") != "none":
             client = self._offload_optimizer(client)
         params = optimizer.params if isinstance(optimizer, DummyOptim) else \
-            [p for p in models[0].parameters() if p.requires_grad]
+            [p for p in model.parameters() if p.requires_grad]
         callable_scheduler = getattr(scheduler, "lr_scheduler_callable", None) if "scheduler" not in self.config \
             else None
         self.engine, _, _, _ = deepspeed.initialize(
-            model=models[0], optimizer=client, config=self.config, lr_scheduler=callable_scheduler,
+            model=model, optimizer=client, config=self.config, lr_scheduler=callable_scheduler,
             model_parameters=None if client is not None else params,
         )
-        self._client_optimizer = optimizer
 
     def _resolve_placeholders(self, config: dict[str, Any], optimizer: Any, scheduler: Any) -> None:
         """A config "optimizer"/"scheduler" section goes with DummyOptim/DummyScheduler, whose values fill "auto"."""
@@ -203,37 +219,11 @@ class DeepSpeedStrategy(Strategy):
         config.setdefault("steps_per_print", 2**31 - 1)  # DeepSpeed's own progress prints stay off
         return config
 
-    def setup_model(self, model: torch.nn.Module, device_placement: bool = True,
-                    evaluation_mode: bool = False) -> torch.nn.Module:
-        if self.engine is None:
-            raise HfBackendError("DeepSpeed: prepare() the model together with its optimizer (and training "
-                                 "DataLoader) in one call")
-        return self.engine
-
     def compile_model(self, model: torch.nn.Module, plugin: Any) -> torch.nn.Module:
         """DeepSpeed compiles the module inside its engine (its hooks stay outside), in place."""
         kwargs = plugin.compile_kwargs()
         model.compile(backend=kwargs.pop("backend"), compile_kwargs=kwargs)
         return model
-
-    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        if optimizer is not self._client_optimizer:
-            raise HfBackendError("DeepSpeed: prepare() the optimizer in the same call as its model")
-        # DeepSpeed's own optimizer (config section) is the one whose param groups the engine steps.
-        return self.engine.optimizer if isinstance(optimizer, DummyOptim) else optimizer
-
-    def setup_scheduler(self, scheduler: Any) -> Any:
-        if not isinstance(scheduler, DummyScheduler):
-            return scheduler
-        if self.engine.lr_scheduler is None:
-            raise HfBackendError("DummyScheduler: DeepSpeed built no scheduler; check the config's scheduler section")
-        return self.engine.lr_scheduler
-
-    def steps_in_backward(self, optimizer_or_scheduler: Any) -> bool:
-        """The engine steps and zeroes the optimizer, and steps its own scheduler, at the end of each window."""
-        engine = self.engine
-        return engine is not None and any(optimizer_or_scheduler is own for own in (
-            engine.optimizer, self._client_optimizer, engine.lr_scheduler) if own is not None)
 
     # -- training step -----------------------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, accumulation_steps: int, sync: bool, **kwargs: Any) -> None:
@@ -273,15 +263,18 @@ class DeepSpeedStrategy(Strategy):
     # Checkpoints hold what every strategy writes (deepspeed_state.py): full fp32 master weights and an optimizer
     # state keyed by parameter name, gathered from the partitions, so they resume anywhere.
 
-    def model_state_dict(self, model: torch.nn.Module, sharded: bool = False,
-                         trainable_only: bool = False) -> dict[str, torch.Tensor]:
+    def model_state_dict(self, model: torch.nn.Module, sharded: bool = False, trainable_only: bool = False,
+                         masters: bool = False) -> dict[str, torch.Tensor]:
         """Full weights; under ZeRO-3 gathered (16-bit when training in bf16) onto rank 0, other ranks get {}. Read
         from the engine given (still there after `free_memory`), else this strategy's. `sharded`: full-size
         tensors on every process for a sharded (DCP) checkpoint of another strategy to be read into;
-        `trainable_only`: the parameters that require grad."""
+        `trainable_only`: the parameters that require grad; `masters`: the fp32 master weights the optimizer steps
+        (bf16 training included), gathered from their partitions, which checkpoints hold."""
         engine = self._engine_of(model)
         if sharded:
             return deepspeed_state.weights_template(engine)
+        if masters:
+            return deepspeed_state.full_weights(engine, self.zero_stage, trainable_only)
         if self.zero_stage == 3:
             return engine._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=trainable_only) or {}
         state_dict = engine.module.state_dict()
@@ -289,10 +282,6 @@ class DeepSpeedStrategy(Strategy):
             frozen = {name for name, p in engine.module.named_parameters() if not p.requires_grad}
             state_dict = {name: tensor for name, tensor in state_dict.items() if name not in frozen}
         return state_dict
-
-    def checkpoint_state_dict(self, model: torch.nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
-        """The fp32 master weights the optimizer steps (bf16 training included), gathered from their partitions."""
-        return deepspeed_state.full_weights(self._engine_of(model), self.zero_stage, trainable_only)
 
     def load_model_state_dict(self, model: torch.nn.Module, state_dict: dict[str, Any], sharded: bool = False) -> Any:
         """Full weights into the module and the fp32 master partitions (`sharded` states are read whole by
@@ -316,14 +305,6 @@ class DeepSpeedStrategy(Strategy):
             return
         deepspeed_state.load_full_optimizer_state(engine, state_dict, "the checkpoint's optimizer state")
 
-    def model_of(self, optimizer: Any) -> torch.nn.Module | None:
-        """The engine, for its optimizer: DeepSpeed's steps flat partitions, not the model's parameters."""
-        engine = self.engine
-        if engine is None:
-            return None
-        own = (engine.optimizer, getattr(engine.optimizer, "optimizer", None), self._client_optimizer)
-        return engine if any(optimizer is o for o in own if o is not None) else None
-
     def _engine_of(self, model: torch.nn.Module) -> Any:
         return model if hasattr(model, "_zero3_consolidated_16bit_state_dict") else self.engine
 
@@ -333,7 +314,7 @@ class DeepSpeedStrategy(Strategy):
         if self.engine is not None:
             self.engine.destroy()
             _forget_zero3_module(self.engine.module)
-        self.engine = self._client_optimizer = None
+        self.engine = None
 
 
 def _partition_at_construction(config: dict[str, Any], bf16: bool) -> Any:

@@ -1,25 +1,28 @@
-"""Fully sharded data parallel on FSDP2 (`torch.distributed.fsdp.fully_shard`), the torchtitan way: each block of
-the wrap policy is sharded on its own, then the root; parameters become DTensors.
+"""The native N-D path: parallelisms applied to the model over one DeviceMesh (strategies/mesh.py), the torchtitan
+way, in one order: tensor parallelism from the model's tp_plan, activation checkpointing, then FSDP2's `fully_shard`
+over the data-parallel dimensions, each block of the wrap policy on its own, then the root. Parameters become
+DTensors; their state goes through torch's distributed state-dict API whatever the mesh.
 
-FSDP1-era options map onto FSDP2: FULL_SHARD / SHARD_GRAD_OP are `reshard_after_forward` True / False; NO_SHARD and
-HYBRID_SHARD use a 2-D (replicate, shard) mesh; forward prefetch is an explicit block-to-block chain. Checkpoints:
-SHARDED_STATE_DICT writes DCP directories (each rank its shards); FULL_STATE_DICT gathers full states to rank 0.
+The mesh's shape comes from a ParallelismConfig, or from FSDP1-era options: FULL_SHARD / SHARD_GRAD_OP shard over
+every process (`reshard_after_forward` True / False), NO_SHARD and HYBRID_SHARD replicate across a dimension of the
+mesh. Forward prefetch is an explicit block-to-block chain. Checkpoints: SHARDED_STATE_DICT writes DCP directories
+(each rank its shards); FULL_STATE_DICT gathers full states to rank 0.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
 from ..config.environment import set_ram_efficient_loading_variables
+from ..config.parallelism import MeshShape
 from ..config.plugins import FsdpOptions, FullyShardedDataParallelPlugin
 from ..errors import HfBackendError
 from ..log import note
@@ -27,18 +30,26 @@ from ..options import Handlers
 from ..precision import Precision, dtype_of
 from ..state import DistributedType, ProcessState
 from .base import Strategy
+from .context_parallel import apply_context_parallel, check_inputs, split_sequences
 from .fsdp_overlap import schedule
+from .mesh import DataShard, build_mesh, data_shard, fsdp_mesh
+from .tensor_parallel import apply_tensor_parallel, is_tensor_parallel
 
 
 class FSDPStrategy(Strategy):
     distributed_type = DistributedType.FSDP
 
     def __init__(self, process: ProcessState, precision: Precision, handlers: Handlers,
-                 fsdp: FsdpOptions | FullyShardedDataParallelPlugin) -> None:
+                 fsdp: FsdpOptions | FullyShardedDataParallelPlugin, shape: MeshShape | None = None) -> None:
         """`fsdp`: the options `config.backend.choose_backend` resolved (a plugin, ours or Accelerate's, is resolved
-        here)."""
+        here); `shape`: the process grid a ParallelismConfig asked for (else the sharding strategy's)."""
         super().__init__(process, precision, handlers)
         self.options = FsdpOptions.of(fsdp)
+        self.shape = shape or MeshShape.for_fsdp(self.options.sharding_strategy, process.num_processes,
+                                                 process.local_num_processes)
+        self.mesh = build_mesh(self.shape, process.device.type)
+        self.fsdp_mesh = fsdp_mesh(self.mesh, self.shape)
+        self._sequences_split = False  # inside maybe_context_parallel
         self.plugin = self.options.as_plugin()  # what accelerator.state.fsdp_plugin shows
         self.sharded_checkpoints = self.options.state_dict_type != "FULL_STATE_DICT"
         if self.options.cpu_ram_efficient_loading:
@@ -54,6 +65,7 @@ class FSDPStrategy(Strategy):
                     evaluation_mode: bool = False) -> torch.nn.Module:
         if isinstance(model, FSDPModule):  # sharded by an earlier prepare (transformers evaluates, frees, trains)
             return model
+        sharded_by_transformers = is_tensor_parallel(model, self.mesh["tp"] if self.shape.tp > 1 else None)
         before = list(model.parameters())  # what an optimizer built before prepare holds; mapped to the shards below
         efficient = self.options.cpu_ram_efficient_loading
         main = self.process.is_main_process
@@ -69,7 +81,14 @@ class FSDPStrategy(Strategy):
             self.precision.keep_fp32_masters(model, sharded=True, param_dtype=self._mp_policy().param_dtype)
         if self.options.sync_module_states and not efficient:
             for tensor in [*model.parameters(), *model.buffers()]:  # ranks that seeded differently train one model
-                torch.distributed.broadcast(tensor.data, src=0)
+                if not isinstance(tensor, DTensor):  # tensor-parallel shards differ by rank, read from the weights
+                    torch.distributed.broadcast(tensor.data, src=0)
+        if self.shape.tp > 1 and not sharded_by_transformers:
+            apply_tensor_parallel(model, self.mesh["tp"])
+        if self.shape.cp > 1:
+            apply_context_parallel(model, self.mesh["cp"])
+            model.register_forward_pre_hook(
+                lambda _, args, kwargs: check_inputs(kwargs, self._sequences_split, self.mesh["cp"]), with_kwargs=True)
         blocks = self._blocks(model)
         if self.options.activation_checkpointing:
             _checkpoint_blocks(model, blocks)
@@ -94,15 +113,9 @@ class FSDPStrategy(Strategy):
         for buffer in model.buffers():  # not sharded, and non-persistent ones are in no state dict
             torch.distributed.broadcast(buffer, src=0)
 
-    def _mesh(self) -> Any:
-        device, world = self.process.device.type, self.process.num_processes
-        strategy = self.options.sharding_strategy
-        if strategy == "NO_SHARD":
-            return init_device_mesh(device, (world, 1), mesh_dim_names=("replicate", "shard"))
-        if strategy in ("HYBRID_SHARD", "HYBRID_SHARD_ZERO2"):
-            local = self.process.local_num_processes
-            return init_device_mesh(device, (world // local, local), mesh_dim_names=("replicate", "shard"))
-        return init_device_mesh(device, (world,))
+    @property
+    def data_shard(self) -> DataShard:
+        return data_shard(self.mesh, self.shape)
 
     def _mp_policy(self) -> MixedPrecisionPolicy:
         policy = self.options.mixed_precision_policy
@@ -119,7 +132,7 @@ class FSDPStrategy(Strategy):
     def _shard_kwargs(self) -> dict[str, Any]:
         offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.options.cpu_offload \
             else OffloadPolicy()
-        return {"mesh": self._mesh(), "reshard_after_forward": self.options.reshard_after_forward,
+        return {"mesh": self.fsdp_mesh, "reshard_after_forward": self.options.reshard_after_forward,
                 "mp_policy": self._mp_policy(), "offload_policy": offload}
 
     def _blocks(self, model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -167,37 +180,22 @@ class FSDPStrategy(Strategy):
         finally:
             model.set_requires_gradient_sync(True)
 
+    @contextlib.contextmanager
+    def context_parallel(self, buffers: Sequence[torch.Tensor], seq_dims: Sequence[int],
+                         keep: Sequence[torch.Tensor]) -> Iterator[None]:
+        if self.shape.cp == 1:
+            yield
+            return
+        with split_sequences(buffers, seq_dims, keep, self.mesh["cp"]):
+            self._sequences_split = True
+            try:
+                yield
+            finally:
+                self._sequences_split = False
+
     def clip_grad_norm_(self, parameters: Iterable[torch.nn.Parameter], max_norm: float,
                         norm_type: float = 2.0) -> torch.Tensor:
-        """The global norm from the local shards and one all-reduce of a scalar; then the shards are scaled in
-        place. Mirrors DTensor's partial-norm reduction (x^p, sum, x^(1/p)), so the result is the same as torch's
-        `clip_grad_norm_` over the DTensors, without a DTensor dispatch per gradient."""
-        parameters = list(parameters)
-        grads = [p.grad for p in parameters if p.grad is not None]
-        groups = _shard_groups(grads)
-        norm_type = float(norm_type)
-        if groups is None or not (norm_type == math.inf or norm_type > 0):
-            norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
-            return norm.full_tensor() if isinstance(norm, DTensor) else norm
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for grad in grads:
-            local_grad = grad.to_local()
-            by_dtype.setdefault(local_grad.dtype, []).append(local_grad)
-        norms = [norm for same in by_dtype.values() for norm in torch._foreach_norm(same, norm_type)]
-        local = torch.linalg.vector_norm(torch.stack(norms), norm_type)
-        if norm_type == math.inf:
-            for group in groups:
-                torch.distributed.all_reduce(local, op=torch.distributed.ReduceOp.MAX, group=group)
-            total = local
-        else:
-            powered = local ** norm_type
-            for group in groups:
-                torch.distributed.all_reduce(powered, group=group)
-            total = powered ** (1.0 / norm_type)
-        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for dtype, same in by_dtype.items():
-            torch._foreach_mul_(same, coefficient.to(dtype))
-        return total
+        return clip_grad_norm(parameters, max_norm, norm_type)
 
     def state_plugins(self) -> dict[str, Any]:
         return {"fsdp_plugin": self.plugin}
@@ -222,17 +220,53 @@ class FSDPStrategy(Strategy):
         self._new_params.clear()
 
 
-def _shard_groups(grads: list[torch.Tensor]) -> list[Any] | None:
-    """The process groups a norm over these gradients' shards is summed across (one per sharded mesh dimension),
-    or None where they are not all DTensors laid out alike (Shard / Replicate on one mesh): torch's path then."""
-    if not grads or not all(isinstance(g, DTensor) for g in grads):
-        return None
-    mesh, placements = grads[0].device_mesh, grads[0].placements
-    if any((g.device_mesh is not mesh and g.device_mesh != mesh) or g.placements != placements for g in grads):
-        return None
-    if not all(isinstance(p, (Shard, Replicate)) for p in placements):
-        return None
-    return [mesh.get_group(dim) for dim, p in enumerate(placements) if isinstance(p, Shard) and mesh.size(dim) > 1]
+def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip gradients that are DTensors on any meshes (FSDP and tensor-parallel shards, `_StridedShard` included)
+    or plain tensors, or a mix; returns the total norm, the one a single process computes over the full gradients.
+
+    Each gradient's local shard contributes its norm^p; the sums are all-reduced over the mesh dimensions each
+    group of gradients is sharded on (never over those it is replicated on), then added up. One all-reduce of a
+    scalar per distinct sharding, and no DTensor dispatch per gradient; the shards are then scaled in place."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    norm_type = float(norm_type)
+    if not (norm_type == math.inf or norm_type > 0):
+        raise HfBackendError(f"clip_grad_norm_ norm_type={norm_type}: use a positive number or inf")
+    if not grads:
+        return torch.tensor(0.0)
+    by_groups: dict[tuple, dict[torch.dtype, list[torch.Tensor]]] = {}
+    for grad in grads:
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        by_dtype = by_groups.setdefault(_sharded_over(grad), {})
+        by_dtype.setdefault(local.dtype, []).append(local)
+    total = torch.zeros((), device=grads[0].device, dtype=torch.float32)
+    for groups, by_dtype in by_groups.items():
+        norms = [n.float() for same in by_dtype.values() for n in torch._foreach_norm(same, norm_type)]
+        part = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+        if norm_type == math.inf:
+            for group in groups:
+                torch.distributed.all_reduce(part, op=torch.distributed.ReduceOp.MAX, group=group)
+            total = torch.maximum(total, part)
+        else:
+            part = part ** norm_type
+            for group in groups:
+                torch.distributed.all_reduce(part, group=group)
+            total = total + part
+    if norm_type != math.inf:
+        total = total ** (1.0 / norm_type)
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for by_dtype in by_groups.values():
+        for dtype, same in by_dtype.items():
+            torch._foreach_mul_(same, coefficient.to(dtype))
+    return total
+
+
+def _sharded_over(grad: torch.Tensor) -> tuple:
+    """The process groups a gradient's shards are spread over (none for a plain tensor or a replicated DTensor)."""
+    if not isinstance(grad, DTensor):
+        return ()
+    mesh = grad.device_mesh
+    return tuple(mesh.get_group(dim) for dim, placement in enumerate(grad.placements)
+                 if not placement.is_replicate() and mesh.size(dim) > 1)
 
 
 def _is_block_like(module: torch.nn.Module) -> bool:

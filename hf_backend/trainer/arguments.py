@@ -28,6 +28,7 @@ from .. import checks
 from ..config import environment as env
 from ..config.backend import TRAINING_ARGUMENTS, choose_backend
 from ..config.loader import ConfigError
+from ..config.parallelism import ParallelismConfig
 from ..config.plugins import DeepSpeedPlugin
 from ..config.training_arguments import deepspeed_config_from_argument, fsdp_options_from_arguments
 from ..errors import HfBackendError
@@ -45,9 +46,9 @@ class TrainingArguments(transformers.TrainingArguments):
     def __post_init__(self) -> None:
         for name in ("gradient_accumulation_steps", "per_device_train_batch_size", "per_device_eval_batch_size"):
             checks.whole(getattr(self, name), f"TrainingArguments.{name}", minimum=1)
-        if self.parallelism_config is not None:
-            raise ConfigError("parallelism_config: tensor, context and sequence parallelism are not supported by "
-                              "hf_backend; drop it and shard with FSDP (fsdp=...) or DeepSpeed ZeRO-3")
+        if self.parallelism_config is not None:  # Accelerate's (what transformers' docs pass), ours or a dict
+            self.parallelism_config = ParallelismConfig.of(self.parallelism_config,
+                                                           "TrainingArguments.parallelism_config")
         # fsdp / fsdp_config / deepspeed given here win (and are read below, once transformers has parsed them);
         # without them the launcher's FSDP or DeepSpeed options, read by choose_backend, apply.
         wants_fsdp = bool(self.fsdp) or self.fsdp_config not in (None, {})

@@ -37,6 +37,7 @@ import transformers
 from .. import checkpoint, elastic
 from ..accelerator import Accelerator
 from ..config.loader import ConfigError
+from ..config.parallelism import ParallelismConfig
 from ..errors import HfBackendError
 from ..log import note
 from ..options import (
@@ -109,9 +110,13 @@ class Trainer(transformers.Trainer):
     # -- the engine ------------------------------------------------------------------------------------------------
     def create_accelerator_and_postprocess(self) -> None:
         args = self.args
-        if (getattr(self.model, "tp_size", None) or 1) > 1:
-            raise ConfigError(f"the model was loaded with tensor parallelism (tp_size={self.model.tp_size}); "
-                              "hf_backend does not run it: load it without tp_plan and use FSDP or DeepSpeed ZeRO-3")
+        parallelism = args.parallelism_config
+        loaded_tp = getattr(self.model, "tp_size", None) or 1  # sharded by from_pretrained(tp_plan=...)
+        if loaded_tp > 1 and parallelism is None:  # as transformers does: the grid the model was loaded for
+            parallelism = ParallelismConfig(tp_size=loaded_tp)
+        elif loaded_tp > 1 and parallelism.tp_size != loaded_tp:
+            raise ConfigError(f"the model was loaded with tp_size={loaded_tp} but parallelism_config has tp_size="
+                              f"{parallelism.tp_size}; make them equal, or load the model without tp_plan")
         quantizer = getattr(self.model, "hf_quantizer", None)  # a PEFT model answers for its base
         if quantizer is not None:
             method = getattr(getattr(quantizer, "quantization_config", None), "quant_method", "quantized")
@@ -143,6 +148,7 @@ class Trainer(transformers.Trainer):
             if args.torch_compile else None,
             fsdp_plugin=args.fsdp_options,
             deepspeed_plugin=args.deepspeed_plugin,
+            parallelism_config=parallelism,
         )
         self.gather_function = functools.partial(self.accelerator.gather_for_metrics,
                                                  use_gather_object=args.eval_use_gather_object)
@@ -226,15 +232,24 @@ class Trainer(transformers.Trainer):
     @torch.no_grad()
     def _loss_divides_by_item_count(self, batch: Mapping[str, Any]) -> bool:
         """Evaluate the loss of one batch with the item count and with twice the count: a loss that divides by it
-        halves. Dropout is off and the random state is kept, so training continues exactly as without the check."""
+        halves. Dropout is off and the random state is kept, so training continues exactly as without the check.
+        Under context parallelism the model runs on its slices, as in training (on copies: the batch is trained
+        on next)."""
         model = self.model_wrapped
         inputs = self._prepare_inputs(batch)
         count = inputs["labels"].ne(-100).sum()
+
+        def loss(count: torch.Tensor) -> torch.Tensor:
+            copy = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+            context, copy = self._prepare_context_parallel_inputs(model, copy)  # cp: splits the copy in place
+            with context():
+                return _loss_of(model(**copy, num_items_in_batch=count))
+
         was_training = model.training
         model.eval()
         try:
             with torch.random.fork_rng(devices=[]):
-                one, two = (_loss_of(model(**inputs, num_items_in_batch=count * k)) for k in (1, 2))
+                one, two = loss(count), loss(count * 2)
         finally:
             model.train(was_training)
         divides = bool(torch.isclose(one, 2 * two, rtol=1e-3)) and not bool(torch.isclose(one, two, rtol=1e-3))

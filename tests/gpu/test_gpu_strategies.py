@@ -19,6 +19,7 @@ from torch.utils.data import default_collate
 
 from hf_backend import Accelerator, DeepSpeedPlugin, FullyShardedDataParallelPlugin
 from hf_backend.gradient_state import GradientState
+from hf_backend.optim import EngineStepped
 from hf_backend.options import GradientAccumulationPlugin, Handlers
 from hf_backend.precision import Precision
 from hf_backend.state import ProcessState
@@ -76,8 +77,8 @@ def _fsdp(process: ProcessState, **options) -> FSDPStrategy:
 
 
 def _prepare(strategy, model, optimizer):
-    strategy.on_prepare([model, optimizer])
-    return strategy.setup_model(model), strategy.setup_optimizer(optimizer)
+    (model,), (optimizer,), _ = strategy.setup([model], [optimizer])
+    return model, optimizer
 
 
 def test_fsdp2_bf16_mixed_precision_policy_on_the_gpu(nccl_of_one):
@@ -144,7 +145,7 @@ def test_deepspeed_zero_in_bf16_on_the_gpu(nccl_of_one, stage):
         loss = engine(**_batch()).loss
         losses.append(loss.item())
         strategy.backward(loss, 1, True)  # the engine steps inside backward
-    assert strategy.steps_in_backward(optimizer)
+    assert isinstance(optimizer, EngineStepped)
     after = _full(strategy.model_state_dict(engine))
     assert sorted(after) == sorted(before)
     assert any(not torch.equal(before[k], after[k]) for k in before)

@@ -8,6 +8,7 @@ flattened, sorted by name), the files of each checkpoint, and what the model loo
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import random
@@ -32,8 +33,8 @@ def rows(n: int, seed: int) -> Dataset:
     return Dataset.from_list(out)
 
 
-def pad(batch: list[dict]) -> dict[str, torch.Tensor]:
-    width = max(len(row["input_ids"]) for row in batch)
+def pad(batch: list[dict], multiple: int = 1) -> dict[str, torch.Tensor]:
+    width = -(-max(len(row["input_ids"]) for row in batch) // multiple) * multiple  # rounded up to `multiple`
     ids = torch.zeros(len(batch), width, dtype=torch.long)
     labels = torch.full((len(batch), width), -100)
     mask = torch.zeros(len(batch), width, dtype=torch.long)
@@ -59,6 +60,13 @@ def with_lora(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def backend(args: argparse.Namespace) -> dict:
+    if args.grid:  # dp_replicate x dp_shard x tp, on the FSDP options below
+        from hf_backend import ParallelismConfig
+
+        replicate, shard, tp, cp = [*map(int, args.grid.split("x")), 1][:4]
+        return {"parallelism_config": ParallelismConfig(dp_replicate_size=replicate, dp_shard_size=shard, tp_size=tp,
+                                                        cp_size=cp),
+                **backend(argparse.Namespace(**{**vars(args), "grid": None, "strategy": "fsdp_sharded"}))}
     if args.strategy.startswith("fsdp"):
         state_dict_type = "SHARDED_STATE_DICT" if args.strategy == "fsdp_sharded" else "FULL_STATE_DICT"
         return {"fsdp": "full_shard", "fsdp_config": {"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
@@ -76,6 +84,8 @@ def main() -> int:
     p.add_argument("--output-dir", required=True)
     p.add_argument("--strategy", default="ddp", choices=("ddp", "fsdp", "fsdp_sharded", "zero2", "zero3"),
                    help="ddp: one process or DDP, by the number of processes")
+    p.add_argument("--grid", default=None, help="a ParallelismConfig: dp_replicate x dp_shard x tp [x cp], e.g. 1x2x2")
+    p.add_argument("--pad-multiple", type=int, default=1, help="pad each batch to a multiple of this many tokens")
     p.add_argument("--lora", action="store_true")
     p.add_argument("--tied", action="store_true")
     p.add_argument("--steps", type=int, default=6)
@@ -102,7 +112,8 @@ def main() -> int:
         warmup_steps=1, max_grad_norm=0.5, logging_steps=1, save_strategy="steps", save_steps=args.save_steps,
         report_to="none", disable_tqdm=True, seed=0, gradient_checkpointing=args.gradient_checkpointing,
         async_save=args.async_save, **backend(args))
-    trainer = Trainer(model=model, args=training_args, train_dataset=rows(96, 0), data_collator=pad)
+    trainer = Trainer(model=model, args=training_args, train_dataset=rows(96, 0),
+                      data_collator=functools.partial(pad, multiple=args.pad_multiple))
     trainer.train(resume_from_checkpoint=args.resume)
     if args.save_final:
         trainer.save_model(str(Path(args.output_dir) / "final"))

@@ -1,0 +1,179 @@
+"""How many processes each parallelism spans: `ParallelismConfig` (Accelerate's class: its field names and its
+PARALLELISM_CONFIG_* variables) and `MeshShape`, the one resolved value a strategy builds its DeviceMesh from.
+
+A config enters as Accelerate's object, ours or a dict, and is checked once against the world size
+(`MeshShape.of`); from there on only the shape is asked. FSDP's sharding strategies are shapes too
+(`MeshShape.for_fsdp`): FULL_SHARD shards over every process, HYBRID_SHARD replicates across machines, NO_SHARD
+replicates everywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Any
+
+from ..checks import show, whole
+from ..log import note
+from .loader import ConfigError
+
+ENV_PREFIX = "PARALLELISM_CONFIG_"
+_SIZES = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size")
+
+
+@dataclasses.dataclass
+class TorchTensorParallelConfig:
+    """Accelerate's handler for `ParallelismConfig(tp_handler=...)`. Async tensor parallelism (a CUDA
+    symmetric-memory overlap) is not applied, as in Accelerate, which warns the same."""
+
+    enable_async_tp: bool = False
+
+    def __post_init__(self) -> None:
+        if self.enable_async_tp:
+            note("TorchTensorParallelConfig(enable_async_tp=True): async tensor parallelism is not applied")
+
+
+@dataclasses.dataclass
+class TorchContextParallelConfig:
+    """Accelerate's handler for `ParallelismConfig(cp_handler=...)`. hf_backend's context parallelism all-gathers
+    the keys and values (strategies/context_parallel.py); "alltoall" is noted and runs the same way."""
+
+    cp_comm_strategy: str = "allgather"
+
+    def __post_init__(self) -> None:
+        if self.cp_comm_strategy not in ("allgather", "alltoall"):
+            raise ConfigError(f"TorchContextParallelConfig cp_comm_strategy={show(self.cp_comm_strategy)}: use "
+                              "'allgather' or 'alltoall'")
+        if self.cp_comm_strategy == "alltoall":
+            note("TorchContextParallelConfig(cp_comm_strategy='alltoall'): hf_backend all-gathers keys and values")
+
+
+@dataclasses.dataclass
+class ParallelismConfig:
+    """Accelerate's `ParallelismConfig`: sizes left unset come from PARALLELISM_CONFIG_<NAME> (what `hf-backend
+    launch --parallelism_config_tp_size 2` and `accelerate launch` set), else 1. Sequence parallelism (DeepSpeed
+    Ulysses, `sp_size`) is refused; `tp_handler` / `cp_handler` take the handlers above."""
+
+    dp_replicate_size: int | None = None
+    dp_shard_size: int | None = None
+    tp_size: int | None = None
+    cp_size: int | None = None
+    cp_backend: str | None = None
+    sp_size: int | None = None
+    sp_backend: str | None = None
+    tp_handler: Any = None
+    cp_handler: Any = None
+    sp_handler: Any = None
+
+    def __post_init__(self) -> None:
+        for name in _SIZES:
+            value = getattr(self, name)
+            if value is None:
+                variable = ENV_PREFIX + name[:-len("_size")].upper() + "_SIZE"
+                raw = os.environ.get(variable, "") or "1"
+                try:
+                    value = int(raw)
+                except ValueError:
+                    raise ConfigError(f"environment variable {variable}={raw!r} must be an integer >= 1") from None
+            setattr(self, name, whole(value, f"ParallelismConfig {name}", minimum=1))
+        self.cp_backend = self.cp_backend or os.environ.get(ENV_PREFIX + "CP_BACKEND") or "torch"
+        self.sp_backend = self.sp_backend or os.environ.get(ENV_PREFIX + "SP_BACKEND") or "deepspeed"
+        if self.cp_backend != "torch":
+            raise ConfigError(f"ParallelismConfig cp_backend={show(self.cp_backend)}: the one backend is 'torch'")
+        if self.sp_size > 1:
+            raise ConfigError(f"ParallelismConfig sp_size={self.sp_size}: DeepSpeed Ulysses sequence parallelism is "
+                              "not supported by hf_backend; split long sequences with cp_size instead")
+
+    @classmethod
+    def of(cls, value: Any, where: str = "parallelism_config") -> ParallelismConfig:
+        """Ours, Accelerate's (read by its field names) or a dict of those fields."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            unknown = sorted(set(value) - {f.name for f in dataclasses.fields(cls)})
+            if unknown:
+                raise ConfigError(f"{where}: unknown key {unknown[0]!r}; the keys are "
+                                  f"{', '.join(f.name for f in dataclasses.fields(cls))}")
+            return cls(**value)
+        if all(hasattr(value, name) for name in _SIZES):
+            return cls(**{f.name: getattr(value, f.name, None) for f in dataclasses.fields(cls)})
+        raise ConfigError(f"{where}={show(value)} must be a ParallelismConfig (hf_backend's or Accelerate's) or a "
+                          "dict of its sizes")
+
+    def to_json(self) -> dict[str, Any]:
+        """What TrainingArguments.to_dict() writes (transformers calls it): the sizes and backends."""
+        return {name: getattr(self, name) for name in (*_SIZES, "cp_backend", "sp_backend")}
+
+    # Accelerate's read-only views, which transformers' Trainer asks
+    tp_enabled = property(lambda self: self.tp_size > 1)
+    cp_enabled = property(lambda self: self.cp_size > 1)
+    sp_enabled = property(lambda self: self.sp_size > 1)
+    dp_replicate_enabled = property(lambda self: self.dp_replicate_size > 1)
+    dp_shard_enabled = property(lambda self: self.dp_shard_size > 1)
+    total_size = property(lambda self: math.prod(getattr(self, name) for name in _SIZES))
+    data_parallel_size = property(lambda self: self.dp_replicate_size * self.dp_shard_size)
+    non_data_parallel_size = property(lambda self: self.tp_size * self.cp_size * self.sp_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshShape:
+    """The process grid, outermost dimension first: data-parallel replicas, data-parallel shards, context-parallel
+    sequence slices, tensor-parallel shards. Rank r sits at (r // (shard*cp*tp), ..., r % tp): ranks that differ
+    only in their cp and tp coordinates are neighbours and share a batch."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+
+    DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
+
+    @property
+    def sizes(self) -> tuple[int, int, int, int]:
+        return self.dp_replicate, self.dp_shard, self.cp, self.tp
+
+    @property
+    def world(self) -> int:
+        return math.prod(self.sizes)
+
+    @property
+    def data_parallel(self) -> int:
+        """How many different batches one step sees."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def batch_replicas(self) -> int:
+        """How many neighbouring ranks share each batch (tp x cp)."""
+        return self.cp * self.tp
+
+    @property
+    def needs_mesh(self) -> bool:
+        """Whether anything is sharded: with replicas only, DDP trains the same way."""
+        return self.dp_shard > 1 or self.cp > 1 or self.tp > 1
+
+    @classmethod
+    def of(cls, config: ParallelismConfig, world: int) -> MeshShape:
+        """The shape a config asks for, checked against the world size. All sizes 1 (an empty config, as Accelerate
+        reads it) means data parallelism over every process."""
+        if config.total_size == 1:
+            return cls(dp_replicate=world)
+        shape = cls(config.dp_replicate_size, config.dp_shard_size, config.cp_size, config.tp_size)
+        if shape.world != world:
+            sizes = " x ".join(f"{name}_size {size}" for name, size in zip(cls.DIMS, shape.sizes) if size > 1)
+            fix = f"set dp_shard_size={config.dp_shard_size * world // shape.world} or launch {shape.world} " \
+                  "processes" if world % shape.world == 0 else f"launch {shape.world} processes"
+            raise ConfigError(f"ParallelismConfig: {sizes} makes {shape.world} processes, but {world} run; {fix}")
+        return shape
+
+    @classmethod
+    def for_fsdp(cls, sharding_strategy: str, world: int, local: int) -> MeshShape:
+        if sharding_strategy == "NO_SHARD":
+            return cls(dp_replicate=world)
+        if sharding_strategy in ("HYBRID_SHARD", "HYBRID_SHARD_ZERO2"):
+            return cls(dp_replicate=world // local, dp_shard=local)
+        return cls(dp_shard=world)
+
+    def as_config(self) -> ParallelismConfig:
+        return ParallelismConfig(dp_replicate_size=self.dp_replicate, dp_shard_size=self.dp_shard, tp_size=self.tp,
+                                 cp_size=self.cp)

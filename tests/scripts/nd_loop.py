@@ -1,0 +1,118 @@
+"""A tiny Llama trained by an Accelerator loop on one process grid (tests/test_parallelism.py), saving a checkpoint
+along the way, or resumed from checkpoints other grids (or strategies) wrote.
+
+Every run sees the same global batch of 8 sequences per step (split_batches: the data-parallel ranks split it),
+so one process is the reference for every grid. The labels are given already shifted (`shift_labels`: the token
+after each position, every one real), so that context-parallel slices hold equally many targets and the mean of the
+slices' mean losses is the global mean; the model is called inside `maybe_context_parallel` on every grid. Rank 0
+writes a JSON report: each step's loss (the mean over the global batch) and clipped gradient norm, and the full
+trainable parameters at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+from torch.utils.data import DataLoader
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from hf_backend import Accelerator, DeepSpeedPlugin, FullyShardedDataParallelPlugin, ParallelismConfig
+from hf_backend.utils import set_seed
+
+VOCAB, SEQ, GLOBAL_BATCH, CLIP = 48, 16, 8, 0.5
+
+
+def tiny_llama() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False))
+
+
+def rows(n: int) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    starts, steps = torch.randint(0, VOCAB, (n, 1), generator=g), torch.randint(1, 4, (n, 1), generator=g)
+    ids = (starts + steps * torch.arange(SEQ + 1)) % VOCAB
+    return [{"input_ids": row[:-1], "labels": row[1:], "position_ids": torch.arange(SEQ)} for row in ids]
+
+
+def engine_arguments(grid: str) -> dict:
+    """`grid`: "single", "ddp", "fsdp", "zero3", "launched" (the launcher's --parallelism_config_* flags), or the
+    sizes dp_replicate x dp_shard x tp [x cp] ("1x2x2", "1x2x1x2")."""
+    if grid == "fsdp":
+        return {"fsdp_plugin": FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
+                                                              state_dict_type="SHARDED_STATE_DICT")}
+    if grid == "zero3":
+        return {"deepspeed_plugin": DeepSpeedPlugin(zero_stage=3, gradient_clipping=CLIP)}
+    if grid in ("single", "ddp", "launched"):
+        return {}
+    replicate, shard, tp, cp = [*map(int, grid.split("x")), 1][:4]
+    return {"parallelism_config": ParallelismConfig(dp_replicate_size=replicate, dp_shard_size=shard, tp_size=tp,
+                                                    cp_size=cp),
+            "fsdp_plugin": FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
+                                                          state_dict_type="SHARDED_STATE_DICT")}
+
+
+def train(accelerator: Accelerator, optimizer_name: str, steps: int, save_at: int = 0,
+          checkpoint: str | None = None, resume: str | None = None) -> dict:
+    """One run on the accelerator's grid: from the start (saving into `checkpoint` after step `save_at`, and going
+    on) or from `resume` (which a run saved after step `save_at`)."""
+    set_seed(42)
+    model = tiny_llama()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5) if optimizer_name == "sgd" else \
+        torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    loader = DataLoader(rows(GLOBAL_BATCH * steps), batch_size=GLOBAL_BATCH, shuffle=False)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    if resume:
+        accelerator.load_state(resume)
+    losses, norms = [], []
+    for step, batch in enumerate(loader, start=save_at + 1 if resume else 1):
+        batch["shift_labels"] = batch["labels"]  # already shifted: the loss takes them as they are
+        buffers = [batch["input_ids"], batch["labels"], batch["position_ids"]]
+        with accelerator.maybe_context_parallel(buffers=buffers, buffer_seq_dims=[1, 1, 1]):
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+        norms.append(float(accelerator.clip_grad_norm_(model.parameters(), CLIP)))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(accelerator.reduce(loss.detach(), "mean")))
+        if step == save_at and checkpoint and not resume:
+            accelerator.save_state(checkpoint)
+    state = accelerator.get_state_dict(model)
+    accelerator.free_memory(model, optimizer, loader)
+    return {"losses": losses, "norms": norms,
+            "params": {name: tensor.float().flatten().tolist() for name, tensor in sorted(state.items())}}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--grid", default="single")
+    p.add_argument("--optimizers", default="adamw", help="comma-separated: sgd, adamw; each trains a fresh model")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--save-at", type=int, default=2, help="the AdamW run saves into --checkpoint after this step")
+    p.add_argument("--checkpoint", default=None)
+    p.add_argument("--resume", default="", help="comma-separated checkpoints, each resumed in turn (AdamW)")
+    args = p.parse_args()
+
+    accelerator = Accelerator(split_batches=True, **engine_arguments(args.grid))
+    if args.resume:
+        report = {source: train(accelerator, "adamw", args.steps, args.save_at, resume=source)
+                  for source in args.resume.split(",")}
+    else:
+        report = {name: train(accelerator, name, args.steps, args.save_at, args.checkpoint if name == "adamw" else None)
+                  for name in args.optimizers.split(",")}
+    if accelerator.is_main_process:
+        with open(args.out, "w") as f:
+            grid = accelerator.parallelism_config
+            json.dump({"runs": report, "data_parallel": accelerator.strategy.data_shard.count,
+                       "grid": grid.to_json() if grid is not None else None}, f)
+    accelerator.end_training()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,320 @@
+"""N-D parallelism on one DeviceMesh (issue 33): tensor parallelism from a Llama's tp_plan, context parallelism,
+FSDP / HSDP over the data-parallel dimensions, and their combinations, against one process on the same global batch.
+
+tests/scripts/nd_loop.py trains a tiny Llama 4 steps on 8 sequences a step (split_batches), with clipping at 0.5,
+once with SGD and once with AdamW, on each grid (dp_replicate x dp_shard x tp [x cp]). Each run's AdamW pass also
+saves a checkpoint after step 2, and every grid of the issue's set (one process, tp 2, dp_shard 2 x tp 2, HSDP 2 x 2,
+FSDP 2, ZeRO-3 2) resumes every other one's checkpoint: the continued losses must equal the uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import run_report
+
+pytest.importorskip("transformers")
+
+SCRIPT = "nd_loop.py"
+# grid -> processes; the saving set is the issue's: one process, tp 2, dp_shard 2 x tp 2, HSDP 2 x 2, FSDP 2, ZeRO-3 2
+GRIDS = {"single": 1, "1x1x2": 2, "1x2x2": 4, "2x2x1": 4, "fsdp": 2, "zero3": 2}
+EQUIVALENCE = ["1x1x2", "1x2x2", "2x2x1", "2x2x2", "1x1x1x2", "1x2x1x2", "1x1x2x2"]
+LOSS, SGD_PARAMS, ADAMW_PARAMS, NORM = 1e-6, 1e-6, 5e-5, 1e-5
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """Each grid's uninterrupted SGD and AdamW runs, the AdamW one saving after step 2 (once per module)."""
+    root = tmp_path_factory.mktemp("grids")
+    done: dict[str, dict] = {}
+
+    def run(grid: str) -> dict:
+        if grid not in done:
+            if grid == "zero3":
+                pytest.importorskip("deepspeed")
+            nproc = GRIDS.get(grid) or math.prod(map(int, grid.split("x")))
+            optimizers = "adamw" if grid in ("fsdp", "zero3") else "sgd,adamw"  # those two only save here
+            report = run_report(SCRIPT, root / f"{grid}.json",
+                                ["--grid", grid, "--optimizers", optimizers, "--checkpoint", str(root / grid)],
+                                nproc=nproc, timeout=300)
+            done[grid] = {**report, "checkpoint": root / grid}
+        return done[grid]
+
+    return run
+
+
+def _largest(a: dict[str, list[float]], b: dict[str, list[float]]) -> float:
+    assert a.keys() == b.keys()
+    return max(abs(x - y) for name in a for x, y in zip(a[name], b[name], strict=True))
+
+
+def _steps(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b) and all(math.isfinite(x) for x in [*a, *b])
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("grid", EQUIVALENCE)
+def test_a_grid_trains_as_one_process(runs, grid):
+    """Per-step loss within 1e-6, the clipped norm within 1e-5, the parameters within 1e-6 after SGD and 5e-5 after
+    AdamW; the batches are split over the data-parallel ranks only."""
+    one, many = runs("single"), runs(grid)
+    replicate, shard = map(int, grid.split("x")[:2])
+    assert many["data_parallel"] == replicate * shard
+    for optimizer, tolerance in (("sgd", SGD_PARAMS), ("adamw", ADAMW_PARAMS)):
+        a, b = one["runs"][optimizer], many["runs"][optimizer]
+        assert len(a["losses"]) == 4
+        assert _steps(a["losses"], b["losses"]) <= LOSS, (optimizer, a["losses"], b["losses"])
+        assert _steps(a["norms"], b["norms"]) <= NORM, (optimizer, a["norms"], b["norms"])
+        assert a["norms"][0] > 0.5  # the clipping (at 0.5) acted
+        assert _largest(a["params"], b["params"]) <= tolerance, optimizer
+
+
+@pytest.mark.parametrize("target", list(GRIDS))
+def test_every_grid_resumes_every_other_grids_checkpoint(runs, target, tmp_path):
+    """Saved after step 2 on grid A, resumed on grid B: steps 3 and 4 equal the uninterrupted run's (1e-6), and
+    the parameters at the end the uninterrupted AdamW run's (5e-5)."""
+    sources = [grid for grid in GRIDS if grid != target]
+    checkpoints = [str(runs(grid)["checkpoint"]) for grid in sources]
+    nproc = GRIDS[target]
+    report = run_report(SCRIPT, tmp_path / "resumed.json", ["--grid", target, "--resume", ",".join(checkpoints)],
+                        nproc=nproc, timeout=300)
+    reference = runs("single")["runs"]["adamw"]
+    for source, checkpoint in zip(sources, checkpoints):
+        resumed = report["runs"][checkpoint]
+        assert _steps(resumed["losses"], reference["losses"][2:]) <= LOSS, (source, target)
+        assert _largest(resumed["params"], reference["params"]) <= ADAMW_PARAMS, (source, target)
+
+
+@pytest.fixture(scope="module")
+def trainer_alone(tmp_path_factory) -> dict:
+    """hf_backend.Trainer in one process on the global batch of 8: the reference of the Trainer cases."""
+    root = tmp_path_factory.mktemp("trainer_alone")
+    return run_report("llm_trainer.py", root / "one.json", ["--output-dir", str(root / "one"), "--batch-size", "8",
+                                                            *TRAINER])
+
+
+TRAINER = ["--steps", "4", "--save-steps", "10", "--pad-multiple", "4"]  # cp slices: widths divisible by cp
+
+
+@pytest.mark.parametrize("grid", EQUIVALENCE)
+def test_the_trainer_trains_on_a_grid_as_one_process(trainer_alone, grid, tmp_path):
+    """hf_backend.Trainer with TrainingArguments(parallelism_config=...) on each grid, on padded sequences of uneven
+    lengths (transformers counts the items of the global batch once, not tp or cp times; under cp it passes the
+    slices through maybe_context_parallel): the logged losses within 1e-6, the gradient norms within 1e-5, the
+    parameters within 5e-5 of one process on the same global batch (each data-parallel rank reads 8 / dp)."""
+    one = trainer_alone
+    sizes = [*map(int, grid.split("x")), 1][:4]
+    per_rank = 8 // (sizes[0] * sizes[1])
+    many = run_report("llm_trainer.py", tmp_path / "grid.json",
+                      ["--output-dir", str(tmp_path / "grid"), "--batch-size", str(per_rank), "--grid", grid,
+                       *TRAINER], nproc=math.prod(sizes))
+    assert many["world_size"] == math.prod(sizes) and len(one["losses"]) == 4
+    assert _steps(one["losses"], many["losses"]) <= LOSS
+    assert _steps(one["grad_norms"], many["grad_norms"]) <= NORM
+    assert max(abs(x - y) for x, y in zip(one["params"], many["params"], strict=True)) <= ADAMW_PARAMS
+
+
+# -- one line for what cannot run -------------------------------------------------------------------------------------
+
+
+class _Mesh:
+    """What apply_tensor_parallel asks of a mesh before it shards anything."""
+
+    def size(self) -> int:
+        return 2
+
+
+def _llama(**config) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(**{"vocab_size": 32, "hidden_size": 16, "intermediate_size": 32,
+                                           "num_hidden_layers": 1, "num_attention_heads": 4,
+                                           "num_key_value_heads": 2, **config}))
+
+
+def test_a_model_without_a_tp_plan_is_refused_in_one_line():
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from hf_backend import HfBackendError
+    from hf_backend.strategies.tensor_parallel import apply_tensor_parallel
+
+    bert = BertForSequenceClassification(BertConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                                    intermediate_size=32))
+    with pytest.raises(HfBackendError, match=r"^tensor parallelism: BertForSequenceClassification has no tp_plan "
+                                             r"\(BERT and GPT-2 have none\); set tp_size=1") as error:
+        apply_tensor_parallel(bert, _Mesh())
+    assert "\n" not in str(error.value)
+
+
+def test_a_plan_that_does_not_split_the_heads_is_refused_in_one_line():
+    from hf_backend import HfBackendError
+    from hf_backend.strategies.tensor_parallel import apply_tensor_parallel
+
+    with pytest.raises(HfBackendError, match=r"^tensor parallelism: LlamaForCausalLM has num_key_value_heads=1, "
+                                             r"which does not "
+                                             r"split over tp_size=2"):
+        apply_tensor_parallel(_llama(num_key_value_heads=1), _Mesh())
+
+
+def test_the_plan_has_full_module_paths():
+    from hf_backend.strategies.tensor_parallel import tp_plan
+
+    plan = tp_plan(_llama())
+    assert plan["model.layers.*.self_attn.q_proj"] == "colwise"
+    assert plan["model.layers.*.mlp.down_proj"] == "rowwise"
+    assert plan["lm_head"] == "colwise_gather_output"
+
+
+@pytest.mark.parametrize(("config", "world", "message"), [
+    ({"tp_size": 2}, 4, r"^ParallelismConfig: tp_size 2 makes 2 processes, but 4 run; set dp_shard_size=2 or "
+                        r"launch 2 processes$"),
+    ({"tp_size": 2, "dp_shard_size": 2}, 3, r"^ParallelismConfig: dp_shard_size 2 x tp_size 2 makes 4 processes, "
+                                            r"but 3 run; launch 4 processes$"),
+    ({"tp_size": 0}, 2, r"^ParallelismConfig tp_size=0 must be an integer >= 1$"),
+    ({"sp_size": 2}, 2, r"^ParallelismConfig sp_size=2: DeepSpeed Ulysses sequence parallelism is not supported"),
+    ({"cp_backend": "ring"}, 2, r"^ParallelismConfig cp_backend='ring': the one backend is 'torch'$"),
+    ({"tp_sizes": 2}, 2, r"^parallelism_config: unknown key 'tp_sizes'; the keys are dp_replicate_size, "),
+])
+def test_a_grid_that_does_not_fit_is_one_line(config, world, message):
+    from hf_backend import HfBackendError
+    from hf_backend.config.parallelism import MeshShape, ParallelismConfig
+
+    with pytest.raises(HfBackendError, match=message):
+        MeshShape.of(ParallelismConfig.of(config), world)
+
+
+def test_sizes_come_from_accelerates_variables(monkeypatch):
+    """`accelerate launch --parallelism_config_tp_size 2` and `hf-backend launch` hand the sizes over the same way."""
+    from hf_backend.config import environment
+    from hf_backend.config.parallelism import MeshShape
+
+    monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
+    monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "2")
+    monkeypatch.setenv("PARALLELISM_CONFIG_DP_SHARD_SIZE", "2")
+    assert environment.parallelism_shape(None, 4) == MeshShape(dp_shard=2, tp=2)
+    monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "false")
+    assert environment.parallelism_shape(None, 4) is None
+
+
+def test_accelerates_parallelism_config_is_read_by_its_fields():
+    from accelerate.parallelism_config import ParallelismConfig as AccelerateConfig
+
+    from hf_backend.config.parallelism import MeshShape, ParallelismConfig
+
+    ours = ParallelismConfig.of(AccelerateConfig(dp_shard_size=2, tp_size=2))
+    assert MeshShape.of(ours, 4) == MeshShape(dp_shard=2, tp=2)
+    assert MeshShape.of(ParallelismConfig(), 4) == MeshShape(dp_replicate=4)  # empty: data parallel, as Accelerate
+    assert not MeshShape(dp_replicate=4).needs_mesh and MeshShape(tp=2).needs_mesh
+
+
+def test_the_launchers_flags_lay_out_every_process(runs, tmp_path):
+    """`hf-backend launch --parallelism_config_dp_shard_size 2 --parallelism_config_tp_size 2` (Accelerate's flags)
+    hands the grid to Accelerator() in each of the 4 processes, which then trains as one process does."""
+    from helpers import SCRIPTS, cli
+
+    out = tmp_path / "launched.json"
+    proc = cli("launch", "--cpu", "--num_processes", "4", "--parallelism_config_dp_shard_size", "2",
+               "--parallelism_config_tp_size", "2", str(SCRIPTS / SCRIPT), "--grid", "launched", "--out", str(out),
+               "--optimizers", "sgd", HF_HOME=str(tmp_path), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["grid"]["tp_size"] == 2 and report["grid"]["dp_shard_size"] == 2 and report["data_parallel"] == 2
+    assert _steps(report["runs"]["sgd"]["losses"], runs("single")["runs"]["sgd"]["losses"]) <= LOSS
+
+
+@pytest.mark.parametrize(("shape", "deepspeed", "message"), [
+    ({"dp_replicate": 2, "cp": 2}, False, r"^parallelism_config cp_size=2 with dp_replicate_size=2: HSDP with "
+                                          r"context parallelism is not built; shard with dp_shard_size instead$"),
+    ({"dp_shard": 2, "tp": 2}, True, r"^parallelism_config with DeepSpeed: hf_backend applies tensor and context "),
+])
+def test_what_the_mesh_path_does_not_run_is_one_line(shape, deepspeed, message):
+    from hf_backend import DeepSpeedPlugin, HfBackendError
+    from hf_backend.config.backend import DATA_PARALLEL, DEEPSPEED, Backend
+    from hf_backend.config.parallelism import MeshShape
+    from hf_backend.options import Handlers
+    from hf_backend.precision import Precision
+    from hf_backend.state import ProcessState
+    from hf_backend.strategies import select_strategy
+
+    process = ProcessState(torch.device("cpu"), 4, 0, 0, 4, "gloo")
+    backend = Backend(DEEPSPEED, deepspeed=DeepSpeedPlugin()) if deepspeed else Backend(DATA_PARALLEL)
+    with pytest.raises(HfBackendError, match=message):
+        select_strategy(process, Precision("no", process.device), Handlers(), backend, shape=MeshShape(**shape))
+
+
+def test_a_model_sharded_on_a_mesh_of_its_own_is_refused(two_fake_processes):
+    """What `from_pretrained(..., tp_plan="auto")` hands over when tp_size is not the world size: parameters that
+    are DTensors on a mesh of transformers' own, which cannot join the run's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from hf_backend import FullyShardedDataParallelPlugin, HfBackendError
+    from hf_backend.config.parallelism import MeshShape
+    from hf_backend.options import Handlers
+    from hf_backend.precision import Precision
+    from hf_backend.strategies import FSDPStrategy
+
+    process = two_fake_processes
+    strategy = FSDPStrategy(process, Precision("no", process.device), Handlers(), FullyShardedDataParallelPlugin(),
+                            MeshShape(tp=2))
+    model = torch.nn.Linear(4, 4)
+    own = init_device_mesh("cpu", (2,), mesh_dim_names=("transformers_tp",))
+    model.weight = torch.nn.Parameter(distribute_tensor(model.weight.detach(), own, [Replicate()]))
+    with pytest.raises(HfBackendError, match=r"^prepare\(\): the model was sharded by from_pretrained\(tp_plan=...\) "
+                                             r"over a mesh that is not this run's tensor-parallel dimension"):
+        strategy.setup_model(model)
+
+
+def test_what_context_parallelism_cannot_split_is_one_line():
+    from transformers import BertConfig, BertModel
+
+    from hf_backend import HfBackendError
+    from hf_backend.strategies.context_parallel import apply_context_parallel, check_inputs
+
+    bert = BertModel(BertConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32))
+    with pytest.raises(HfBackendError, match=r"^context parallelism: BertModel has non-causal attention; cp splits "
+                                             r"the sequences of causal LMs only: set cp_size=1$"):
+        apply_context_parallel(bert, _Mesh())
+    with pytest.raises(HfBackendError, match=r"^context parallelism: LlamaForCausalLM uses sliding-window attention"):
+        apply_context_parallel(_llama(sliding_window=8, use_sliding_window=True), _Mesh())
+    with pytest.raises(HfBackendError, match=r"^context parallelism: call the model inside accelerator\."
+                                             r"maybe_context_parallel\(buffers="):
+        check_inputs({"input_ids": torch.ones(1, 4)}, False, _Mesh())
+    with pytest.raises(HfBackendError, match=r"^context parallelism: pass position_ids"):
+        check_inputs({"input_ids": torch.ones(1, 4)}, True, _Mesh())
+    with pytest.raises(HfBackendError, match=r"^context parallelism: a 3-D or 4-D attention_mask \(packing"):
+        check_inputs({"position_ids": torch.ones(1, 4), "attention_mask": torch.ones(1, 4, 4)}, True, _Mesh())
+
+
+def test_gather_for_metrics_under_context_parallelism_is_refused():
+    from hf_backend import HfBackendError
+    from hf_backend.collectives import gather_for_metrics
+    from hf_backend.strategies.mesh import DataShard
+
+    with pytest.raises(HfBackendError, match=r"^gather_for_metrics under context parallelism \(cp_size=2\): each "
+                                             r"rank holds a slice of every sequence; evaluate with cp_size=1$"):
+        gather_for_metrics(torch.ones(2), None, shard=DataShard(2, 0, 2, True, 2))
+
+
+def test_a_model_transformers_sharded_is_taken_as_it_is(tmp_path):
+    """`from_pretrained(..., tp_plan="auto")` in 2 processes with tp_size=2: transformers' mesh is the run's
+    tensor-parallel dimension, so prepare keeps its sharding (and its TP forward); the losses are one process's."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+    from nd_loop import tiny_llama
+
+    tiny_llama().save_pretrained(tmp_path / "model")
+    model = ["--model", str(tmp_path / "model")]
+    one = run_report("tp_pretrained.py", tmp_path / "one.json", model)
+    grid = run_report("tp_pretrained.py", tmp_path / "grid.json", [*model, "--grid", "1x2"], nproc=2)
+    assert len(one["losses"]) == 3 and _steps(one["losses"], grid["losses"]) <= LOSS
+    # hf_backend.Trainer takes the grid from the model (tp_size 2), as transformers' Trainer does
+    one = run_report("tp_pretrained.py", tmp_path / "trainer_one.json", [*model, "--trainer"])
+    grid = run_report("tp_pretrained.py", tmp_path / "trainer_grid.json", [*model, "--grid", "1x2", "--trainer"],
+                      nproc=2)
+    assert grid["tp_size"] == 2 and len(one["losses"]) == 3 and _steps(one["losses"], grid["losses"]) <= LOSS
