@@ -318,3 +318,25 @@ def test_a_model_transformers_sharded_is_taken_as_it_is(tmp_path):
     grid = run_report("tp_pretrained.py", tmp_path / "trainer_grid.json", [*model, "--grid", "1x2", "--trainer"],
                       nproc=2)
     assert grid["tp_size"] == 2 and len(one["losses"]) == 3 and _steps(one["losses"], grid["losses"]) <= LOSS
+
+
+def test_consolidate_exports_a_tensor_parallel_checkpoint_for_from_pretrained(runs, tmp_path):
+    """`hf-backend checkpoint consolidate` of dp_shard 2 x tp 2's DCP shards (FSDP's _StridedShard over TP's Shard)
+    writes safetensors that `from_pretrained` loads: the weights one process's checkpoint holds at the same step."""
+    import sys
+
+    from helpers import cli
+    from transformers import LlamaForCausalLM
+
+    sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+    from nd_loop import tiny_llama
+
+    tiny_llama().config.save_pretrained(tmp_path / "config")
+    loaded = {}
+    for grid in ("single", "1x2x2"):
+        proc = cli("checkpoint", "consolidate", str(runs(grid)["checkpoint"]), str(tmp_path / grid),
+                   "--config", str(tmp_path / "config"))
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        loaded[grid] = LlamaForCausalLM.from_pretrained(tmp_path / grid).state_dict()
+    assert loaded["single"].keys() == loaded["1x2x2"].keys()
+    assert max(float((loaded["single"][k] - loaded["1x2x2"][k]).abs().max()) for k in loaded["single"]) <= ADAMW_PARAMS
