@@ -5,6 +5,9 @@ tests/scripts/nd_loop.py trains a tiny Llama 4 steps on 8 sequences a step (spli
 once with SGD and once with AdamW, on each grid (dp_replicate x dp_shard x tp [x cp]). Each run's AdamW pass also
 saves a checkpoint after step 2, and every grid of the issue's set (one process, tp 2, dp_shard 2 x tp 2, HSDP 2 x 2,
 FSDP 2, ZeRO-3 2) resumes every other one's checkpoint: the continued losses must equal the uninterrupted run's.
+tests/scripts/llm_trainer.py runs hf_backend.Trainer on the same grids (padded sequences of uneven lengths),
+tests/scripts/tp_pretrained.py a model from_pretrained(tp_plan="auto") sharded; then the launcher's flags,
+consolidate, and the one-line refusals.
 """
 
 from __future__ import annotations
