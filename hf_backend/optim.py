@@ -132,9 +132,10 @@ class AcceleratedScheduler:
 class EngineStepped(torch.optim.Optimizer):
     """An optimizer that a training engine steps and zeroes itself, inside backward (DeepSpeed's engine does, at the
     end of each accumulation window): what a strategy's `setup` hands back in its place, so that the script's
-    `step()` and `zero_grad()` calls do nothing. param_groups and state are the engine's optimizer's; `model` is
-    the engine, whose optimizer steps partitions of the parameters rather than the parameters its param groups
-    would show; `state_dict()` is empty (checkpoints take the state from the engine)."""
+    `step()` and `zero_grad()` calls do nothing. param_groups and state are those of the optimizer it stands for
+    (a scheduler sets its learning rates there); `model` is the engine, whose optimizer steps partitions of the
+    parameters rather than the parameters the param groups show; `state_dict()` is empty (checkpoints take the
+    state from the engine)."""
 
     def __init__(self, stepped: Any, model: torch.nn.Module) -> None:
         # Deliberately not calling Optimizer.__init__: this object only forwards to `stepped`.
