@@ -31,7 +31,6 @@ from .optim import (
     AcceleratedScheduler,
     DummyOptim,
     DummyScheduler,
-    EngineStepped,
     as_placeholder,
 )
 from .options import (
@@ -282,9 +281,7 @@ class Accelerator(ProcessView, compat.AccelerateMembers, elastic.ElasticMembers)
     def _register_scheduler(self, inner: Any, steps: Any) -> AcceleratedScheduler:
         """`steps`: the scheduler as given, whose `optimizer` links it to the prepared optimizers it follows."""
         given = getattr(steps, "optimizer", None)
-        linked = [opt for opt in self._objects.optimizers if given is opt.optimizer or
-                  (isinstance(opt.optimizer, EngineStepped) and given is opt.optimizer.stepped)] \
-            or list(self._objects.optimizers)
+        linked = [opt for opt in self._objects.optimizers if opt.stands_for(given)] or list(self._objects.optimizers)
         wrapped = AcceleratedScheduler(inner, linked, self.gradient_state, self.step_scheduler_with_optimizer,
                                        self.split_batches, self.strategy.data_shard.count)
         self._objects.schedulers.append(wrapped)

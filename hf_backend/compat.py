@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from typing import Any
 
 import torch
@@ -217,10 +218,11 @@ class AccelerateMembers:
     def native_amp(self) -> bool:
         return self.mixed_precision in ("fp16", "bf16")
 
-    @property
+    @functools.cached_property
     def parallelism_config(self) -> Any:
         """The process grid as Accelerate's ParallelismConfig shows it (None without one: DDP, DeepSpeed, one
-        process); transformers' Trainer reads its tp / cp / sp sizes."""
+        process), made once from the strategy's shape: transformers' Trainer reads its tp / cp / sp sizes at
+        every step."""
         shape = self.strategy.shape
         return shape.as_config() if shape is not None else None
 

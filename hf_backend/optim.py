@@ -42,6 +42,11 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self.optimizer.add_param_group(param_group)
 
+    def stands_for(self, optimizer: Any) -> bool:
+        """Whether this is `optimizer` prepared (directly, or through the EngineStepped stand-in of an engine)."""
+        inner = self.optimizer
+        return optimizer is inner or (isinstance(inner, EngineStepped) and optimizer is inner.stepped)
+
     def state_dict(self) -> dict[str, Any]:
         return self.optimizer.state_dict()
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -306,9 +305,6 @@ def test_gather_for_metrics_under_context_parallelism_is_refused():
 def test_a_model_transformers_sharded_is_taken_as_it_is(tmp_path):
     """`from_pretrained(..., tp_plan="auto")` in 2 processes with tp_size=2: transformers' mesh is the run's
     tensor-parallel dimension, so prepare keeps its sharding (and its TP forward); the losses are one process's."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).parent / "scripts"))
     from nd_loop import tiny_llama
 
     tiny_llama().save_pretrained(tmp_path / "model")
@@ -326,13 +322,9 @@ def test_a_model_transformers_sharded_is_taken_as_it_is(tmp_path):
 def test_consolidate_exports_a_tensor_parallel_checkpoint_for_from_pretrained(runs, tmp_path):
     """`hf-backend checkpoint consolidate` of dp_shard 2 x tp 2's DCP shards (FSDP's _StridedShard over TP's Shard)
     writes safetensors that `from_pretrained` loads: the weights one process's checkpoint holds at the same step."""
-    import sys
-
     from helpers import cli
-    from transformers import LlamaForCausalLM
-
-    sys.path.insert(0, str(Path(__file__).parent / "scripts"))
     from nd_loop import tiny_llama
+    from transformers import LlamaForCausalLM
 
     tiny_llama().config.save_pretrained(tmp_path / "config")
     loaded = {}

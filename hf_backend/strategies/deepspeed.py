@@ -85,7 +85,7 @@ class DeepSpeedStrategy(Strategy):
             if len(optimizers) > 1:
                 raise HfBackendError("DeepSpeed takes one optimizer; pass param groups to a single optimizer instead")
             self._build(models[0], optimizers[0] if optimizers else None, schedulers[0] if schedulers else None,
-                        next((loader for loader in loaders if isinstance(loader, DataLoader)), None))
+                        loaders[0] if loaders else None)
         engine = self.engine
         stepped = [EngineStepped(engine.optimizer if isinstance(o, DummyOptim) else o, engine) for o in optimizers]
         own = []

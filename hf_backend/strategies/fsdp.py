@@ -49,6 +49,8 @@ class FSDPStrategy(Strategy):
                                                  process.local_num_processes)
         self.mesh = build_mesh(self.shape, process.device.type)
         self.fsdp_mesh = fsdp_mesh(self.mesh, self.shape)
+        self.cp_mesh = self.mesh["cp"]
+        self._data_shard = data_shard(self.mesh, self.shape)
         self._sequences_split = False  # inside maybe_context_parallel
         self.plugin = self.options.as_plugin()  # what accelerator.state.fsdp_plugin shows
         self.sharded_checkpoints = self.options.state_dict_type != "FULL_STATE_DICT"
@@ -86,9 +88,9 @@ class FSDPStrategy(Strategy):
         if self.shape.tp > 1 and not sharded_by_transformers:
             apply_tensor_parallel(model, self.mesh["tp"])
         if self.shape.cp > 1:
-            apply_context_parallel(model, self.mesh["cp"])
+            apply_context_parallel(model, self.cp_mesh)
             model.register_forward_pre_hook(
-                lambda _, args, kwargs: check_inputs(kwargs, self._sequences_split, self.mesh["cp"]), with_kwargs=True)
+                lambda _, args, kwargs: check_inputs(kwargs, self._sequences_split, self.cp_mesh), with_kwargs=True)
         blocks = self._blocks(model)
         if self.options.activation_checkpointing:
             _checkpoint_blocks(model, blocks)
@@ -115,7 +117,7 @@ class FSDPStrategy(Strategy):
 
     @property
     def data_shard(self) -> DataShard:
-        return data_shard(self.mesh, self.shape)
+        return self._data_shard
 
     def _mp_policy(self) -> MixedPrecisionPolicy:
         policy = self.options.mixed_precision_policy
@@ -186,7 +188,7 @@ class FSDPStrategy(Strategy):
         if self.shape.cp == 1:
             yield
             return
-        with split_sequences(buffers, seq_dims, keep, self.mesh["cp"]):
+        with split_sequences(buffers, seq_dims, keep, self.cp_mesh):
             self._sequences_split = True
             try:
                 yield
@@ -234,9 +236,16 @@ def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float, no
     if not grads:
         return torch.tensor(0.0)
     by_groups: dict[tuple, dict[torch.dtype, list[torch.Tensor]]] = {}
+    layouts: dict[tuple, tuple] = {}  # (mesh, placements) -> its groups, looked up once per call
     for grad in grads:
-        local = grad.to_local() if isinstance(grad, DTensor) else grad
-        by_dtype = by_groups.setdefault(_sharded_over(grad), {})
+        if isinstance(grad, DTensor):
+            layout = (id(grad.device_mesh), grad.placements)
+            if layout not in layouts:
+                layouts[layout] = _sharded_over(grad)
+            groups, local = layouts[layout], grad.to_local()
+        else:
+            groups, local = (), grad
+        by_dtype = by_groups.setdefault(groups, {})
         by_dtype.setdefault(local.dtype, []).append(local)
     total = torch.zeros((), device=grads[0].device, dtype=torch.float32)
     for groups, by_dtype in by_groups.items():
@@ -260,10 +269,8 @@ def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float, no
     return total
 
 
-def _sharded_over(grad: torch.Tensor) -> tuple:
-    """The process groups a gradient's shards are spread over (none for a plain tensor or a replicated DTensor)."""
-    if not isinstance(grad, DTensor):
-        return ()
+def _sharded_over(grad: DTensor) -> tuple:
+    """The process groups a gradient's shards are spread over (none for a replicated DTensor)."""
     mesh = grad.device_mesh
     return tuple(mesh.get_group(dim) for dim, placement in enumerate(grad.placements)
                  if not placement.is_replicate() and mesh.size(dim) > 1)
