@@ -48,7 +48,9 @@ WORDS = ["good", "great", "fine", "nice", "bad", "awful", "poor", "sad", "the", 
          "is", "very", "quite", "story", "acting", "actors", "music", "scene", "long", "short", "funny", "boring"]
 
 
-def _setup(workdir: Path, tiny: bool = False):
+def _setup(workdir: Path, tiny: bool = False, kind: str = "bert"):
+    """The tokenizer, the tokenized rows and the model: a BERT classifier, the same with a LoRA adapter (peft: r 8
+    on query and value, the classifier trained whole), or a Llama causal LM of the same size on the same sentences."""
     import torch
     from datasets import Dataset
     from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
@@ -59,35 +61,52 @@ def _setup(workdir: Path, tiny: bool = False):
     r = random.Random(0)
     rows = [{"text": " ".join(r.choice(WORDS) for _ in range(r.randint(8, 48))), "label": r.randint(0, 1)}
             for _ in range(4096)]
-    data = Dataset.from_list(rows).map(lambda b: tok(b["text"], truncation=True), batched=True,
-                                       remove_columns=["text"])
+    causal = kind == "llama"
+    data = Dataset.from_list(rows).map(lambda b: tok(b["text"], truncation=True, return_token_type_ids=not causal),
+                                       batched=True, remove_columns=["text", *(["label"] if causal else [])])
     torch.manual_seed(0)
     size = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=1, intermediate_size=16) if tiny else \
         dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=256)
+    if causal:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        return tok, data, LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), max_position_embeddings=64,
+                                                       pad_token_id=tok.pad_token_id, **size))
     model = BertForSequenceClassification(BertConfig(vocab_size=len(tok), max_position_embeddings=64, num_labels=2,
                                                      **size))
+    if kind == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(task_type="SEQ_CLS", r=8, lora_alpha=16,
+                                                 target_modules=["query", "value"], lora_dropout=0.0))
     return tok, data, model
 
 
-def _worker(variant: str, steps: int, batch: int, out: Path, tiny: bool) -> None:
+def _collator(tok, kind: str):
+    from transformers import DataCollatorForLanguageModeling, DataCollatorWithPadding
+
+    return DataCollatorForLanguageModeling(tok, mlm=False) if kind == "llama" else DataCollatorWithPadding(tok)
+
+
+def _worker(variant: str, steps: int, batch: int, out: Path, tiny: bool, kind: str) -> None:
     workdir = Path(tempfile.mkdtemp())
-    tok, data, model = _setup(workdir, tiny)
+    tok, data, model = _setup(workdir, tiny, kind)
     stamps: list[float] = []
     start = time.perf_counter()
     if variant == "bare":
-        _bare_loop(model, tok, data, steps, batch, stamps)
+        _bare_loop(model, _collator(tok, kind), data, steps, batch, stamps)
     else:
-        _trainer(variant, model, tok, data, steps, batch, stamps, workdir)
+        _trainer(variant, model, tok, _collator(tok, kind), data, steps, batch, stamps, workdir)
     if int(os.environ.get("RANK", "0")) == 0:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         steady = (len(stamps) - 10) * batch * world / (stamps[-1] - stamps[9])
         out.write_text(json.dumps({"first_step_s": stamps[0] - start, "samples_per_s": steady}))
 
 
-def _bare_loop(model, tok, data, steps, batch, stamps) -> None:
+def _bare_loop(model, collator, data, steps, batch, stamps) -> None:
     import torch
     from torch.utils.data import DataLoader
-    from transformers import DataCollatorWithPadding, get_linear_schedule_with_warmup
+    from transformers import get_linear_schedule_with_warmup
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     sampler = None
@@ -96,8 +115,9 @@ def _bare_loop(model, tok, data, steps, batch, stamps) -> None:
         model = torch.nn.parallel.DistributedDataParallel(model)
         sampler = torch.utils.data.DistributedSampler(data, shuffle=True, seed=0)
     loader = DataLoader(data, batch_size=batch, shuffle=sampler is None, sampler=sampler,
-                        collate_fn=DataCollatorWithPadding(tok))
-    opt = torch.optim.AdamW(model.parameters(), lr=5e-5, weight_decay=0.0, fused=True)  # the Trainer's default
+                        collate_fn=collator)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=5e-5, weight_decay=0.0, fused=True)  # the Trainer's default
     sched = get_linear_schedule_with_warmup(opt, 0, steps)
     model.train()
     done = 0
@@ -114,8 +134,8 @@ def _bare_loop(model, tok, data, steps, batch, stamps) -> None:
                 break
 
 
-def _trainer(variant, model, tok, data, steps, batch, stamps, workdir) -> None:
-    from transformers import DataCollatorWithPadding, TrainerCallback
+def _trainer(variant, model, tok, collator, data, steps, batch, stamps, workdir) -> None:
+    from transformers import TrainerCallback
 
     if variant.startswith("hf_backend"):
         from hf_backend import Trainer, TrainingArguments
@@ -132,7 +152,7 @@ def _trainer(variant, model, tok, data, steps, batch, stamps, workdir) -> None:
                              report_to="none", disable_tqdm=True,
                              **({"ddp_find_unused_parameters": False} if variant == "hf_backend_static" else {}))
     Trainer(model=model, args=args, train_dataset=data, processing_class=tok,
-            data_collator=DataCollatorWithPadding(tok), callbacks=[Stamp()]).train()
+            data_collator=collator, callbacks=[Stamp()]).train()
 
 
 def _profile(steps: int, batch: int, tiny: bool) -> None:
@@ -148,9 +168,9 @@ def _profile(steps: int, batch: int, tiny: bool) -> None:
         profiler, stamps = cProfile.Profile(), []
         profiler.enable()
         if variant == "bare":
-            _bare_loop(model, tok, data, steps, batch, stamps)
+            _bare_loop(model, _collator(tok, "bert"), data, steps, batch, stamps)
         else:
-            _trainer(variant, model, tok, data, steps, batch, stamps, workdir)
+            _trainer(variant, model, tok, _collator(tok, "bert"), data, steps, batch, stamps, workdir)
         profiler.disable()
         measured = len(stamps)
         rows = []
@@ -228,9 +248,9 @@ def _phases(steps: int, batch: int, tiny: bool) -> None:
         tok, data, model = _setup(workdir, tiny)
         stamps = Stamps()
         if variant == "bare":
-            _bare_loop(model, tok, data, steps, batch, stamps)
+            _bare_loop(model, _collator(tok, "bert"), data, steps, batch, stamps)
         else:
-            _trainer(variant, model, tok, data, steps, batch, stamps, workdir)
+            _trainer(variant, model, tok, _collator(tok, "bert"), data, steps, batch, stamps, workdir)
         measured = len(stamps) - 10
         column = {phase: (totals[phase] - stamps.at_ten[phase]) / measured * 1e3 for phase in PHASES}
         nested = column[BATCH] if column["get_batch_samples (loader included)"] else 0.0  # counted in it
@@ -251,14 +271,14 @@ def _name(function: tuple) -> str:
         f"({name})"
 
 
-def _run(variant: str, nproc: int, steps: int, batch: int, tiny: bool) -> dict:
+def _run(variant: str, nproc: int, steps: int, batch: int, tiny: bool, kind: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "r.json"
         cmd = [sys.executable]
         if nproc > 1:
             cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
         cmd += [__file__, "--worker", variant, "--steps", str(steps), "--batch", str(batch), "--out", str(out),
-                *(["--tiny"] if tiny else [])]
+                "--model", kind, *(["--tiny"] if tiny else [])]
         env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc)),
                "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -276,6 +296,8 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
     p.add_argument("--tiny", action="store_true", help="a 1-layer, 16-wide model: measures per-step overhead")
+    p.add_argument("--model", choices=("bert", "lora", "llama"), default="bert",
+                   help="the BERT classifier, it with a LoRA adapter, or a Llama causal LM of the same size")
     p.add_argument("--json", default=None)
     p.add_argument("--worker", choices=VARIANTS, default=None)
     p.add_argument("--out", default=None)
@@ -289,24 +311,27 @@ def main() -> int:
         _phases(args.steps, args.batch, args.tiny)
         return 0
     if args.worker:
-        _worker(args.worker, args.steps, args.batch, Path(args.out), args.tiny)
+        _worker(args.worker, args.steps, args.batch, Path(args.out), args.tiny, args.model)
         return 0
 
     results: dict = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "steps": args.steps, "tiny": args.tiny,
+                     "model": args.model,
                      "batch_per_process": args.batch, "runs": {}}
     for nproc in args.nproc:
         variants = [v for v in VARIANTS if nproc > 1 or v != "hf_backend_static"]
         samples: dict[str, list[dict]] = {v: [] for v in variants}
         for _ in range(args.repeats):
             for variant in variants:
-                samples[variant].append(_run(variant, nproc, args.steps, args.batch, args.tiny))
+                samples[variant].append(_run(variant, nproc, args.steps, args.batch, args.tiny,
+                                                    args.model))
         rows = {v: {"samples_per_s": statistics.median(r["samples_per_s"] for r in runs),
                     "paired_vs_bare": statistics.median(r["samples_per_s"] / b["samples_per_s"]
                                                         for r, b in zip(runs, samples["bare"])),
                     "first_step_s": statistics.median(r["first_step_s"] for r in runs),
                     "crashed_at_exit": sum(r["crashed_at_exit"] for r in runs)} for v, runs in samples.items()}
         results["runs"][f"{nproc} process" + ("es" if nproc > 1 else "")] = rows
-        print(f"\n{nproc} process(es), batch {args.batch} per process, {args.steps} steps, median of {args.repeats}")
+        print(f"\n{args.model}, {nproc} process(es), batch {args.batch} per process, {args.steps} steps, "
+              f"median of {args.repeats}")
         print(f"{'variant':<19}{'samples/s':>11}{'vs bare':>9}{'paired':>8}{'vs transformers':>17}"
               f"{'first step s':>14}{'exit crashes':>14}")
         for v, row in rows.items():

@@ -102,12 +102,14 @@ class KwargsHandler:
 @dataclass
 class DistributedDataParallelKwargs(KwargsHandler):
     """DDP's constructor arguments, plus a gradient communication hook (`comm_hook`: fp16 / bf16 compression or
-    PowerSGD; `comm_wrapper`: fp16 / bf16 compression around PowerSGD; `comm_state_option`: PowerSGD's options)."""
+    PowerSGD; `comm_wrapper`: fp16 / bf16 compression around PowerSGD; `comm_state_option`: PowerSGD's options).
+    `find_unused_parameters=None` (hf_backend's, hf_backend.Trainer's default): find them once, on the first
+    synchronized step, and search again on every step only if that one left some parameter without a gradient."""
 
     dim: int = 0
     broadcast_buffers: bool = True
     bucket_cap_mb: int = 25
-    find_unused_parameters: bool = False
+    find_unused_parameters: bool | None = False
     check_reduction: bool = False
     gradient_as_bucket_view: bool = False
     static_graph: bool = False

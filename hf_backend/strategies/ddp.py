@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
@@ -26,6 +27,10 @@ _WRAPPERS = {Hook.FP16: default_hooks.fp16_compress_wrapper, Hook.BF16: default_
 
 
 class DDPStrategy(Strategy):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._unprobed: list[DistributedDataParallel] = []  # find_unused_parameters=None, first step not taken yet
+
     @property
     def distributed_type(self) -> DistributedType:  # type: ignore[override]
         return self.process.distributed_type  # MULTI_GPU or MULTI_CPU, as the process state decides
@@ -36,8 +41,19 @@ class DDPStrategy(Strategy):
         if evaluation_mode or not any(p.requires_grad for p in model.parameters()):
             return model  # nothing to synchronize (a model only evaluated, or frozen)
         self.precision.keep_fp32_masters(model)  # before DDP builds its buckets from the parameters' dtypes
-        hook = communication_hook(self.handlers.ddp)  # a bad option fails before any collective
-        device_ids = [self.process.device.index] if self.process.device.type == "cuda" else None
+        kwargs, hook = self._ddp_arguments()  # a bad option fails before any collective
+        find_once = kwargs.get("find_unused_parameters", False) is None
+        ddp = self._wrap(model, {**kwargs, "find_unused_parameters": False} if find_once else kwargs, hook)
+        if find_once:  # the first step runs without DDP's reducer; `_first_reduction` all-reduces it and decides
+            ddp.require_backward_grad_sync = False
+            self._unprobed.append(ddp)
+        return ddp
+
+    def _ddp_arguments(self) -> tuple[dict[str, Any], tuple[Callable, Any] | None]:
+        """DDP's keyword arguments and the communication hook. find_unused_parameters=None (hf_backend.Trainer's
+        default) means: find them once, on the first synchronized step. With a hook or a static graph it means True
+        and False (the first step's all-reduce would bypass the hook; a static graph finds them itself)."""
+        hook = communication_hook(self.handlers.ddp)
         # DDP broadcasts rank 0's parameters and buffers at construction: ranks that seeded differently agree.
         # Under TORCH_DISTRIBUTED_DEBUG=DETAIL on gloo, DDP runs on a copy of the group without torch's checks (its
         # constructor crashes on the checked one) and its gradients reach the checked group through the hook.
@@ -45,12 +61,36 @@ class DDPStrategy(Strategy):
         kwargs = self.handlers.ddp.ddp_kwargs()
         if group is not None:
             kwargs["process_group"] = group
-        ddp = DistributedDataParallel(model, device_ids=device_ids, **kwargs)
-        if hook is None and group is not None:
-            hook = (default_hooks.allreduce_hook, None)  # None: the default (checked) group
+            hook = hook or (default_hooks.allreduce_hook, None)  # None: the default (checked) group
+        if kwargs.get("find_unused_parameters", False) is None and (hook is not None or kwargs.get("static_graph")):
+            kwargs["find_unused_parameters"] = hook is not None
+        return kwargs, hook
+
+    def _wrap(self, model: torch.nn.Module, kwargs: dict[str, Any], hook: tuple[Callable, Any] | None,
+              into: DistributedDataParallel | None = None) -> DistributedDataParallel:
+        """DDP around `model`; `into` rebuilds an existing wrapper in place (the object the caller holds stays)."""
+        device_ids = [self.process.device.index] if self.process.device.type == "cuda" else None
+        if into is None:
+            ddp = DistributedDataParallel(model, device_ids=device_ids, **kwargs)
+        else:
+            DistributedDataParallel.__init__(into, model, device_ids=device_ids, **kwargs)
+            ddp = into
         if hook is not None:
             ddp.register_comm_hook(hook[1], hook[0])  # before the first backward, as DDP requires
         return ddp
+
+    def backward(self, loss: torch.Tensor, accumulation_steps: int, sync: bool, **kwargs: Any) -> None:
+        super().backward(loss, accumulation_steps, sync, **kwargs)
+        if sync and self._unprobed:
+            self._probe()
+
+    def _probe(self) -> None:
+        for ddp in [d for d in self._unprobed if any(p.grad is not None for p in d.parameters())]:
+            self._unprobed.remove(ddp)
+            if not _first_reduction(ddp):  # some parameter had no gradient somewhere: keep DDP's search
+                kwargs, hook = self._ddp_arguments()
+                self._wrap(ddp.module, {**kwargs, "find_unused_parameters": True}, hook, into=ddp)
+            ddp.require_backward_grad_sync = ddp.require_forward_param_sync = True
 
     def is_wrapper(self, model: torch.nn.Module) -> bool:
         return isinstance(model, DistributedDataParallel)
@@ -61,9 +101,14 @@ class DDPStrategy(Strategy):
     @contextlib.contextmanager
     def trigger_sync_in_backward(self, model: torch.nn.Module) -> Iterator[None]:
         """DDP skips the all-reduce under `no_sync` through two flags; set them (and prepare the reducer, as DDP's
-        forward would have) for the block, then restore them."""
+        forward would have) for the block, then restore them. Before the first step of find_unused_parameters=None
+        the block runs without the reducer and that first step is all-reduced after it."""
         if not isinstance(model, DistributedDataParallel):
             yield
+            return
+        if model in self._unprobed:
+            yield
+            self._probe()
             return
         saved = model.require_backward_grad_sync, model.require_forward_param_sync
         try:
@@ -72,6 +117,39 @@ class DDPStrategy(Strategy):
             yield
         finally:
             model.require_backward_grad_sync, model.require_forward_param_sync = saved
+
+    def reset(self) -> None:
+        super().reset()
+        self._unprobed.clear()
+
+
+def _first_reduction(ddp: DistributedDataParallel, bucket_bytes: int = 25 * 2**20) -> bool:
+    """All-reduce the gradients of a step taken without DDP's reducer as DDP with find_unused_parameters=True would
+    (each divided by the world size, then summed; a rank that did not use a parameter adds zeros; a parameter no rank
+    used keeps no gradient), and say whether every parameter had a gradient on every rank."""
+    group = ddp.process_group
+    world = dist.get_world_size(group)
+    params = [p for name, p in ddp.module.named_parameters()
+              if p.requires_grad and name not in ddp.parameters_to_ignore]
+    used = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=params[0].device)
+    dist.all_reduce(used, group=group)
+    reduced = [p for p, count in zip(params, used.tolist()) if count > 0]
+    for p in reduced:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    bucket: list[torch.Tensor] = []
+    for i, p in enumerate(reduced):
+        bucket.append(p.grad)
+        last = i + 1 == len(reduced)
+        if last or reduced[i + 1].grad.dtype != p.grad.dtype or sum(g.nbytes for g in bucket) >= bucket_bytes:
+            flat = torch.cat([g.reshape(-1) for g in bucket]).div_(world)
+            dist.all_reduce(flat, group=group)
+            offset = 0
+            for g in bucket:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+            bucket = []
+    return bool((used == world).all())
 
 
 # -- gradient communication hooks (DistributedDataParallelKwargs.comm_hook / comm_wrapper / comm_state_option) ---------

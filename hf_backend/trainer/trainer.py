@@ -68,6 +68,19 @@ def _skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
 _TRAINER_PARAMETERS = list(inspect.signature(transformers.Trainer.__init__).parameters)[3:]  # after self, model, args
 
 
+# Config fields of transformers models whose set of used parameters changes from step to step: dropped layers and
+# routed experts. For those, unset ddp_find_unused_parameters keeps transformers' True: one step cannot tell.
+_VARYING_GRAPH_FIELDS = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop", "num_experts", "num_local_experts",
+                         "n_routed_experts", "moe_num_experts")
+
+
+def _graph_may_vary(model: Any) -> bool:
+    config = getattr(model, "config", None)
+    if not isinstance(model, transformers.PreTrainedModel) or config is None:
+        return True  # transformers' default for any other module: it may branch on anything
+    return any(isinstance(v := getattr(config, name, None), (int, float)) and v > 0 for name in _VARYING_GRAPH_FIELDS)
+
+
 class Trainer(transformers.Trainer):
     def __init__(self, model: Any = None, args: TrainingArguments | None = None, *rest: Any, **kwargs: Any) -> None:
         if args is None:
@@ -160,12 +173,14 @@ class Trainer(transformers.Trainer):
     def _ddp_kwargs(self) -> DistributedDataParallelKwargs:
         args = self.args
         find_unused = args.ddp_find_unused_parameters
-        if find_unused is None:  # transformers' default: only models with activation checkpointing skip the search
-            if isinstance(self.model, transformers.PreTrainedModel):
-                find_unused = not (compat.model_activation_checkpointing(self.model)
-                                   or compat.activation_checkpointing(args))
-            else:
-                find_unused = True
+        if find_unused is None:
+            # transformers' default is True except for a PreTrainedModel with activation checkpointing, where DDP's
+            # search breaks reentrant checkpointing. hf_backend's None: DDP finds the unused parameters on the first
+            # step and keeps searching on every step only if there were some (strategies/ddp.py)
+            model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+            checkpointing = (isinstance(model, transformers.PreTrainedModel)
+                             and compat.model_activation_checkpointing(model)) or compat.activation_checkpointing(args)
+            find_unused = False if checkpointing else True if _graph_may_vary(model) else None
         kwargs = {"find_unused_parameters": find_unused}
         for name in ("bucket_cap_mb", "broadcast_buffers", "static_graph"):
             if getattr(args, f"ddp_{name}") is not None:
