@@ -106,3 +106,56 @@ def test_param_groups_that_do_not_correspond_are_one_line(tmp_path):
     assert group_map([4], [4, 0], tmp_path) == [0, None]
     with pytest.raises(HfBackendError, match=r"param groups of \[2, 2\] parameters, this one \[4\]; resume with the"):
         group_map([2, 2], [4], tmp_path)
+
+
+def _trained(accelerator, seed: int):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=0.1))
+    accelerator.backward(model(torch.randn(4, 8)).square().mean())
+    optimizer.step()
+    optimizer.zero_grad()
+    return model, optimizer
+
+
+def _state(optimizer) -> list[torch.Tensor]:
+    return [t for s in optimizer.optimizer.state.values() for t in s.values()]
+
+
+def test_optimizer_state_is_copied_from_the_mapped_file_into_the_live_tensors(tmp_path):
+    """optimizer.bin is read mapped (no fresh copy of it in memory) and copied into the tensors the optimizer holds;
+    an optimizer without state yet gets its own memory: no state stays backed by the file."""
+    from hf_backend import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    model, optimizer = _trained(accelerator, 0)
+    saved = [t.clone() for t in _state(optimizer)]
+    accelerator.save_state(tmp_path / "ckpt")
+    accelerator.backward(model(torch.randn(4, 8)).square().mean())
+    optimizer.step()  # the live state moves on
+    live = _state(optimizer)
+    accelerator.load_state(tmp_path / "ckpt")
+    after = _state(optimizer)
+    assert all(a is b for a, b in zip(after, live)), "the optimizer keeps its own tensors"
+    assert all(torch.equal(a, b) for a, b in zip(after, saved))
+
+    fresh = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    net, opt = fresh.prepare(net, torch.optim.AdamW(net.parameters(), lr=0.1))
+    fresh.load_state(tmp_path / "ckpt")
+    loaded = _state(opt)
+    assert len(loaded) == len(saved) and all(torch.equal(a, b) for a, b in zip(loaded, saved))
+    mapped = _mapped_ranges(tmp_path / "ckpt" / "optimizer.bin")
+    assert not any(lo <= t.data_ptr() < hi for t in loaded for lo, hi in mapped), "optimizer state maps the file"
+
+
+def _mapped_ranges(path) -> list[tuple[int, int]]:
+    """The address ranges this process maps `path` at (Linux's /proc/self/maps)."""
+    ranges = []
+    for line in open("/proc/self/maps").read().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].startswith(str(path)):
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            ranges.append((lo, hi))
+    return ranges

@@ -94,9 +94,10 @@ def save_object(obj: Any, f: str | os.PathLike, safe_serialization: bool = False
         torch.save(obj, f)
 
 
-def load_file(path: Path) -> Any:
-    """A torch file of plain data (state dicts): no pickled code runs."""
-    return torch_load(path)
+def load_file(path: Path, mmap: bool = False) -> Any:
+    """A torch file of plain data (state dicts): no pickled code runs. `mmap`: its tensors map the file (see
+    safe_load.torch_load)."""
+    return torch_load(path, mmap=mmap)
 
 
 def load_custom_object(path: Path) -> Any:

@@ -41,19 +41,29 @@ _BLOCKED = re.compile(r"unsupported GLOBAL (\S+) whose module")
 _REDUCE = re.compile(r"call reduce for unrecognized function (.+?)(?: which belongs|$)", re.M)
 
 
-def torch_load(path: str | os.PathLike, what: str = "load_state") -> Any:
-    """`torch.load(path, weights_only=True)` on the CPU; a refusal or an unreadable file is one HfBackendError line."""
+def torch_load(path: str | os.PathLike, what: str = "load_state", mmap: bool = False) -> Any:
+    """`torch.load(path, weights_only=True)` on the CPU; a refusal or an unreadable file is one HfBackendError line.
+    `mmap`: tensors map the file (read from the page cache when used) instead of being read into fresh memory, for a
+    caller that copies them into tensors that exist; a file in torch's legacy format is read whole."""
     path = Path(path)
     if not path.is_file():
         raise HfBackendError(f"{what}: {path} is missing; the checkpoint is incomplete, use another one")
     try:
         with _numpy_arrays():
+            if mmap and _zip_format(path):
+                return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
             return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         raise refusal(path, err, what) from None
     except (RuntimeError, EOFError, ValueError) as err:
         raise HfBackendError(f"{what}: {path} cannot be read as a torch file ({_first_line(err)}); the checkpoint is "
                              "damaged, use another one") from None
+
+
+def _zip_format(path: Path) -> bool:
+    """torch.save's zip format (the only one torch.load maps); the legacy format is a bare pickle."""
+    with open(path, "rb") as f:
+        return f.read(4) == b"PK\x03\x04"
 
 
 @contextlib.contextmanager

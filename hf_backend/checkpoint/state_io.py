@@ -197,7 +197,7 @@ class CheckpointIO:
             if index.sharded(stem):
                 check_dcp(index.shards(stem))
             else:
-                files["optimizers"][i] = load_file(index.optimizer_file(stem))
+                files["optimizers"][i] = load_file(index.optimizer_file(stem), mmap=True)  # copied in later
         return files
 
     # -- one model or optimizer ----------------------------------------------------------------------------------------
@@ -280,13 +280,13 @@ class CheckpointIO:
         """A full optimizer state keyed by parameter names or, as torch's own `optimizer.state_dict()`
         (transformers' `optimizer.pt`), by position."""
         inner, model = self._optimizer_and_model(optimizer)
-        state_dict = keyed_by_name(load_file(path) if state is None else state, inner,
-                                   self.strategy.unwrap_model(model), path)
+        unwrapped = self.strategy.unwrap_model(model)
+        state_dict = keyed_by_name(load_file(path, mmap=True) if state is None else state, inner, unwrapped, path)
         mapping = param_groups.group_map([len(g["params"]) for g in state_dict.get("param_groups", [])],
                                          [len(g["params"]) for g in inner.param_groups], path)
         if mapping is not None:
             state_dict = param_groups.fit_optimizer_state(state_dict, mapping, inner.param_groups)
-        self.strategy.load_optimizer_state_dict(model, inner, state_dict)
+        self.strategy.load_optimizer_state_dict(model, inner, into_live_state(state_dict, inner, unwrapped))
         return mapping
 
     def read_trainer_optimizer(self, optimizer: Any, scheduler: Any, directory: str | os.PathLike) -> None:
@@ -361,6 +361,34 @@ def keyed_by_name(state_dict: dict[str, Any], optimizer: torch.optim.Optimizer, 
             "param_groups": [{**group, "params": [name_of[i] for i in group["params"]]} for group in saved]}
 
 
+def into_live_state(state_dict: dict[str, Any], optimizer: torch.optim.Optimizer,
+                    model: torch.nn.Module) -> dict[str, Any]:
+    """A full optimizer state keyed by parameter names, read with its tensors mapping the file, made ready to load:
+    a tensor the optimizer already holds (same shape, dtype and device: a state loaded into a trained optimizer) is
+    copied into and kept, so loading costs one copy from the page cache; the state of a plain CPU parameter that has
+    none yet is copied into fresh memory, so that no optimizer state stays backed by the file. The rest (a sharded
+    or GPU parameter's) is left mapped: the strategy copies it where it goes."""
+    params = dict(model.named_parameters())
+    live_state = getattr(optimizer, "state", {})
+    out: dict[str, dict[str, Any]] = {}
+    with torch.no_grad():
+        for name, entries in state_dict.get("state", {}).items():
+            param = params.get(name)
+            live = live_state.get(param, {}) if param is not None else {}
+            plain_cpu = type(param) in (torch.Tensor, torch.nn.Parameter) and param.device.type == "cpu"
+            out[name] = {key: _into(value, live.get(key), plain_cpu) for key, value in entries.items()}
+    return {**state_dict, "state": out}
+
+
+def _into(value: Any, live: Any, plain_cpu: bool) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return value
+    if type(live) is torch.Tensor and (live.shape, live.dtype, live.device) == (value.shape, value.dtype,
+                                                                                 value.device):
+        return live.copy_(value)
+    return value.clone() if plain_cpu else value
+
+
 # -- Accelerate's save/load-state hooks --------------------------------------------------------------------------------
 def apply_save_hooks(hooks: Iterable[Callable], objects: PreparedObjects, output_dir: str | os.PathLike,
                      state_dict: Callable[[torch.nn.Module], dict]) -> PreparedObjects:
@@ -389,4 +417,4 @@ def apply_load_hooks(hooks: Iterable[Callable], objects: PreparedObjects,
     return objects.with_models(models)
 
 
-__all__ = ["CheckpointIO", "full_weights", "apply_load_hooks", "apply_save_hooks", "keyed_by_name"]
+__all__ = ["CheckpointIO", "full_weights", "apply_load_hooks", "apply_save_hooks", "into_live_state", "keyed_by_name"]
