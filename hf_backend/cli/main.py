@@ -1,4 +1,4 @@
-"""`hf-backend`: the command line (config, launch, env, checkpoint)."""
+"""`hf-backend`: the command line (config, launch, env, checkpoint, plan)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 import hf_backend
 
 from ..errors import HfBackendError
-from . import checkpoint_cmd, config_cmd, env_cmd, launch
+from . import checkpoint_cmd, config_cmd, env_cmd, launch, plan_cmd
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,6 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_parser(sub)
     env_cmd.add_parser(sub)
     checkpoint_cmd.add_parser(sub)
+    plan_cmd.add_parser(sub)
     return parser
 
 

@@ -1,0 +1,85 @@
+"""`hf-backend plan`: memory per process of a training run, before launching it (hf_backend/memory_plan.py).
+
+    hf-backend plan MODEL_DIR_OR_CONFIG --strategy fsdp --num_processes 8 [--mixed_precision bf16]
+        [--lora 16 [--lora_targets q_proj v_proj]] [--parallelism dp_shard=4,tp=2] [--batch_size 4]
+        [--sequence_length 2048] [--activation_checkpointing] [--dtype bfloat16] [--json]
+
+Nothing is downloaded and no process group is made: the model is built on the meta device from its config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from ..errors import HfBackendError
+
+
+def add_parser(sub: Any) -> None:
+    from ..memory_plan import STRATEGIES
+
+    p = sub.add_parser("plan", help="memory per process of a training run (parameters, gradients, optimizer state, "
+                                    "activations), from the model's config alone")
+    p.add_argument("model", help="a model directory holding config.json, or the config.json file")
+    p.add_argument("--strategy", required=True, choices=STRATEGIES,
+                   help="no (one process), ddp, fsdp (FSDP2), zero1 / zero2 / zero3 (DeepSpeed)")
+    p.add_argument("--num_processes", type=int, default=1)
+    p.add_argument("--mixed_precision", choices=("no", "fp16", "bf16"), default="no",
+                   help="autocast: changes the activations, not the fp32 weights, gradients or optimizer state")
+    p.add_argument("--dtype", default=None, help="the weights' dtype (default: the config's, else float32)")
+    p.add_argument("--lora", type=int, default=0, metavar="RANK", help="a LoRA adapter of this rank (peft)")
+    p.add_argument("--lora_targets", nargs="+", default=None, help="its target modules (default: q_proj v_proj)")
+    p.add_argument("--parallelism", default=None, metavar="SIZES",
+                   help="ParallelismConfig sizes for fsdp, e.g. dp_shard=4,tp=2 (dp_replicate, dp_shard, cp, tp)")
+    p.add_argument("--batch_size", type=int, default=1, help="per process, for the activation estimate")
+    p.add_argument("--sequence_length", type=int, default=512, help="for the activation estimate")
+    p.add_argument("--activation_checkpointing", action="store_true")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    p.set_defaults(func=run)
+
+
+def parse_sizes(text: str | None) -> Any:
+    """`dp_shard=4,tp=2` as a MeshShape (sizes left out are 1)."""
+    from ..config.parallelism import MeshShape
+
+    if not text:
+        return None
+    sizes: dict[str, int] = {}
+    for item in text.split(","):
+        key, _, value = item.partition("=")
+        key = key.strip().removesuffix("_size")
+        if key not in MeshShape.DIMS or not value.strip().isdigit() or int(value) < 1:
+            raise HfBackendError(f"plan: --parallelism item {item!r}: write NAME=SIZE with NAME one of "
+                                 f"{', '.join(MeshShape.DIMS)} and SIZE a whole number, e.g. dp_shard=4,tp=2")
+        sizes[key] = int(value)
+    return MeshShape(**sizes)
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..memory_plan import build_on_meta, plan_memory
+
+    model = build_on_meta(args.model, args.lora, args.lora_targets, args.dtype)
+    plan = plan_memory(model, args.strategy, args.num_processes, mixed_precision=args.mixed_precision,
+                       shape=parse_sizes(args.parallelism), batch_size=args.batch_size,
+                       sequence_length=args.sequence_length, activation_checkpointing=args.activation_checkpointing)
+    if args.json:
+        print(json.dumps(plan.to_json(), indent=2))
+        return 0
+    grid = " x ".join(f"{name} {size}" for name, size in zip(plan.shape.DIMS, plan.shape.sizes) if size > 1) or "1"
+    print(f"{type(model).__name__}: {plan.parameters:,} parameters, {plan.trainable:,} trained; "
+          f"{plan.strategy} on {args.num_processes} process(es) ({grid}); per process:")
+    rows = [("parameters", plan.parameter_bytes), ("gradients", plan.gradient_bytes),
+            ("optimizer state (AdamW)", plan.optimizer_bytes),
+            (f"activations (estimate: batch {args.batch_size} x {args.sequence_length} tokens)", plan.activation_bytes),
+            ("total", plan.total_bytes)]
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"  {name:<{width}}  {_gib(value):>11}")
+    for note in plan.notes:
+        print(f"  note: {note}")
+    return 0
