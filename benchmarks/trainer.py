@@ -21,7 +21,8 @@ With several processes a fourth variant, hf_backend_static, is hf_backend.Traine
 ddp_find_unused_parameters=False (see VARIANTS).
 
 Besides the medians, "paired" is the median over repeats of each repeat's ratio to the bare loop run just before it
-(less sensitive to the machine's load drifting during the run).
+(less sensitive to the machine's load drifting during the run). Each repeat runs the bare loop first and the others in
+an order rotated from repeat to repeat.
 """
 
 from __future__ import annotations
@@ -320,10 +321,12 @@ def main() -> int:
     for nproc in args.nproc:
         variants = [v for v in VARIANTS if nproc > 1 or v != "hf_backend_static"]
         samples: dict[str, list[dict]] = {v: [] for v in variants}
-        for _ in range(args.repeats):
-            for variant in variants:
-                samples[variant].append(_run(variant, nproc, args.steps, args.batch, args.tiny,
-                                                    args.model))
+        for repeat in range(args.repeats):
+            # bare first (the paired ratios divide by it), the others in an order rotated each repeat: a run can
+            # slow the next one down (a process still exiting), which should not always fall on the same variant
+            others = variants[1:]
+            for variant in ["bare", *others[repeat % len(others):], *others[:repeat % len(others)]]:
+                samples[variant].append(_run(variant, nproc, args.steps, args.batch, args.tiny, args.model))
         rows = {v: {"samples_per_s": statistics.median(r["samples_per_s"] for r in runs),
                     "paired_vs_bare": statistics.median(r["samples_per_s"] / b["samples_per_s"]
                                                         for r, b in zip(runs, samples["bare"])),

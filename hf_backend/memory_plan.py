@@ -23,6 +23,7 @@ from .errors import HfBackendError
 
 STRATEGIES = ("no", "ddp", "fsdp", "zero1", "zero2", "zero3")
 _ZERO_STAGE = {"zero1": 1, "zero2": 2, "zero3": 3}
+_MAX_LIVE_PARAMETERS = 10**9  # DeepSpeed's default stage3_max_live_parameters
 # How each tp_plan style cuts a weight (dimension) and its bias (None: kept whole); strategies/tensor_parallel.py
 _TP_DIMS = {"colwise": (0, 0), "colwise_rep": (0, 0), "colwise_gather_output": (0, 0), "rowwise": (1, None),
             "rowwise_rep": (1, None), "rowwise_split_input": (1, None), "embedding_rowwise": (0, None)}
@@ -114,10 +115,11 @@ def plan_memory(model: torch.nn.Module, strategy: str, num_processes: int = 1, *
         optimizer = 2 * master
         if stage == 3:
             grads = master  # a flat fp32 gradient partition, allocated at setup
-            weights += full_trainable  # the gathered trainable weights it keeps between uses
+            # the gathered trainable weights it keeps between uses, up to stage3_max_live_parameters elements
+            weights += min(full_trainable, _MAX_LIVE_PARAMETERS * _element_size(model))
             notes.append("ZeRO-3: with DeepSpeed's default stage3_max_live_parameters and stage3_max_reuse_distance "
-                         "(1e9) the gathered trainable weights stay after the first step (counted with the "
-                         "parameters)")
+                         "(1e9) the gathered trainable weights stay after the first step, up to 1e9 of them "
+                         "(counted with the parameters)")
         else:
             grads = full_trainable if stage == 1 else partition * _element_size(model)
             notes.append(f"ZeRO-{stage}: gradients exist during backward only (freed by the step)")

