@@ -14,12 +14,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .config.parallelism import MeshShape
 from .errors import HfBackendError
+
+if TYPE_CHECKING:  # torch is imported where a model is built: the command line's parser loads without it
+    import torch
 
 STRATEGIES = ("no", "ddp", "fsdp", "zero1", "zero2", "zero3")
 _ZERO_STAGE = {"zero1": 1, "zero2": 2, "zero3": 3}
@@ -190,6 +191,7 @@ def build_on_meta(source: str, lora_rank: int = 0, lora_targets: list[str] | Non
     LoRA adapter when `lora_rank` (peft)."""
     from pathlib import Path
 
+    import torch
     import transformers
 
     path = Path(source)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -153,7 +155,7 @@ def test_optimizer_state_is_copied_from_the_mapped_file_into_the_live_tensors(tm
 def _mapped_ranges(path) -> list[tuple[int, int]]:
     """The address ranges this process maps `path` at (Linux's /proc/self/maps)."""
     ranges = []
-    for line in open("/proc/self/maps").read().splitlines():
+    for line in Path("/proc/self/maps").read_text().splitlines():
         fields = line.split(maxsplit=5)
         if len(fields) == 6 and fields[5].startswith(str(path)):
             lo, hi = (int(x, 16) for x in fields[0].split("-"))

@@ -24,7 +24,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("model", help="a model directory holding config.json, or the config.json file")
     p.add_argument("--strategy", required=True, choices=STRATEGIES,
                    help="no (one process), ddp, fsdp (FSDP2), zero1 / zero2 / zero3 (DeepSpeed)")
-    p.add_argument("--num_processes", type=int, default=1)
+    p.add_argument("--num_processes", type=int, default=1, help="processes in the run (default 1)")
     p.add_argument("--mixed_precision", choices=("no", "fp16", "bf16"), default="no",
                    help="autocast: changes the activations, not the fp32 weights, gradients or optimizer state")
     p.add_argument("--dtype", default=None, help="the weights' dtype (default: the config's, else float32)")
@@ -34,7 +34,8 @@ def add_parser(sub: Any) -> None:
                    help="ParallelismConfig sizes for fsdp, e.g. dp_shard=4,tp=2 (dp_replicate, dp_shard, cp, tp)")
     p.add_argument("--batch_size", type=int, default=1, help="per process, for the activation estimate")
     p.add_argument("--sequence_length", type=int, default=512, help="for the activation estimate")
-    p.add_argument("--activation_checkpointing", action="store_true")
+    p.add_argument("--activation_checkpointing", action="store_true",
+                   help="activations: keep only each layer's input (the estimate), as with activation checkpointing")
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     p.set_defaults(func=run)
 

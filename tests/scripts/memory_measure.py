@@ -1,7 +1,7 @@
 """The memory a real training step takes per process, by phase, to check `hf-backend plan` against: a tiny Llama
 (fp32) prepared under one strategy, then one forward and backward (batch 1, 16 tokens: activations are a few MB) and
-one AdamW step. Resident memory is read after each phase with glibc returning freed memory at once
-(MALLOC_MMAP_THRESHOLD_, set by the caller), so each difference is what the phase added and kept:
+one AdamW step. Resident memory is read after each phase with glibc returning freed memory at once (its mmap
+threshold fixed at 64 KiB, `mallopt`), so each difference is what the phase added and kept:
 
     prepared  = after prepare - before the model was built      (parameters, and what the wrapper allocates)
     backward  = after backward - prepared                       (gradients, and gradient buffers)
@@ -12,6 +12,7 @@ Writes one JSON object per process (`--out DIR`: DIR/rank{R}.json), with the mod
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
 from pathlib import Path
@@ -23,6 +24,14 @@ CONFIG = dict(vocab_size=16000, hidden_size=512, intermediate_size=1376, num_hid
               num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=64, tie_word_embeddings=False)
 
 
+def return_freed_memory() -> None:
+    """glibc: every block of 64 KiB or more its own mapping, given back to the system when freed (M_MMAP_THRESHOLD,
+    which also stops glibc from raising the threshold as it goes), so resident memory follows live tensors."""
+    libc = ctypes.CDLL("libc.so.6")
+    if not libc.mallopt(-3, 64 * 1024):  # -3: M_MMAP_THRESHOLD
+        raise SystemExit("mallopt(M_MMAP_THRESHOLD) failed")
+
+
 def rss() -> int:
     gc.collect()
     return psutil.Process().memory_info().rss
@@ -31,7 +40,7 @@ def rss() -> int:
 def _warm_up(accelerator) -> None:
     """What the first step allocates once and keeps (kernels' lazy set-up and workspaces, the first DeepSpeed
     engine's own buffers: about 50 MB here), done on the same model, prepared and trained one step, before the
-    baseline, then freed; its large tensors go back to the system at once (MALLOC_MMAP_THRESHOLD_)."""
+    baseline, then freed; its large tensors go back to the system at once (`return_freed_memory`)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(1)
@@ -50,6 +59,7 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=CONFIG["hidden_size"], help="width (the MLP 2.6875 times it)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
+    return_freed_memory()
     CONFIG.update(hidden_size=args.hidden, intermediate_size=args.hidden * 43 // 16)
 
     from peft import LoraConfig, get_peft_model
