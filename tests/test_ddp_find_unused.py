@@ -5,6 +5,7 @@ synchronized step and searches again on every step only if that step had some. C
 from __future__ import annotations
 
 import pytest
+import torch
 import transformers
 
 from hf_backend.trainer import trainer as trainer_module
@@ -43,3 +44,30 @@ def test_models_whose_graph_varies_keep_transformers_default():
     assert trainer_module._graph_may_vary(bert(layerdrop=0.1))  # layers dropped at random in training
     assert trainer_module._graph_may_vary(bert(num_local_experts=4))  # routed experts
     assert trainer_module._graph_may_vary(bert().bert.encoder)  # not a PreTrainedModel: anything may branch
+
+
+class _Plain(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 2)
+
+    def forward(self, x, labels=None):
+        return {"loss": self.linear(x).sum()}
+
+
+@pytest.mark.parametrize("model, extra, expected", [
+    ("bert", {}, None),  # found once
+    ("bert", {"gradient_checkpointing": True}, False),  # transformers' False: the search breaks reentrant checkpoints
+    ("bert_layerdrop", {}, True),
+    ("plain", {"gradient_checkpointing": True}, True),  # not a PreTrainedModel: transformers' True, checkpointing too
+    ("bert", {"ddp_find_unused_parameters": True}, True),
+])
+def test_the_trainer_default_reaches_the_engine(tmp_path, model, extra, expected):
+    from hf_backend import Trainer, TrainingArguments
+
+    config = transformers.BertConfig(vocab_size=32, hidden_size=8, num_hidden_layers=1, num_attention_heads=1,
+                                     intermediate_size=8, layerdrop=0.1 if model == "bert_layerdrop" else 0.0)
+    net = _Plain() if model == "plain" else transformers.BertForSequenceClassification(config)
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", **extra)
+    trainer = Trainer(model=net, args=args)
+    assert trainer.accelerator.strategy.handlers.ddp.find_unused_parameters is expected

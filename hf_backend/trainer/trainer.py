@@ -178,8 +178,8 @@ class Trainer(transformers.Trainer):
             # search breaks reentrant checkpointing. hf_backend's None: DDP finds the unused parameters on the first
             # step and keeps searching on every step only if there were some (strategies/ddp.py)
             model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-            checkpointing = (isinstance(model, transformers.PreTrainedModel)
-                             and compat.model_activation_checkpointing(model)) or compat.activation_checkpointing(args)
+            checkpointing = isinstance(model, transformers.PreTrainedModel) and (
+                compat.model_activation_checkpointing(model) or compat.activation_checkpointing(args))
             find_unused = False if checkpointing else True if _graph_may_vary(model) else None
         kwargs = {"find_unused_parameters": find_unused}
         for name in ("bucket_cap_mb", "broadcast_buffers", "static_graph"):
