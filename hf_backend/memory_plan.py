@@ -111,7 +111,7 @@ def plan_memory(model: torch.nn.Module, strategy: str, num_processes: int = 1, *
         grads *= 2  # DDP's reducer copies every gradient into its buckets (gradient_as_bucket_view=False)
         notes.append("DDP: gradients twice, the parameters' own and the reducer's buckets")
     elif stage:
-        partition = math.ceil(trainable_elements(model) / num_processes)  # flattened, then cut in N
+        partition = math.ceil(trainable / num_processes)  # flattened, then cut in N
         master = 4 * partition  # DeepSpeed's fp32 copy of its partition
         optimizer = 2 * master
         if stage == 3:
@@ -135,10 +135,6 @@ def plan_memory(model: torch.nn.Module, strategy: str, num_processes: int = 1, *
 
 def _element_size(model: torch.nn.Module) -> int:
     return next((p.element_size() for p in model.parameters() if p.requires_grad), 4)
-
-
-def trainable_elements(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in {id(p): p for p in model.parameters() if p.requires_grad}.values())
 
 
 

@@ -138,17 +138,19 @@ def _first_reduction(ddp: DistributedDataParallel, bucket_bytes: int = 25 * 2**2
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     bucket: list[torch.Tensor] = []
+    filled = 0
     for i, p in enumerate(reduced):
         bucket.append(p.grad)
+        filled += p.grad.nbytes
         last = i + 1 == len(reduced)
-        if last or reduced[i + 1].grad.dtype != p.grad.dtype or sum(g.nbytes for g in bucket) >= bucket_bytes:
+        if last or reduced[i + 1].grad.dtype != p.grad.dtype or filled >= bucket_bytes:
             flat = torch.cat([g.reshape(-1) for g in bucket]).div_(world)
             dist.all_reduce(flat, group=group)
             offset = 0
             for g in bucket:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
-            bucket = []
+            bucket, filled = [], 0
     return bool((used == world).all())
 
 
