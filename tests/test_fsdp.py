@@ -157,6 +157,28 @@ def test_cpu_ram_efficient_loading_with_from_pretrained(tmp_path):
     assert efficient["losses"] == plain["losses"]
 
 
+def test_cpu_ram_efficient_loading_keeps_no_full_copy_on_any_rank(tmp_path):
+    """bf16 weights mapped by from_pretrained, fp32 master shards: with the option no rank, rank 0 included, makes
+    a private full copy at prepare (rank 0 used to upcast its whole model before sharding: 1.5x the fp32 model);
+    the model is the same as without it (Llama's rotary buffers are not in the state dict: rank 0's are kept)."""
+    from memory_measure import CONFIG as LLAMA
+
+    torch.manual_seed(0)
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA)).to(torch.bfloat16)
+    llama.save_pretrained(tmp_path / "m")
+    runs = {}
+    for efficient in (0, 1):
+        run_script("loading_peak.py", ["--model", str(tmp_path / "m"), "--efficient", str(efficient),
+                                       "--out", str(tmp_path / str(efficient))], nproc=2, timeout=300)
+        runs[efficient] = [json.loads((tmp_path / str(efficient) / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for rank, report in enumerate(runs[1]):
+        shard = report["full_fp32_bytes"] / 2
+        allowed = shard + report["largest_fp32_bytes"] + 16 * 2**20  # the shard, one parameter in flight, slack
+        assert report["peak_bytes"] <= allowed, (rank, report)
+    assert runs[0][0]["peak_bytes"] > runs[0][0]["full_fp32_bytes"], "without the option rank 0 upcasts it all"
+    assert [r["loss"] for r in runs[1]] == [r["loss"] for r in runs[0]]
+
+
 def test_mixed_precision_policy_and_activation_checkpointing(tmp_path):
     out = tmp_path / "r.json"
     run_script("fsdp_options.py", [str(out)], nproc=2)

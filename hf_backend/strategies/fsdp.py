@@ -76,9 +76,10 @@ class FSDPStrategy(Strategy):
             raise HfBackendError("prepare(): the model is on the meta device; build it with real weights on rank 0 "
                                  "and set cpu_ram_efficient_loading so the other ranks receive them")
         full = model.state_dict() if efficient and main else {}  # rank 0 holds the only full copy
-        if efficient and not main and not on_meta:
-            model = model.to("meta")  # release this rank's copy: its shards come from rank 0
-        model = super().setup_model(model, device_placement and not (efficient and not main))
+        kept_buffers = {name: b for name, b in model.named_buffers()} if efficient and main else {}
+        if efficient and not on_meta:  # every rank shards an empty model; the shards are filled from `full`, so
+            model = model.to("meta")   # rank 0 never holds a second full copy (placed, or upcast for fp32 masters)
+        model = super().setup_model(model, device_placement and not efficient)
         if not evaluation_mode:  # on every rank (meta included), so that all shards have one dtype
             self.precision.keep_fp32_masters(model, sharded=True, param_dtype=self._mp_policy().param_dtype)
         if self.options.sync_module_states and not efficient:
@@ -99,7 +100,7 @@ class FSDPStrategy(Strategy):
             fully_shard(block, **kwargs)
         fully_shard(model, **kwargs)
         if efficient:
-            self._receive_rank0_weights(model, full)
+            self._receive_rank0_weights(model, full, kept_buffers)
         on_cpu = self.process.device.type == "cpu" and not self.options.cpu_offload  # offloading: left to FSDP2
         prefetch = self.options.forward_prefetch  # unset: where nothing else overlaps forward's all-gathers
         schedule(model, blocks, reshard_after_forward=self.options.reshard_after_forward,
@@ -108,12 +109,17 @@ class FSDPStrategy(Strategy):
         self._new_params.update({id(old): new for old, new in zip(before, model.parameters())})
         return model
 
-    def _receive_rank0_weights(self, model: torch.nn.Module, full: dict[str, torch.Tensor]) -> None:
-        if not self.process.is_main_process:
-            model.to_empty(device=self.process.device)
+    def _receive_rank0_weights(self, model: torch.nn.Module, full: dict[str, torch.Tensor],
+                               kept_buffers: dict[str, torch.Tensor]) -> None:
+        """Every rank's empty shards get rank 0's weights (`full`, on rank 0 only), cast to the shards' dtype; then
+        rank 0's buffers (`kept_buffers`: not sharded, and non-persistent ones are in no state dict)."""
+        model.to_empty(device=self.process.device)
         set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-        for buffer in model.buffers():  # not sharded, and non-persistent ones are in no state dict
-            torch.distributed.broadcast(buffer, src=0)
+        with torch.no_grad():
+            for name, buffer in model.named_buffers():
+                if name in kept_buffers:
+                    buffer.copy_(kept_buffers[name])
+                torch.distributed.broadcast(buffer, src=0)
 
     @property
     def data_shard(self) -> DataShard:
