@@ -457,7 +457,9 @@ class Accelerator(ProcessView, compat.AccelerateMembers, elastic.ElasticMembers)
         self.checkpoint_io.wait()  # a save under way is finished first
         config = self.project_configuration
         newest = input_dir is None  # the newest automatic checkpoint that verifies
-        index = checkpoint.latest_automatic_checkpoint(config) if newest else checkpoint.read_index(input_dir)
+        sharing = checkpoint.manifest.machine_sharing()  # the processes of a machine divide the checksums
+        index = checkpoint.latest_automatic_checkpoint(config, sharing) if newest else \
+            checkpoint.read_index(input_dir, sharing=sharing)
         objects = checkpoint.apply_load_hooks(self._load_state_pre_hooks.values(), self._objects, index.directory)
         index = self.checkpoint_io.read(index, objects,
                                         models_taken_by_hooks=len(objects.models) < len(self._objects.models))

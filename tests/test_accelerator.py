@@ -310,11 +310,11 @@ def test_a_checkpoint_of_another_format_version_is_refused_in_one_line(tmp_path)
     acc.save_state(tmp_path / "ckpt")
     meta_path = tmp_path / "ckpt" / "hf_backend_checkpoint.json"
     meta = json.loads(meta_path.read_text())
-    assert meta["format_version"] == 2
-    for version in (3, 0):
+    assert meta["format_version"] == 3
+    for version in (4, 0):
         meta_path.write_text(json.dumps({**meta, "format_version": version}))
-        with pytest.raises(HfBackendError, match=rf"has format_version {version}; this hf_backend reads format 2: "
-                                                 "load it with the hf_backend that wrote it, or upgrade"):
+        with pytest.raises(HfBackendError, match=rf"has format_version {version}; this hf_backend reads formats 2 and "
+                                                 "3: load it with the hf_backend that wrote it, or upgrade"):
             acc.load_state(tmp_path / "ckpt")
     for version in ("2", True, None):
         meta_path.write_text(json.dumps({**meta, "format_version": version}))
@@ -322,9 +322,9 @@ def test_a_checkpoint_of_another_format_version_is_refused_in_one_line(tmp_path)
             acc.load_state(tmp_path / "ckpt")
     meta_path.write_text(json.dumps({**meta, "format_version": 1}))
     with pytest.raises(HfBackendError, match="is a format-1 checkpoint .written by an hf_backend before 2026-11-27.; "
-                                             "this hf_backend reads format 2: load it with the hf_backend that wrote"):
+                                             "this hf_backend reads formats 2 and 3: load it with the hf_backend that"):
         acc.load_state(tmp_path / "ckpt")
-    meta_path.write_text(json.dumps({**meta, "format_version": 2}))
+    meta_path.write_text(json.dumps({**meta, "format_version": 3}))
     acc.load_state(tmp_path / "ckpt")
     assert model.weight.shape == (1, 2)
 

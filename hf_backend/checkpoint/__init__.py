@@ -15,12 +15,13 @@
 
 from __future__ import annotations
 
-from . import adapters, layout
+from . import adapters, layout, manifest
 from .directories import automatic_dir, last_complete_trainer_checkpoint, latest_automatic_checkpoint, rotate
 from .files import load_file, save_object
 from .index import CheckpointIndex, read_index
 from .state_io import CheckpointIO, apply_load_hooks, apply_save_hooks
 
 __all__ = ["CheckpointIO", "CheckpointIndex", "adapters", "apply_load_hooks", "apply_save_hooks", "automatic_dir",
-           "last_complete_trainer_checkpoint", "latest_automatic_checkpoint", "layout", "load_file", "read_index",
+           "last_complete_trainer_checkpoint", "latest_automatic_checkpoint", "layout", "load_file", "manifest",
+           "read_index",
            "rotate", "save_object"]

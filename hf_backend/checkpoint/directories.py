@@ -14,7 +14,7 @@ from ..collectives import gather_object
 from ..errors import HfBackendError
 from ..log import note
 from ..state import ProcessState
-from . import durable, layout
+from . import durable, layout, manifest
 from .index import CheckpointIndex, read_index
 
 
@@ -88,13 +88,13 @@ def automatic_saved(config: Any, process: ProcessState) -> Callable[[], None]:
     return rotate_now
 
 
-def latest_automatic_checkpoint(config: Any) -> CheckpointIndex:
+def latest_automatic_checkpoint(config: Any, sharing: manifest.Sharing | None = None) -> CheckpointIndex:
     """What `load_state()` without a directory reads: the newest automatic checkpoint that verifies (a damaged or
-    incomplete one is passed over with a note)."""
+    incomplete one is passed over with a note). `sharing`: as `read_index` takes it."""
     found = layout.automatic_dirs(config.project_dir) if config.project_dir else []
     for path in reversed(found):
         try:
-            return read_index(path)
+            return read_index(path, sharing=sharing)
         except HfBackendError as err:
             note(f"passing over {path}: {err}")
     where = f"{config.project_dir}/checkpoints"

@@ -51,9 +51,11 @@ class CheckpointIndex:
         return self.directory / self.files.scheduler(index)
 
 
-def read_index(source: str | os.PathLike, checksums: bool = True, caller: str = "load_state") -> CheckpointIndex:
-    """The checkpoint at `source`, once its format version and manifest check out (`checksums`: hash every file).
-    Whatever is wrong is one line naming the file (`caller` starts it)."""
+def read_index(source: str | os.PathLike, checksums: bool = True, caller: str = "load_state",
+               sharing: manifest.Sharing | None = None) -> CheckpointIndex:
+    """The checkpoint at `source`, once its format version and manifest check out (`checksums`: hash every file;
+    `sharing`: the processes of a machine divide that, manifest.py). Whatever is wrong is one line naming the file
+    (`caller` starts it)."""
     source = _interrupted_overwrite(Path(source))
     if not source.is_dir():
         raise HfBackendError(f"{caller}: no checkpoint directory at {source}; pass the directory save_state wrote")
@@ -73,18 +75,22 @@ def read_index(source: str | os.PathLike, checksums: bool = True, caller: str = 
                              "another one")
     if version == 1:
         raise HfBackendError(f"{caller}: {source} is a format-1 checkpoint (written by an hf_backend before "
-                             f"2026-11-27); this hf_backend reads format {layout.FORMAT_VERSION}: load it with the "
+                             f"2026-11-27); this hf_backend reads formats {_readable()}: load it with the "
                              "hf_backend that wrote it")
-    if version != layout.FORMAT_VERSION:
-        raise HfBackendError(f"{caller}: {meta_path} has format_version {version}; this hf_backend reads format "
-                             f"{layout.FORMAT_VERSION}: load it with the hf_backend that wrote it, or upgrade")
+    if version not in layout.READABLE_FORMATS:
+        raise HfBackendError(f"{caller}: {meta_path} has format_version {version}; this hf_backend reads formats "
+                             f"{_readable()}: load it with the hf_backend that wrote it, or upgrade")
     manifest.check_metadata(meta_path, meta, caller)  # after the version: a newer format may seal otherwise
     for key, kind in (("num_processes", int), ("counts", dict), ("files", dict)):
         if not isinstance(meta.get(key), kind):
             raise HfBackendError(f"{caller}: {meta_path} has no valid {key!r}; the checkpoint is damaged, use another "
                                  "one")
-    manifest.verify(source, meta["files"], checksums, caller)
+    manifest.verify(source, meta["files"], checksums, caller, sharing)
     return CheckpointIndex(source, meta)
+
+
+def _readable() -> str:
+    return " and ".join(map(str, layout.READABLE_FORMATS))
 
 
 def _interrupted_overwrite(source: Path) -> Path:

@@ -33,7 +33,8 @@ import re
 from pathlib import Path
 
 METADATA = "hf_backend_checkpoint.json"
-FORMAT_VERSION = 2  # 1: before 2026-11-27 (unsealed checkpoints, DeepSpeed's own files), refused by index.py
+FORMAT_VERSION = 3  # 1: before 2026-11-27 (unsealed checkpoints, DeepSpeed's own files), refused by index.py
+READABLE_FORMATS = (2, 3)  # 2: whole-file checksums in the manifest; 3: piecewise (manifest.py)
 SCALER = "scaler.pt"
 STAGING_SUFFIX = ".incomplete"
 PREVIOUS_SUFFIX = ".previous"

@@ -423,7 +423,7 @@ class Trainer(transformers.Trainer):
             return self._resume_index
         if not checkpoint.layout.holds_engine_state(directory):
             return None
-        return checkpoint.read_index(directory, caller=RESUME)
+        return checkpoint.read_index(directory, caller=RESUME, sharing=checkpoint.manifest.machine_sharing())
 
 
 def _loss_of(outputs: Any) -> torch.Tensor:
@@ -459,7 +459,8 @@ def check_checkpoint(directory: str | os.PathLike, fresh_optimizer: bool = False
     except OSError as err:
         raise HfBackendError(f"{RESUME}: {directory} cannot be read ({type(err).__name__}); give this process read "
                              "access to it") from None
-    index = checkpoint.read_index(directory, caller=RESUME) if layout.METADATA in names else None
+    index = checkpoint.read_index(directory, caller=RESUME, sharing=checkpoint.manifest.machine_sharing()) \
+        if layout.METADATA in names else None
     meta = index.meta if index is not None else {}
     engine = sorted(names & {layout.dataloader_file(0), layout.sharded_dir("model"), layout.sharded_dir("optimizer")})
     if not meta and engine:  # hf_backend wrote it (transformers.Trainer writes none of these): the metadata is lost
