@@ -14,8 +14,8 @@ Reports the median of:
     .venv/bin/python benchmarks/trainer.py [--repeats 3] [--steps 150] [--nproc 1 2] [--json out.json]
     .venv/bin/python benchmarks/trainer.py --tiny --batch 4 --steps 600 --nproc 1   # per-step overhead: a model so
                                                                                     # small the loop's own code shows
-    .venv/bin/python benchmarks/trainer.py --profile [--steps 150]   # where a step goes, one process, under cProfile
-    .venv/bin/python benchmarks/trainer.py --phases [--steps 150]    # the same, wall clock per phase, no profiler
+    .venv/bin/python benchmarks/trainer.py --profile [--steps 150] [--model lora]  # where a step goes, cProfile
+    .venv/bin/python benchmarks/trainer.py --phases [--steps 150] [--model lora]  # the same, wall clock per phase
 
 With several processes a fourth variant, hf_backend_static, is hf_backend.Trainer with
 ddp_find_unused_parameters=False (see VARIANTS).
@@ -156,7 +156,7 @@ def _trainer(variant, model, tok, collator, data, steps, batch, stamps, workdir)
             data_collator=collator, callbacks=[Stamp()]).train()
 
 
-def _profile(steps: int, batch: int, tiny: bool) -> None:
+def _profile(steps: int, batch: int, tiny: bool, kind: str = "bert") -> None:
     """Each variant once in this process under cProfile: per step, the time of each call the loop makes (the loop's
     own callees, and those of transformers' `training_step`), largest first, over all steps (the first ones include
     warm-up). cProfile adds about a microsecond per Python call, so Python-heavy rows are inflated against torch's
@@ -165,13 +165,13 @@ def _profile(steps: int, batch: int, tiny: bool) -> None:
              "transformers": ("_run_epoch", "training_step")}
     for variant, parents in loops.items():
         workdir = Path(tempfile.mkdtemp())
-        tok, data, model = _setup(workdir, tiny)
+        tok, data, model = _setup(workdir, tiny, kind)
         profiler, stamps = cProfile.Profile(), []
         profiler.enable()
         if variant == "bare":
-            _bare_loop(model, _collator(tok, "bert"), data, steps, batch, stamps)
+            _bare_loop(model, _collator(tok, kind), data, steps, batch, stamps)
         else:
-            _trainer(variant, model, tok, _collator(tok, "bert"), data, steps, batch, stamps, workdir)
+            _trainer(variant, model, tok, _collator(tok, kind), data, steps, batch, stamps, workdir)
         profiler.disable()
         measured = len(stamps)
         rows = []
@@ -206,7 +206,7 @@ PHASES = {
 }
 
 
-def _phases(steps: int, batch: int, tiny: bool) -> None:
+def _phases(steps: int, batch: int, tiny: bool, kind: str = "bert") -> None:
     """Each variant once in this process (bare, hf_backend, transformers, then bare and hf_backend again) with the
     calls in PHASES timed by wrappers (wall clock, about 1 µs per wrapped call): ms per step for each phase over steps
     10..end, and what is left ("the rest": the loop's own code and everything not listed). Rows nest where noted
@@ -246,12 +246,12 @@ def _phases(steps: int, batch: int, tiny: bool) -> None:
     columns: dict[str, dict[str, float]] = {}
     for n, variant in enumerate(("bare", "hf_backend", "transformers", "bare", "hf_backend")):
         workdir = Path(tempfile.mkdtemp())
-        tok, data, model = _setup(workdir, tiny)
+        tok, data, model = _setup(workdir, tiny, kind)
         stamps = Stamps()
         if variant == "bare":
-            _bare_loop(model, _collator(tok, "bert"), data, steps, batch, stamps)
+            _bare_loop(model, _collator(tok, kind), data, steps, batch, stamps)
         else:
-            _trainer(variant, model, tok, _collator(tok, "bert"), data, steps, batch, stamps, workdir)
+            _trainer(variant, model, tok, _collator(tok, kind), data, steps, batch, stamps, workdir)
         measured = len(stamps) - 10
         column = {phase: (totals[phase] - stamps.at_ten[phase]) / measured * 1e3 for phase in PHASES}
         nested = column[BATCH] if column["get_batch_samples (loader included)"] else 0.0  # counted in it
@@ -306,10 +306,10 @@ def main() -> int:
     p.add_argument("--phases", action="store_true", help="wall time per phase of a step (one process), no timing runs")
     args = p.parse_args()
     if args.profile:
-        _profile(args.steps, args.batch, args.tiny)
+        _profile(args.steps, args.batch, args.tiny, args.model)
         return 0
     if args.phases:
-        _phases(args.steps, args.batch, args.tiny)
+        _phases(args.steps, args.batch, args.tiny, args.model)
         return 0
     if args.worker:
         _worker(args.worker, args.steps, args.batch, Path(args.out), args.tiny, args.model)
