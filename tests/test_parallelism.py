@@ -271,6 +271,28 @@ def test_a_model_sharded_on_a_mesh_of_its_own_is_refused(two_fake_processes):
         strategy.setup_model(model)
 
 
+def test_cpu_ram_efficient_loading_of_a_model_sharded_by_from_pretrained_is_refused(two_fake_processes, monkeypatch):
+    """Rank 0 has no full weights to send when from_pretrained(tp_plan=...) already split them."""
+    for name in ("ACCELERATE_USE_FSDP", "FSDP_CPU_RAM_EFFICIENT_LOADING"):  # the strategy sets them: undone after
+        monkeypatch.setenv(name, "true")
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from hf_backend import FullyShardedDataParallelPlugin, HfBackendError
+    from hf_backend.config.parallelism import MeshShape
+    from hf_backend.options import Handlers
+    from hf_backend.precision import Precision
+    from hf_backend.strategies import FSDPStrategy
+
+    process = two_fake_processes
+    strategy = FSDPStrategy(process, Precision("no", process.device), Handlers(),
+                            FullyShardedDataParallelPlugin(cpu_ram_efficient_loading=True), MeshShape(tp=2))
+    model = torch.nn.Linear(4, 4)
+    model.weight = torch.nn.Parameter(distribute_tensor(model.weight.detach(), strategy.mesh["tp"], [Shard(0)]))
+    with pytest.raises(HfBackendError, match=r"^prepare\(\): cpu_ram_efficient_loading needs rank 0's full weights, "
+                                             r"and this model was split across processes by from_pretrained"):
+        strategy.setup_model(model)
+
+
 def test_what_context_parallelism_cannot_split_is_one_line():
     from transformers import BertConfig, BertModel
 

@@ -75,6 +75,9 @@ class FSDPStrategy(Strategy):
         if on_meta and (main or not efficient):
             raise HfBackendError("prepare(): the model is on the meta device; build it with real weights on rank 0 "
                                  "and set cpu_ram_efficient_loading so the other ranks receive them")
+        if efficient and sharded_by_transformers:
+            raise HfBackendError("prepare(): cpu_ram_efficient_loading needs rank 0's full weights, and this model was "
+                                 "split across processes by from_pretrained(tp_plan=...); turn one of them off")
         full = model.state_dict() if efficient and main else {}  # rank 0 holds the only full copy
         kept_buffers = {name: b for name, b in model.named_buffers()} if efficient and main else {}
         if efficient and not on_meta:  # every rank shards an empty model; the shards are filled from `full`, so
