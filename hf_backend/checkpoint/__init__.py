@@ -5,9 +5,11 @@
     directories.py  staging + rename (a save appears complete or not at all), automatic naming, rotation
     durable.py      large files hashed while written (for the manifest) and fsynced; safetensors from tensor memory
     async_save.py   where a save's large writes go: now, or host memory then a writer thread (async save_state)
+    manifest.py     every file's size and checksum (pieces of XXH3-128), checked before anything loads
     index.py        CheckpointIndex: what a checkpoint holds, read once from its verified metadata and manifest
     state_io.py     CheckpointIO: a set of prepared objects to files and back, the strategy saying what each state is
     safe_load.py    every read of a torch file or a DCP directory, none of which can run code from the file
+    mapped_dcp.py   DCP's reader, each stored tensor read from the mapped file straight into the live one
     inspect.py      `hf-backend checkpoint inspect`: what a checkpoint holds and whether it verifies
     consolidate.py  `hf-backend checkpoint consolidate / convert`: weights for from_pretrained, full <-> sharded
     adapters.py     a PEFT adapter's saved names to the prepared model's

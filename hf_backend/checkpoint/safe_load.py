@@ -29,12 +29,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from ..errors import HfBackendError
+from .mapped_dcp import MappedReader
 
 _REFUSED_GLOBAL = re.compile(r"GLOBAL (\S+) was not an allowed global")
 _BLOCKED = re.compile(r"unsupported GLOBAL (\S+) whose module")
@@ -193,9 +193,10 @@ def check_dcp(directory: str | os.PathLike, what: str = "load_state") -> dcp_met
     return meta
 
 
-class SafeFileSystemReader(FileSystemReader):
-    """torch's FileSystemReader but for `.metadata`: read by `read_dcp_metadata` when the reader is made, so that a
-    refusal is raised as it is (inside `dcp.load` torch would wrap it and try per-rank files instead)."""
+class SafeFileSystemReader(MappedReader):
+    """torch's FileSystemReader, its tensors read mapped (mapped_dcp.py), but for `.metadata`: read by
+    `read_dcp_metadata` when the reader is made, so that a refusal is raised as it is (inside `dcp.load` torch would
+    wrap it and try per-rank files instead)."""
 
     def __init__(self, path: str | os.PathLike, what: str = "load_state") -> None:
         super().__init__(path)
