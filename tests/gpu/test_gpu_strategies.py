@@ -107,6 +107,40 @@ def test_fsdp2_bf16_mixed_precision_policy_on_the_gpu(nccl_of_one):
     strategy.reset()
 
 
+def test_fsdp2_cpu_ram_efficient_loading_and_sharded_state_read_mapped_on_the_gpu(nccl_of_one, tmp_path, monkeypatch):
+    """bf16 weights on the CPU become fp32 master shards on the GPU through cpu_ram_efficient_loading (rank 0 shards
+    an empty model and receives its own weights, strategies/fsdp.py), equal to the weights; a DCP save of the shards
+    then loads back into them through the mapped reader (checkpoint/mapped_dcp.py: CPU mapping -> GPU shard)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.tensor import DTensor
+
+    from hf_backend.checkpoint.safe_load import dcp_load
+
+    for name in ("ACCELERATE_USE_FSDP", "FSDP_CPU_RAM_EFFICIENT_LOADING"):  # the strategy sets them: undone after
+        monkeypatch.setenv(name, "true")
+    plugin = FullyShardedDataParallelPlugin(auto_wrap_policy="TRANSFORMER_BASED_WRAP",
+                                            transformer_cls_names_to_wrap=["BertLayer"], cpu_ram_efficient_loading=True)
+    strategy = FSDPStrategy(nccl_of_one, Precision("bf16", CUDA0), Handlers(), plugin)
+    model = tiny_bert(dropout=0.0).to(torch.bfloat16)
+    expected = _full(model.state_dict())
+    model, _ = _prepare(strategy, model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    params = list(model.parameters())
+    assert all(isinstance(p, DTensor) and p.device == CUDA0 and p.dtype == torch.float32 for p in params)
+    got = _full(strategy.model_state_dict(model))
+    assert sorted(got) == sorted(expected) and all(torch.equal(got[k], expected[k]) for k in expected)
+    dcp.save(get_model_state_dict(model), checkpoint_id=str(tmp_path / "shards"))
+    with torch.no_grad():
+        for p in params:
+            p.zero_()
+    state = get_model_state_dict(model)
+    dcp_load(state, tmp_path / "shards")
+    set_model_state_dict(model, state)
+    back = _full(strategy.model_state_dict(model))
+    assert all(torch.equal(back[k], expected[k]) for k in expected)
+    strategy.reset()
+
+
 def test_fsdp2_cpu_offload_next_to_a_gpu(nccl_of_one):
     strategy = _fsdp(nccl_of_one, cpu_offload=True)
     model = tiny_bert(dropout=0.0)
