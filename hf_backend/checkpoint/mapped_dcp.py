@@ -100,7 +100,9 @@ def stored_tensor(mapping: mmap.mmap, view: memoryview, start: int, length: int)
             header = window[record.header_offset:record.header_offset + 30]
             data = record.header_offset + 30 + int.from_bytes(header[26:28], "little") + \
                 int.from_bytes(header[28:30], "little")
-    except (zipfile.BadZipFile, KeyError, ValueError, TypeError, pickle.UnpicklingError) as err:
+    except _NotPlain:
+        raise
+    except Exception as err:  # noqa: BLE001 - anything unexpected in the record: torch's reading reports it
         raise _NotPlain(type(err).__name__) from None
     finally:
         window.release()
