@@ -7,13 +7,12 @@ it, and the loss of one fixed batch after it. Writes `--out DIR`/rank{R}.json.""
 from __future__ import annotations
 
 import argparse
-import json
 import threading
 import time
 from pathlib import Path
 
 import torch
-from memory_measure import return_freed_memory
+from memory_measure import return_freed_memory, write_report
 
 
 def private_bytes() -> int:
@@ -61,9 +60,7 @@ def main() -> None:
         loss = model(input_ids=ids, labels=ids).loss.item()
     report = {"peak_bytes": peak[0] - held, "full_fp32_bytes": full_fp32_bytes,
               "largest_fp32_bytes": largest_fp32_bytes, "loss": loss}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"rank{accelerator.process_index}.json").write_text(json.dumps(report))
+    write_report(args.out, accelerator.process_index, report)
     accelerator.end_training()
 
 

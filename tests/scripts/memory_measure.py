@@ -32,6 +32,12 @@ def return_freed_memory() -> None:
         raise SystemExit("mallopt(M_MMAP_THRESHOLD) failed")
 
 
+def write_report(out: str, rank: int, report: dict) -> None:
+    """This process's figures as `out`/rank{rank}.json."""
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(report))
+
+
 def rss() -> int:
     gc.collect()
     return psutil.Process().memory_info().rss
@@ -92,9 +98,7 @@ def main() -> None:
     report = {"strategy": args.strategy, "num_processes": accelerator.num_processes, "lora": args.lora,
               "config": CONFIG, "prepared": prepared - before, "backward": backward - prepared,
               "step": stepped - backward, "total": stepped - before}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"rank{accelerator.process_index}.json").write_text(json.dumps(report))
+    write_report(args.out, accelerator.process_index, report)
     accelerator.end_training()
 
 
