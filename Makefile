@@ -3,7 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test test-oldest test-gpu gpu-wheels lint bench bench-checkpoint bench-gpu demo demo-sft clean
+.PHONY: setup test test-oldest test-newest test-install test-gpu gpu-wheels lint bench bench-checkpoint bench-gpu demo demo-sft clean
 
 setup: $(STAMP)
 
@@ -29,6 +29,28 @@ $(OLDEST_VENV)/.installed: pyproject.toml constraints.txt
 
 test-oldest: $(OLDEST_VENV)/.installed
 	$(OLDEST_VENV)/bin/python -m pytest -q tests/test_trainer.py tests/test_trainer_dropin.py tests/test_trainer_compat.py
+
+# The Trainer and LLM tests on the newest transformers, peft and trl the index offers (above pyproject's window too):
+# when they pass, the window's upper bound moves (pyproject.toml, transformers_compat.NEWEST). Not in CI: the index
+# changes under it.
+NEWEST_VENV := .venv-newest
+NEWEST_UNPINNED := -e '/^transformers==/d' -e '/^huggingface_hub==/d' -e '/^tokenizers==/d' -e '/^peft==/d' -e '/^trl==/d'
+test-newest:
+	rm -rf $(NEWEST_VENV) && python3 -m venv $(NEWEST_VENV)
+	sed $(NEWEST_UNPINNED) constraints.txt > $(NEWEST_VENV)/constraints.txt
+	$(NEWEST_VENV)/bin/python -m pip install -q -c $(NEWEST_VENV)/constraints.txt torch
+	DS_BUILD_OPS=0 $(NEWEST_VENV)/bin/python -m pip install -q -c $(NEWEST_VENV)/constraints.txt -e ".[test,deepspeed,llm]"
+	$(NEWEST_VENV)/bin/python -m pip install -q -c $(NEWEST_VENV)/constraints.txt --upgrade transformers peft trl
+	$(NEWEST_VENV)/bin/python -m pip list 2>/dev/null | grep -E '^(transformers|peft|trl) '
+	$(NEWEST_VENV)/bin/python -m pytest -q tests/test_trainer.py tests/test_trainer_dropin.py tests/test_trainer_compat.py \
+		tests/test_llm.py tests/test_trl.py
+
+# The install a user gets from the README's own lines, in a clean virtualenv (no accelerate, the transformers pip
+# picks within pyproject's window): the Trainer and a ported Accelerate loop in 1 and 2 processes (tests/install).
+INSTALL_VENV := .venv-install
+test-install:
+	rm -rf $(INSTALL_VENV) && python3 -m venv $(INSTALL_VENV)
+	python3 tests/install/check.py --venv $(INSTALL_VENV)
 
 lint: setup
 	$(VENV)/bin/ruff check .
@@ -92,4 +114,4 @@ demo-sft: setup
 	$(PY) recipes/causal_lm/report.py $(SFT_DIR)
 
 clean:
-	rm -rf $(VENV) $(OLDEST_VENV) $(GPU_WHEELS) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(OLDEST_VENV) $(NEWEST_VENV) $(INSTALL_VENV) $(GPU_WHEELS) .pytest_cache .ruff_cache

@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader
 from torch.utils.hooks import RemovableHandle
 
-from . import checkpoint, checks, collectives, compat, elastic
+from . import accelerate_state, checkpoint, checks, collectives, compat, elastic
 from .config import environment as env
 from .config.backend import choose_backend
 from .data import PreparedDataLoader, prepare_dataloader, skip_first_batches
@@ -146,6 +146,7 @@ class Accelerator(ProcessView, compat.AccelerateMembers, elastic.ElasticMembers)
         self._save_state_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
         self._load_state_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
         _ = self.state  # built now: `AcceleratorState()` describes the newest Accelerator, as in Accelerate
+        accelerate_state.tell_accelerator(self)  # and so do Accelerate's own, when third-party code loaded it
 
     # -- process state ---------------------------------------------------------------------------------------------
     @functools.cached_property

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from . import accelerate_state
 from .options import GradientAccumulationPlugin
 
 
@@ -22,8 +23,19 @@ class GradientState:
         self.plugin_kwargs: dict[str, Any] = {
             f.name: getattr(plugin, f.name) for f in dataclasses.fields(plugin)
             if f.name == "num_steps" or getattr(plugin, f.name) != f.default}
-        self.sync_gradients = True
+        self.mirror: dict | None = None  # Accelerate's GradientState, when it follows this one (accelerate_state.py)
+        self._sync_gradients = True
         self._active: list[Any] = []  # prepared dataloaders being iterated, innermost last
+
+    @property
+    def sync_gradients(self) -> bool:
+        return self._sync_gradients
+
+    @sync_gradients.setter
+    def sync_gradients(self, sync: bool) -> None:
+        self._sync_gradients = sync
+        if self.mirror is not None:
+            accelerate_state.write_gradient_state(self)
 
     def _option(self, name: str) -> Any:
         return self.plugin_kwargs.get(name, _DEFAULTS[name])
@@ -62,6 +74,11 @@ class GradientState:
         return self._active[-1] if self._active else None
 
     @property
+    def active_loaders(self) -> tuple[Any, ...]:
+        """The prepared dataloaders being iterated, innermost last."""
+        return tuple(self._active)
+
+    @property
     def in_dataloader(self) -> bool:
         return bool(self._active)
 
@@ -78,10 +95,14 @@ class GradientState:
 
     def enter_dataloader(self, loader: Any) -> None:
         self._active.append(loader)
+        if self.mirror is not None:
+            accelerate_state.write_gradient_state(self)
 
     def exit_dataloader(self, loader: Any) -> None:
         if loader in self._active:
             self._active.remove(loader)
+        if self.mirror is not None:
+            accelerate_state.write_gradient_state(self)
 
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(GradientAccumulationPlugin)}

@@ -25,10 +25,16 @@ def is_out_of_memory(error: BaseException) -> bool:
         message in str(error.args[0]) for message in _OOM_MESSAGES)
 
 
-def _empty_caches() -> None:
-    gc.collect()
+def clear_device_cache(garbage_collection: bool = False) -> None:
+    """Accelerate's `clear_device_cache`: empty the CUDA allocator's cache (collecting garbage first if asked)."""
+    if garbage_collection:
+        gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def _empty_caches() -> None:
+    clear_device_cache(garbage_collection=True)
 
 
 def release_memory(*objects: Any) -> list[None]:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import hang_watch
+from . import accelerate_state, hang_watch
 from .enums import DistributedType
 from .errors import HfBackendError
 from .gradient_state import GradientState as GradientState  # Accelerate scripts import it from here (accelerate.state)
@@ -177,6 +177,13 @@ class PartialState(ProcessView):
         self.process = get_process_state(cpu=cpu, **kwargs)
 
     initialized = True  # built on construction, as Accelerate's shared state is once it exists
+
+    def __repr__(self) -> str:
+        """Accelerate's text (scripts log `accelerator.state` as their first line)."""
+        backend = f"  Backend: {self.backend}" if self.backend else ""
+        return (f"Distributed environment: {self.distributed_type.value}{backend}\n"
+                f"Num processes: {self.num_processes}\nProcess index: {self.process_index}\n"
+                f"Local process index: {self.local_process_index}\nDevice: {self.device}\n")
     debug = False
     fork_launched = False
 
@@ -244,6 +251,9 @@ class AcceleratorState(PartialState):
     @property
     def distributed_type(self) -> DistributedType:  # type: ignore[override]
         return self._kind
+
+    def __repr__(self) -> str:
+        return f"{super().__repr__()}\nMixed precision type: {self.mixed_precision}\n"
 
     @staticmethod
     def _reset_state(reset_partial_state: bool = False) -> None:  # type: ignore[override]
@@ -329,6 +339,7 @@ def get_process_state(cpu: bool = False, timeout: datetime.timedelta | None = No
         device = _pick_device(cpu, local_rank)
         _STATE = _from_group(device, local_rank, owns_group=_group_is_ours())
         hang_watch.start()
+        accelerate_state.tell_process(_STATE)
         return _STATE
 
     missing = [name for name in _TORCHRUN_ENV if name not in os.environ]
@@ -348,9 +359,11 @@ def get_process_state(cpu: bool = False, timeout: datetime.timedelta | None = No
         _OUR_GROUP = dist.group.WORLD
         _STATE = _from_group(device, local_rank, owns_group=True)
         hang_watch.start(timeout)
+        accelerate_state.tell_process(_STATE)
         return _STATE
 
     _STATE = ProcessState(torch.device(_pick_device(cpu, 0)), 1, 0, 0, 1, None)
+    accelerate_state.tell_process(_STATE)
     return _STATE
 
 

@@ -9,7 +9,8 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
-from hf_backend.trainer import Trainer, trainer  # noqa: E402
+from hf_backend import enums as hf_backend_enums  # noqa: E402
+from hf_backend.trainer import Trainer, accelerate_names  # noqa: E402
 from hf_backend.trainer import transformers_compat as compat  # noqa: E402
 
 
@@ -29,18 +30,49 @@ def test_the_borrowed_epoch_loop_is_the_recorded_one():
                                f"recorded for {compat.minor()}: {recorded}")
 
 
-def test_the_borrowed_loop_runs_with_the_engines_skip_first_batches():
+def test_the_epoch_loop_runs_with_the_engines_skip_first_batches():
     borrowed = Trainer._run_epoch
     assert borrowed.__code__ is transformers.Trainer._run_epoch.__code__  # transformers' code, unchanged
-    for name in compat.RUN_EPOCH_REBOUND:
-        assert name in borrowed.__code__.co_names
-    assert borrowed.__globals__["skip_first_batches"] is trainer._skip_first_batches
-    assert transformers.Trainer._run_epoch.__globals__["skip_first_batches"] is not trainer._skip_first_batches
+    assert borrowed.__globals__["skip_first_batches"] is accelerate_names._skip_first_batches
+    assert transformers.Trainer._run_epoch.__globals__.get("skip_first_batches") is not borrowed.__globals__[
+        "skip_first_batches"]
 
 
-def test_a_name_the_loop_no_longer_uses_is_an_error():
-    with pytest.raises(ImportError, match="no longer uses"):
-        compat.borrowed_run_epoch(skip_first_batches=None, not_a_global_of_the_loop=None)
+def test_every_name_transformers_imports_from_accelerate_has_the_engines_object():
+    """transformers' Trainer and TrainingArguments methods that hf_backend inherits look up no accelerate name that
+    the engine does not provide: without the accelerate package none of them ends in a NameError (the clean install,
+    tests/install/check.py, runs them)."""
+    from hf_backend import TrainingArguments
+
+    trainer_names = accelerate_names.imported_from_accelerate("transformers.trainer")
+    assert {"DistributedType", "skip_first_batches", "clear_device_cache", "AcceleratorState"} <= trainer_names
+    assert "AcceleratorConfig" in accelerate_names.imported_from_accelerate("transformers.training_args")
+    assert accelerate_names.unmapped(transformers.Trainer, Trainer) == {}
+    assert accelerate_names.unmapped(transformers.TrainingArguments, TrainingArguments) == {}
+    step = Trainer.training_step
+    assert step.__code__ is transformers.Trainer.training_step.__code__
+    assert step.__globals__["DistributedType"] is hf_backend_enums.DistributedType
+    parallel_mode = TrainingArguments.parallel_mode.fget
+    assert parallel_mode.__globals__["DistributedType"] is hf_backend_enums.DistributedType
+
+
+def test_an_accelerator_config_is_read_without_accelerate(tmp_path):
+    """transformers builds AcceleratorConfig only when accelerate is installed; the engine's arguments always do."""
+    from transformers.trainer_pt_utils import AcceleratorConfig
+
+    from hf_backend import TrainingArguments
+    from hf_backend.config.loader import ConfigError
+
+    path = tmp_path / "accelerator.json"
+    path.write_text('{"split_batches": true}')
+    for given, split in ((None, False), ({"split_batches": True}, True), (str(path), True),
+                         (AcceleratorConfig(split_batches=True), True)):
+        args = TrainingArguments(output_dir=str(tmp_path), accelerator_config=given, report_to="none")
+        assert isinstance(args.accelerator_config, AcceleratorConfig)
+        assert args.accelerator_config.split_batches is split
+        assert args.to_dict()["accelerator_config"]["split_batches"] is split
+    with pytest.raises(ConfigError, match=r"accelerator_config: .* \(an AcceleratorConfig instance, not the class\)"):
+        TrainingArguments(output_dir=str(tmp_path), accelerator_config=AcceleratorConfig, report_to="none")
 
 
 def test_the_fingerprint_ignores_comments_and_blank_lines_only():

@@ -23,8 +23,9 @@ from urllib.parse import urlparse
 
 import torch
 import transformers
+from transformers.trainer_pt_utils import AcceleratorConfig
 
-from .. import checks
+from .. import accelerate_state, checks
 from ..config import environment as env
 from ..config.backend import TRAINING_ARGUMENTS, choose_backend
 from ..config.loader import ConfigError
@@ -33,14 +34,14 @@ from ..config.plugins import DeepSpeedPlugin
 from ..config.training_arguments import deepspeed_config_from_argument, fsdp_options_from_arguments
 from ..errors import HfBackendError
 from ..state import get_process_state, process_state_is_set_up
+from .accelerate_names import engine_named
 
 
 @dataclass
-class TrainingArguments(transformers.TrainingArguments):
+class TrainingArguments(engine_named(transformers.TrainingArguments)):
     async_save: bool = dataclasses.field(default=False, metadata={"help": (
         "hf_backend: a checkpoint's large files are copied to host memory and written in the background while "
         "training goes on; the checkpoint counts (trainer_state.json, rotation) once every file is written")})
-    _shares_process_state = False  # True in arguments classes put on the engine by on_engine (subclasses.py)
     fsdp_options = None  # the FSDP options resolved once (config.plugins.FsdpOptions), set by _process_fsdp_args
 
     def __post_init__(self) -> None:
@@ -49,6 +50,7 @@ class TrainingArguments(transformers.TrainingArguments):
         if self.parallelism_config is not None:  # Accelerate's (what transformers' docs pass), ours or a dict
             self.parallelism_config = ParallelismConfig.of(self.parallelism_config,
                                                            "TrainingArguments.parallelism_config")
+        self.accelerator_config = _accelerator_config(self.accelerator_config)
         # fsdp / fsdp_config / deepspeed given here win (and are read below, once transformers has parsed them);
         # without them the launcher's FSDP or DeepSpeed options, read by choose_backend, apply.
         wants_fsdp = bool(self.fsdp) or self.fsdp_config not in (None, {})
@@ -85,10 +87,7 @@ class TrainingArguments(transformers.TrainingArguments):
         timeout = datetime.timedelta(seconds=self.ddp_timeout) if self.ddp_timeout else None
         # Read by transformers through the attribute names of Accelerate's PartialState, which ProcessState shares.
         self.distributed_state = get_process_state(cpu=cpu, timeout=timeout, backend=self.ddp_backend)
-        if self._shares_process_state:
-            from .subclasses import share_with_accelerate
-
-            share_with_accelerate(self.distributed_state)
+        accelerate_state.tell_process(self.distributed_state)  # loaded since the state was set up, by TRL say
         self._n_gpu = 1 if self.distributed_state.device.type == "cuda" else 0  # never torch's DataParallel
         return self.distributed_state.device
 
@@ -116,6 +115,19 @@ class TrainingArguments(transformers.TrainingArguments):
         is_config = isinstance(deepspeed, (str, os.PathLike, dict))
         plugin = DeepSpeedPlugin() if is_config else DeepSpeedPlugin.from_object(deepspeed)  # keeps zero3_init_flag
         return dataclasses.replace(plugin, hf_ds_config=self.hf_deepspeed_config)
+
+
+def _accelerator_config(value: Any) -> AcceleratorConfig:
+    """transformers' reading of `accelerator_config` (None, a dict, a JSON file's path, the object), which it does
+    only when the accelerate package is installed: the engine needs its values either way."""
+    if isinstance(value, AcceleratorConfig):
+        return value
+    if value is None or isinstance(value, dict):
+        return AcceleratorConfig(**(value or {}))
+    if isinstance(value, (str, os.PathLike)):
+        return AcceleratorConfig.from_json_file(value)
+    raise ConfigError(f"TrainingArguments.accelerator_config: {value!r} is neither a dict, a JSON file's path nor an "
+                      "AcceleratorConfig(); pass one of those (an AcceleratorConfig instance, not the class)")
 
 
 def _check_hub_reachable() -> None:

@@ -8,25 +8,19 @@ overrides of transformers.Trainer, then transformers'. The arguments become the 
 hf_backend.TrainingArguments)`, with both classes' fields, so `to_dict()` round-trips. Both keep their names; they
 are reachable by pickle under this module (a checkpoint's `training_args.bin` loads in a fresh process).
 
-Code of the third-party class that asks Accelerate's own `PartialState()` (TRL does, around its data preparation)
-would be told one process per rank on the CPU (Accelerate sees several only when its first caller passed
-`cpu=True`). When the arguments of a class put on the engine set up the process group, and Accelerate is already
-loaded in the process (by that third-party code), its PartialState is initialized once, through its public
-constructor, over the engine's process group: it then reports the true world size, rank and device. hf_backend
-does not import Accelerate for this; without it loaded there is no one to tell.
+Code of the third-party class that asks Accelerate's own state (TRL's `PartialState()` calls, `set_seed(...,
+device_specific=True)`, `gather_object`) is told the engine's processes, device and distributed type
+(hf_backend/accelerate_state.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
-import sys
 from typing import Any
 
 import transformers
 
-from ..log import note
-from ..state import ProcessState
 from .arguments import TrainingArguments
 from .trainer import Trainer
 
@@ -56,7 +50,6 @@ def _on_engine(cls: type, root: type, engine: type, what: str) -> type:
         return _MADE[name]
     namespace = {"__module__": __name__, "__qualname__": name, "__doc__": cls.__doc__}
     if engine is TrainingArguments:
-        namespace["_shares_process_state"] = True
         made = dataclasses.dataclass(type(cls.__name__, (cls, engine), namespace))
     else:
         made = type(cls.__name__, (cls, engine), namespace)
@@ -77,15 +70,3 @@ def __getattr__(name: str) -> type:
     for part in qualname.split(":"):
         cls = getattr(cls, part)
     return on_engine(**({"trainer_class": cls} if issubclass(cls, transformers.Trainer) else {"arguments_class": cls}))
-
-
-def share_with_accelerate(process: ProcessState) -> None:
-    """Initialize Accelerate's PartialState over the engine's process group, when Accelerate is loaded and its state
-    is not set up yet (see the module docstring)."""
-    accelerate_state = sys.modules.get("accelerate.state")
-    if accelerate_state is None or not process.distributed or accelerate_state.PartialState._shared_state:
-        return
-    state = accelerate_state.PartialState(cpu=process.device.type == "cpu")
-    if (state.num_processes, state.process_index) != (process.num_processes, process.process_index):
-        note(f"Accelerate's PartialState sees process {state.process_index} of {state.num_processes}, the engine "
-             f"{process.process_index} of {process.num_processes}: code that asks Accelerate is told otherwise")

@@ -3,7 +3,6 @@
 The training loop, logging, callbacks, evaluation and the checkpoint directories (`output_dir/checkpoint-{step}`
 with `trainer_state.json` and RNG files, their rotation) are transformers' own code. Overridden, and only these:
 - `create_accelerator_and_postprocess`: builds hf_backend.Accelerator from the TrainingArguments;
-- `_run_epoch`: transformers' epoch loop, run with the engine's `skip_first_batches` in place of Accelerate's;
 - `_get_num_items_in_batch`: decides once whether the model's loss honours `num_items_in_batch` (see there);
 - `floating_point_ops`: the same estimate, with the model's parameters counted once rather than at every step;
 - checkpoint I/O: one layout under every strategy (checkpoint/layout.py), written and read by the engine's
@@ -14,8 +13,10 @@ with `trainer_state.json` and RNG files, their rotation) are transformers' own c
   files around them (trainer_state.json, RNG, scaler, arguments, config).
 - `_save_checkpoint` seals a manifest of every file into the checkpoint; `train(resume_from_checkpoint=...)`
   verifies it before loading anything, and `True` resumes the newest *complete and intact* checkpoint.
-docs/trainer.md lists the transformers internals this relies on; transformers_compat.py, what differs between the
-transformers versions it supports (5.17 to 5.23).
+transformers' methods that use names it imports from accelerate (`skip_first_batches` in the epoch loop,
+`DistributedType`, ...) run unchanged with the engine's objects of those names (accelerate_names.py): the Trainer
+needs no accelerate package. docs/trainer.md lists the transformers internals this relies on;
+transformers_compat.py, what differs between the transformers versions it supports.
 """
 
 from __future__ import annotations
@@ -49,20 +50,11 @@ from ..options import (
 from ..prepared import PreparedObjects
 from . import async_checkpoint
 from . import transformers_compat as compat
+from .accelerate_names import engine_named
 from .arguments import TrainingArguments
 from .jit_checkpoint import JITCheckpoint
 
 compat.check_version()  # 5.17 to 5.23: older is an ImportError, newer a warning
-
-
-def _skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
-    """The engine's version of the function transformers imports from Accelerate: the prepared loader starts its next
-    pass at that batch (an absolute position, consistent with the one a checkpoint restored). A stream split across
-    processes keeps the position its checkpoint restored: transformers counts a stream's steps as if the run were
-    still in its first pass, and that position also holds each process's dataset state."""
-    if dataloader.resuming and dataloader.source.restores_its_own_position:
-        return dataloader
-    return dataloader.skip_first_batches(num_batches)
 
 
 _TRAINER_PARAMETERS = list(inspect.signature(transformers.Trainer.__init__).parameters)[3:]  # after self, model, args
@@ -81,7 +73,7 @@ def _graph_may_vary(model: Any) -> bool:
     return any(isinstance(v := getattr(config, name, None), (int, float)) and v > 0 for name in _VARYING_GRAPH_FIELDS)
 
 
-class Trainer(transformers.Trainer):
+class Trainer(engine_named(transformers.Trainer)):
     def __init__(self, model: Any = None, args: TrainingArguments | None = None, *rest: Any, **kwargs: Any) -> None:
         if args is None:
             args = TrainingArguments(output_dir="tmp_trainer")
@@ -208,9 +200,6 @@ class Trainer(transformers.Trainer):
         """A PEFT model's weights are its adapter, in PEFT's files, under every strategy: the engine gathers and
         writes only the trainable parameters."""
         return checkpoint.adapters.is_peft_model(self.accelerator.unwrap_model(self.model))
-
-    # transformers' epoch loop, with the engine's skip_first_batches (the original builds Accelerate's PartialState).
-    _run_epoch = compat.borrowed_run_epoch(skip_first_batches=_skip_first_batches)
 
     def get_train_dataloader(self) -> Any:
         self._train_loader = super().get_train_dataloader()

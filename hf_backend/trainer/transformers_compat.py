@@ -1,23 +1,24 @@
 """The transformers versions hf_backend.Trainer supports, and what differs between them, in one place.
 
-trainer.py builds on Trainer internals (docs/trainer.md lists them). From 5.17 to 5.23 these changed, and the rest of
+trainer.py builds on Trainer internals (docs/trainer.md lists them). From 5.17 to 5.24 these changed, and the rest of
 hf_backend asks here instead of looking at transformers' version:
 
-| internal | 5.17, 5.18 | 5.19 - 5.22 | 5.23 |
+| internal | 5.17, 5.18 | 5.19 - 5.22 | 5.23, 5.24 |
 |---|---|---|---|
 | argument turning on activation checkpointing | `gradient_checkpointing` | same | `activation_checkpointing` |
 | the model's flag for it | `is_gradient_checkpointing` | same | `is_activation_checkpointing` |
 | `Trainer.loss_is_scaled_for_ga` | absent (read as None) | None unless set | same |
-| `Trainer._run_epoch` (borrowed, see below) | the 5.17 loop | same | + models sharded at load time |
+| `Trainer._run_epoch` (see below) | the 5.17 loop | same | + models sharded at load time |
 | `Trainer._save` on a process that must not write | writes | same | returns (trainer.py asks `should_save`) |
 | transformers.Trainer resumes an optimizer under DDP on CPU | 5.17: no (1) | yes | yes |
 
 (5.23 keeps the old names as deprecated aliases that warn.) (1): transformers' own Trainer, not this one: 5.17 loads
 `optimizer.pt` with map_location "cpu:0", which torch cannot restore (fixed in 5.18); only the tests ask.
 
-`Trainer._run_epoch` is borrowed: its code runs with the engine's `skip_first_batches` in place of Accelerate's.
-RUN_EPOCH_FINGERPRINTS records it for each supported minor; tests/test_trainer_compat.py fails when the installed one
-differs, and a differing one warns at import: review what changed, then record the new fingerprint.
+`Trainer._run_epoch` runs with the engine's `skip_first_batches` in place of Accelerate's (accelerate_names.py), and
+how a run resumes rests on it: RUN_EPOCH_FINGERPRINTS records it for each supported minor;
+tests/test_trainer_compat.py fails when the installed one differs, and a differing one warns at import: review what
+changed, then record the new fingerprint.
 """
 
 from __future__ import annotations
@@ -36,15 +37,14 @@ from packaging.version import Version
 
 from ..log import warn
 
-OLDEST, NEWEST = (5, 17), (5, 23)
+OLDEST, NEWEST = (5, 17), (5, 24)
 _RELEASE = Version(transformers.__version__).release[:2]
 # fingerprint(transformers.Trainer._run_epoch) of each supported minor (the same in every patch release of it).
 RUN_EPOCH_FINGERPRINTS = {
     **dict.fromkeys(("5.17", "5.18", "5.19", "5.20", "5.21", "5.22"), "02f7d1200db9626b"),
-    "5.23": "f6339c3ff4b7407b",  # a branch for models sharded at load time (FSDP's gradient reduction deferred)
+    # 5.23: a branch for models sharded at load time (FSDP's gradient reduction deferred)
+    **dict.fromkeys(("5.23", "5.24"), "f6339c3ff4b7407b"),
 }
-# The module globals of `_run_epoch` that are rebound to the engine's (Accelerate's versions build its state).
-RUN_EPOCH_REBOUND = ("skip_first_batches",)
 # Trainer members trainer.py overrides or calls, present in every supported version.
 _NEEDED = ("_run_epoch", "_get_num_items_in_batch", "_save_optimizer_and_scheduler", "_load_optimizer_and_scheduler",
            "_load_from_checkpoint", "_load_best_model", "_prepare_for_training", "_load_scaler",
@@ -92,17 +92,6 @@ def source_fingerprint(source: str) -> str:
             lines[row - 1] = lines[row - 1][:column]
     text = "\n".join(line.rstrip() for line in lines if line.strip())
     return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def borrowed_run_epoch(**engine_globals: Any) -> types.FunctionType:
-    """transformers' `Trainer._run_epoch` (unchanged code), looking up `engine_globals` in place of the module globals
-    of the same names. Each name must be one the loop uses, or the engine's version would silently not run."""
-    function = transformers.Trainer._run_epoch
-    unused = sorted(set(engine_globals) - set(function.__code__.co_names))
-    if unused or set(engine_globals) != set(RUN_EPOCH_REBOUND):
-        raise ImportError(f"transformers {transformers.__version__}'s Trainer._run_epoch no longer uses {unused}; "
-                          f"hf_backend.Trainer supports transformers {_span()}")
-    return with_globals(function, **engine_globals)
 
 
 def with_globals(function: types.FunctionType, **names: Any) -> types.FunctionType:
