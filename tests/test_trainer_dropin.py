@@ -34,8 +34,8 @@ class Stream(IterableDataset):
 
 
 def _arguments(tmp_path, **kwargs) -> TrainingArguments:
-    return TrainingArguments(output_dir=str(tmp_path / "out"), report_to="none", per_device_eval_batch_size=BATCH,
-                             disable_tqdm=True, **kwargs)
+    kwargs.setdefault("output_dir", str(tmp_path / "out"))
+    return TrainingArguments(report_to="none", per_device_eval_batch_size=BATCH, disable_tqdm=True, **kwargs)
 
 
 def test_eval_loss_on_a_stream_with_a_short_last_batch_is_the_mean_over_rows(tmp_path):
@@ -137,3 +137,47 @@ def test_deepspeed_in_one_process_names_the_sections_it_does_not_use(tmp_path, m
     Trainer(model=Regression(), args=_arguments(tmp_path, deepspeed=config))
     assert any("the config's optimizer (Lamb) and scheduler (WarmupDecayLR) sections are not used" in n
                for n in notes), notes
+
+
+class OrderLogging(nn.Module):
+    """transformers' test_resume_batch_order model: a buffer logs the rows it saw (so it grows), and the module's own
+    `load_state_dict` (without torch's `assign` parameter) resizes it before loading."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3, bias=False)
+        self.register_buffer("seen", torch.empty(0, dtype=torch.long))
+
+    def load_state_dict(self, state_dict, strict=True):
+        if "seen" in state_dict and state_dict["seen"].shape != self.seen.shape:
+            self.seen = state_dict["seen"].clone()
+        return super().load_state_dict(state_dict, strict=strict)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict:
+        self.seen = torch.cat([self.seen, x[:, 0].long()])
+        return {"loss": nn.functional.cross_entropy(self.fc(x), labels)}
+
+
+def test_a_model_with_its_own_load_state_dict_resumes_mid_epoch_in_the_same_order(tmp_path):
+    rows = [{"x": torch.tensor([float(i), 1.0, 2.0, 3.0]), "labels": torch.tensor(i % 3)} for i in range(10)]
+
+    def train(output_dir: str, resume: str | None = None) -> torch.Tensor:
+        torch.manual_seed(42)
+        args = _arguments(tmp_path, output_dir=str(tmp_path / output_dir), per_device_train_batch_size=2,
+                          num_train_epochs=3, save_steps=1, learning_rate=0.1, optim="sgd", seed=42)
+        trainer = Trainer(model=OrderLogging(), args=args, train_dataset=rows)
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer.model.seen
+
+    whole = train("whole")
+    resumed = train("resumed", resume=str(tmp_path / "whole" / "checkpoint-6"))  # inside the second epoch
+    assert len(whole) == 30 and torch.equal(whole, resumed)
+
+
+def test_resuming_from_a_missing_checkpoint_says_transformers_phrase(tmp_path):
+    trainer = Trainer(model=Regression(), args=_arguments(tmp_path, max_steps=2), train_dataset=Stream())
+    missing = tmp_path / "out" / "checkpoint-5-bogus"
+    with pytest.raises(HfBackendError, match=f"Can't find a valid checkpoint at {missing}: no such directory"):
+        trainer.train(resume_from_checkpoint=str(missing))
+    with pytest.raises(HfBackendError, match=r"No valid checkpoint found in output directory"):
+        trainer.train(resume_from_checkpoint=True)

@@ -151,8 +151,12 @@ class Strategy:
 
     def load_model_state_dict(self, model: torch.nn.Module, state_dict: dict[str, Any], sharded: bool = False) -> Any:
         """Give the model a full state dict (or, with `sharded`, this process's shards); returns torch's missing and
-        unexpected keys."""
-        return set_model_state_dict(model, state_dict, options=StateDictOptions() if sharded else self.load_options)
+        unexpected keys. A full state goes through the module's own `load_state_dict`, as transformers' Trainer
+        loads it: a model that overrides it (to resize a buffer, say) keeps its meaning, where torch's
+        `set_model_state_dict` would call it with an `assign` argument such an override may lack."""
+        if sharded:
+            return set_model_state_dict(model, state_dict, options=StateDictOptions())
+        return self.unwrap_model(model).load_state_dict(state_dict, strict=self.load_options.strict)
 
     def optimizer_state_dict(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                              sharded: bool = False) -> dict[str, Any]:

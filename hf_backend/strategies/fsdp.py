@@ -227,6 +227,11 @@ class FSDPStrategy(Strategy):
     save_options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     load_options = StateDictOptions(full_state_dict=True, strict=False)
 
+    def load_model_state_dict(self, model: torch.nn.Module, state_dict: dict[str, Any], sharded: bool = False) -> Any:
+        """A full state is scattered into the shards by torch's state-dict API (the module's own `load_state_dict`
+        knows nothing of them)."""
+        return set_model_state_dict(model, state_dict, options=StateDictOptions() if sharded else self.load_options)
+
     def reset(self) -> None:
         self._new_params.clear()
 

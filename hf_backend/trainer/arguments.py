@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import importlib.util
 import os
 import socket
 from dataclasses import dataclass
@@ -107,6 +108,8 @@ class TrainingArguments(engine_named(transformers.TrainingArguments)):
         return None
 
     def _deepspeed_plugin(self, deepspeed: Any) -> DeepSpeedPlugin:
+        if importlib.util.find_spec("accelerate") is None:
+            raise ConfigError(_DEEPSPEED_NEEDS_ACCELERATE)
         from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
 
         # transformers fills the config's "auto" values from these arguments, and later from the model.
@@ -115,6 +118,11 @@ class TrainingArguments(engine_named(transformers.TrainingArguments)):
         is_config = isinstance(deepspeed, (str, os.PathLike, dict))
         plugin = DeepSpeedPlugin() if is_config else DeepSpeedPlugin.from_object(deepspeed)  # keeps zero3_init_flag
         return dataclasses.replace(plugin, hf_ds_config=self.hf_deepspeed_config)
+
+
+_DEEPSPEED_NEEDS_ACCELERATE = (
+    "TrainingArguments(deepspeed=...): transformers' DeepSpeed integration (HfTrainerDeepSpeedConfig) imports the "
+    "accelerate package, which is not installed; pip install 'hf-backend[deepspeed]' (it brings accelerate)")
 
 
 def _accelerator_config(value: Any) -> AcceleratorConfig:

@@ -287,6 +287,9 @@ class Trainer(engine_named(transformers.Trainer)):
             resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir, usable, elastic.under_elastic())
         elif resume_from_checkpoint and os.path.isdir(resume_from_checkpoint):
             usable(resume_from_checkpoint)
+        elif resume_from_checkpoint:  # transformers' phrase is kept: code may match on it
+            raise ConfigError(f"{RESUME}: Can't find a valid checkpoint at {resume_from_checkpoint}: no such "
+                              "directory; pass a checkpoint-* directory, or True for the newest in output_dir")
         result = super().train(resume_from_checkpoint, *args, **kwargs)
         self.accelerator.checkpoint_io.wait()
         return result

@@ -5,7 +5,8 @@ picks within pyproject's range), then trains there:
 - tests/install/trainer_check.py: hf_backend.Trainer, in one process, in two (DDP) and two under FSDP, each with a
   checkpoint resumed to the same weights;
 - tests/scripts/tutorial_loop.py: Accelerate's tutorial loop with its imports changed, in one and two processes,
-  and in two stopped after 5 steps and resumed from `save_state`, to the same weights.
+  and in two stopped after 5 steps and resumed from `save_state`, to the same weights;
+- `TrainingArguments(deepspeed=...)`, which needs accelerate through transformers: refused in one line.
 
 Run with any Python 3: `python3 tests/install/check.py --venv .venv-install` (the virtualenv must exist and be empty).
 """
@@ -66,6 +67,12 @@ def main() -> int:
         raise SystemExit(f"[install check] FAILED: the README's lines installed accelerate {versions['accelerate']}; "
                          "the check is meant to run without it")
 
+    refusal = subprocess.run([python, "-c", _DEEPSPEED_WITHOUT_ACCELERATE], capture_output=True, text=True, timeout=300)
+    if refusal.returncode == 0 or "pip install 'hf-backend[deepspeed]'" not in refusal.stderr.splitlines()[-1]:
+        raise SystemExit("[install check] FAILED: TrainingArguments(deepspeed=...) without accelerate is not the "
+                         f"one-line refusal:\n{refusal.stderr[-3000:]}")
+    print(f"[install check] DeepSpeed without accelerate: {refusal.stderr.splitlines()[-1]}", flush=True)
+
     with tempfile.TemporaryDirectory(prefix="install-check-") as tmp:
         work = Path(tmp)
         trainer = str(ROOT / "tests" / "install" / "trainer_check.py")
@@ -103,6 +110,11 @@ def _check_loops(reports: dict) -> None:
     print(f"[install check] Accelerate loop: 1 and 2 processes, {len(two['losses'])} steps, resumed run equal",
           flush=True)
 
+
+_DEEPSPEED_WITHOUT_ACCELERATE = """
+from hf_backend import TrainingArguments
+TrainingArguments(output_dir="unused", deepspeed={"zero_optimization": {"stage": 2}}, report_to="none")
+"""
 
 _VERSIONS = """
 import importlib.metadata as m, json
