@@ -135,9 +135,10 @@ class Accelerator(ProcessView, compat.AccelerateMembers, elastic.ElasticMembers)
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self.launch_config = env.read_launch_config()  # what `hf-backend launch` handed over, or None
         backend = choose_backend(fsdp_plugin, deepspeed_plugin, self.launch_config)
-        shape = env.parallelism_shape(parallelism_config, self.process.num_processes)
+        self._parallelism_shape = env.parallelism_shape(parallelism_config, self.process.num_processes)
         self.strategy = select_strategy(self.process, self.precision, self.handlers, backend, self.gradient_state,
-                                        self.dataloader_config.split_batches, shape)
+                                        self.dataloader_config.split_batches, self._parallelism_shape)
+        self._config_mesh = compat.config_mesh(self)  # a grid of replicas only (DDP) still has Accelerate's mesh
         self._objects = PreparedObjects()
         self.checkpoint_io = checkpoint.CheckpointIO(self.process, self.strategy, self.precision, self._objects,
                                                      self._progress)

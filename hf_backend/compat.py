@@ -59,6 +59,17 @@ def check_accelerator_arguments(other: dict[str, Any], deepspeed_plugin: Any) ->
     return deepspeed_plugin
 
 
+def config_mesh(accelerator: Any) -> Any:
+    """The mesh Accelerate builds for a ParallelismConfig whose grid the engine runs without one (replicas only:
+    DDP), so `accelerator.torch_device_mesh["dp_cp"]` works as there; None otherwise. Built on every rank now."""
+    shape = accelerator._parallelism_shape
+    if shape is None or accelerator.strategy.mesh is not None or shape.world == 1:
+        return None
+    from .device_mesh import build_mesh
+
+    return build_mesh(shape, accelerator.process.device.type)
+
+
 def dynamo_plugin(backend: Any, plugin: Any) -> TorchDynamoPlugin:
     """Accelerate's `dynamo_backend` (a name) or `dynamo_plugin` (a TorchDynamoPlugin or a dict of its fields)."""
     if backend is not None and plugin is not None:
@@ -220,15 +231,17 @@ class AccelerateMembers:
 
     @functools.cached_property
     def parallelism_config(self) -> Any:
-        """The process grid as Accelerate's ParallelismConfig shows it (None without one: DDP, DeepSpeed, one
-        process), made once from the strategy's shape: transformers' Trainer reads its tp / cp / sp sizes at
-        every step."""
-        shape = self.strategy.shape
+        """The process grid as Accelerate's ParallelismConfig shows it, made once: the mesh strategy's shape, or the
+        grid a config asked for (all sizes 1 in N processes: N replicas, as Accelerate sets it); None when neither
+        exists (DDP, DeepSpeed, one process without a config). transformers' Trainer reads its tp / cp / sp sizes
+        at every step."""
+        shape = self.strategy.shape or self._parallelism_shape
         return shape.as_config() if shape is not None else None
 
     @property
     def torch_device_mesh(self) -> Any:
-        return self.strategy.mesh
+        """The run's DeviceMesh, with Accelerate's dimension names (hf_backend/device_mesh.py)."""
+        return self.strategy.mesh if self.strategy.mesh is not None else self._config_mesh
 
     @property
     def is_composable_parallelism_enabled(self) -> bool:

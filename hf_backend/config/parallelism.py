@@ -105,7 +105,7 @@ class ParallelismConfig:
         """What TrainingArguments.to_dict() writes (transformers calls it): the sizes and backends."""
         return {name: getattr(self, name) for name in (*_SIZES, "cp_backend", "sp_backend")}
 
-    # Accelerate's read-only views, which transformers' Trainer asks
+    # Accelerate's read-only views, which transformers' Trainer and Accelerate's examples ask
     tp_enabled = property(lambda self: self.tp_size > 1)
     cp_enabled = property(lambda self: self.cp_size > 1)
     sp_enabled = property(lambda self: self.sp_size > 1)
@@ -114,6 +114,38 @@ class ParallelismConfig:
     total_size = property(lambda self: math.prod(getattr(self, name) for name in _SIZES))
     data_parallel_size = property(lambda self: self.dp_replicate_size * self.dp_shard_size)
     non_data_parallel_size = property(lambda self: self.tp_size * self.cp_size * self.sp_size)
+
+    # Accelerate's mesh dimension names: the dimensions of size > 1 among those each group joins (the mesh itself
+    # has every dimension, and the flattened `dp`, `dp_shard_cp` and `dp_cp`: hf_backend/device_mesh.py)
+    dp_dim_names = property(lambda self: self._enabled("dp_replicate", "dp_shard"))
+    non_dp_dim_names = property(lambda self: self._enabled("tp", "cp", "sp"))
+    dp_shard_cp_dim_names = property(lambda self: self._enabled("dp_shard", "cp"))
+    dp_cp_dim_names = property(lambda self: self._enabled("dp_replicate", "dp_shard", "cp"))
+    fsdp_dim_names = property(lambda self: [*self._enabled("dp_replicate"), "dp_shard_cp"])
+    active_mesh_dims = property(lambda self: self.dp_dim_names + self.non_dp_dim_names)
+    device_mesh = None  # what get_device_mesh built (not a field, as in Accelerate)
+
+    def _enabled(self, *dims: str) -> list[str]:
+        return [dim for dim in dims if getattr(self, f"{dim}_size") > 1]
+
+    def build_device_mesh(self, device_type: str) -> Any:
+        """The run's DeviceMesh for these sizes over this run's processes (the one the engine then uses), with
+        Accelerate's dimension names; None when every size is 1."""
+        from ..device_mesh import mesh_for_config
+
+        return mesh_for_config(self, device_type)
+
+    def get_device_mesh(self, device_type: str | None = None) -> Any:
+        """The mesh built once (`build_device_mesh` on the first call, which needs `device_type`)."""
+        if self.device_mesh is None:
+            if device_type is None:
+                raise ConfigError("ParallelismConfig.get_device_mesh(): no mesh is built yet; pass a device_type "
+                                  "such as 'cpu' or 'cuda'")
+            self.device_mesh = self.build_device_mesh(device_type)
+        elif device_type is not None and self.device_mesh.device_type != device_type:
+            raise ConfigError(f"ParallelismConfig.get_device_mesh({device_type!r}): the mesh was built for "
+                              f"{self.device_mesh.device_type!r}; ask for that device type")
+        return self.device_mesh
 
 
 @dataclasses.dataclass(frozen=True)

@@ -93,10 +93,17 @@ def apply_context_parallel(model: torch.nn.Module, cp_mesh: DeviceMesh) -> None:
 def split_sequences(buffers: Sequence[torch.Tensor], dims: Sequence[int], keep: Sequence[torch.Tensor],
                     cp_mesh: DeviceMesh) -> Iterator[None]:
     """Replace each buffer, in place, by this rank's contiguous slice along its sequence dimension; the buffers not
-    in `keep` get their whole contents back afterwards (Accelerate's `maybe_context_parallel`)."""
+    in `keep` get their whole contents back afterwards (Accelerate's `maybe_context_parallel`). A tensor listed twice
+    (the labels and the shifted labels of Accelerate's examples are one tensor) is split once."""
     if len(buffers) != len(dims):
         raise HfBackendError(f"maybe_context_parallel: {len(buffers)} buffers but {len(dims)} buffer_seq_dims; give "
                              "one sequence dimension per buffer")
+    unique: dict[int, tuple[torch.Tensor, int]] = {}
+    for buffer, dim in zip(buffers, dims):
+        if unique.setdefault(id(buffer), (buffer, dim))[1] != dim:
+            raise HfBackendError("maybe_context_parallel: one tensor is listed twice with different buffer_seq_dims; "
+                                 "list it once")
+    buffers, dims = [b for b, _ in unique.values()], [d for _, d in unique.values()]
     size, rank = cp_mesh.size(), cp_mesh.get_local_rank()
     saved = []
     for buffer, dim in zip(buffers, dims):

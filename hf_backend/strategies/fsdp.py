@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from ..config.environment import set_ram_efficient_loading_variables
 from ..config.parallelism import MeshShape
 from ..config.plugins import FsdpOptions, FullyShardedDataParallelPlugin
+from ..device_mesh import build_mesh
 from ..errors import HfBackendError
 from ..log import note
 from ..options import Handlers
@@ -32,7 +33,7 @@ from ..state import DistributedType, ProcessState
 from .base import Strategy
 from .context_parallel import apply_context_parallel, check_inputs, split_sequences
 from .fsdp_overlap import schedule
-from .mesh import DataShard, build_mesh, data_shard, fsdp_mesh
+from .mesh import DataShard, data_shard, fsdp_mesh
 from .tensor_parallel import apply_tensor_parallel, is_tensor_parallel
 
 

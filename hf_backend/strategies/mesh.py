@@ -1,21 +1,15 @@
-"""The one DeviceMesh a run's parallelisms are applied over, built once from its `MeshShape`.
-
-Every dimension is present, size 1 or not (dp_replicate, dp_shard, cp, tp, outermost first), so each plan names
-the dimensions it uses whatever the shape: tensor parallelism `mesh["tp"]`, context parallelism `mesh["cp"]`, FSDP
-the data-parallel dimensions (with the cp ranks, which hold slices of the same sequences, flattened in).
+"""What each parallelism uses of the run's DeviceMesh (hf_backend/device_mesh.py builds it, once per shape): tensor
+parallelism `mesh["tp"]`, context parallelism `mesh["cp"]`, FSDP the data-parallel dimensions (with the cp ranks,
+which hold slices of the same sequences, flattened in); and which part of each batch a process reads.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from ..config.parallelism import MeshShape
-
-
-def build_mesh(shape: MeshShape, device_type: str) -> DeviceMesh:
-    return init_device_mesh(device_type, shape.sizes, mesh_dim_names=MeshShape.DIMS)
 
 
 def fsdp_mesh(mesh: DeviceMesh, shape: MeshShape) -> DeviceMesh:
@@ -23,7 +17,7 @@ def fsdp_mesh(mesh: DeviceMesh, shape: MeshShape) -> DeviceMesh:
     a 2-D mesh, reduce-scatter within a replica, all-reduce across); with context parallelism, the shards and the
     cp ranks flattened into one dimension (their gradients are parts of one batch's). Called once per mesh."""
     if shape.cp > 1:  # select_strategy refuses replicas with cp
-        return mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        return mesh["dp_shard", "cp"]._flatten("dp_shard_cp")  # (made with the mesh: this returns it)
     return mesh["dp_replicate", "dp_shard"] if shape.dp_replicate > 1 else mesh["dp_shard"]
 
 

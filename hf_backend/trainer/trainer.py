@@ -120,8 +120,10 @@ class Trainer(engine_named(transformers.Trainer)):
         if loaded_tp > 1 and parallelism is None:  # as transformers does: the grid the model was loaded for
             parallelism = ParallelismConfig(tp_size=loaded_tp)
         elif loaded_tp > 1 and parallelism.tp_size != loaded_tp:
-            raise ConfigError(f"the model was loaded with tp_size={loaded_tp} but parallelism_config has tp_size="
-                              f"{parallelism.tp_size}; make them equal, or load the model without tp_plan")
+            raise ConfigError(f"the model was loaded with tp_size={loaded_tp} (from_pretrained(tp_plan=...) shards "
+                              "over every process, whatever device_mesh says) but parallelism_config has tp_size="
+                              f"{parallelism.tp_size}; load the model without tp_plan: the Trainer applies its "
+                              "tp_plan over the run's mesh (docs/parallelism.md)")
         quantizer = getattr(self.model, "hf_quantizer", None)  # a PEFT model answers for its base
         if quantizer is not None:
             method = getattr(getattr(quantizer, "quantization_config", None), "quant_method", "quantized")

@@ -1,0 +1,49 @@
+"""The process grid's DeviceMesh: built once per process and shape, and handed out under Accelerate's names.
+
+The engine's strategies apply their parallelisms over it (strategies/mesh.py), and Accelerate's API hands the same
+object out (`accelerator.torch_device_mesh`, `ParallelismConfig.build_device_mesh`), so a model sharded before
+`prepare` and the engine use the same process groups. Every dimension is present, size 1 or not (dp_replicate,
+dp_shard, cp, tp, outermost first), so each plan names the dimensions it uses whatever the shape; Accelerate's
+flattened dimensions are there too (`dp`, `dp_shard_cp`, `dp_cp`), made with the mesh on every rank, so that a
+script indexing one later (`mesh["dp_cp"].get_group()`) starts no collective.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from .config.parallelism import MeshShape
+
+# Accelerate's flattened dimensions, and the dimensions each joins.
+FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"),
+             "dp_cp": ("dp_replicate", "dp_shard", "cp")}
+
+_BUILT: tuple[tuple, Any, DeviceMesh] | None = None  # the last mesh: (sizes, device type), its default group, it
+
+
+def build_mesh(shape: MeshShape, device_type: str) -> DeviceMesh:
+    """The mesh of `shape` (collective the first time: every rank calls it), the same object on later calls while
+    the process group lasts."""
+    global _BUILT
+    key = (shape.sizes, device_type)
+    if _BUILT is not None and _BUILT[0] == key and _BUILT[1] is dist.group.WORLD:
+        return _BUILT[2]
+    mesh = init_device_mesh(device_type, shape.sizes, mesh_dim_names=MeshShape.DIMS)
+    for name, dims in FLATTENED.items():
+        mesh[dims]._flatten(name)
+    _BUILT = (key, dist.group.WORLD, mesh)
+    return mesh
+
+
+def mesh_for_config(config: Any, device_type: str) -> DeviceMesh | None:
+    """`ParallelismConfig.build_device_mesh`: the engine's mesh for the config's sizes over this run's processes (the
+    process state is set up first, as an Accelerator would); None when every size is 1, as in Accelerate."""
+    from .state import get_process_state
+
+    if config.total_size == 1:
+        return None
+    process = get_process_state(cpu=device_type == "cpu")
+    return build_mesh(MeshShape.of(config, process.num_processes), process.device.type)
