@@ -66,6 +66,85 @@ def test_accelerate_partial_state_sees_the_engine_processes(runs) -> None:
     assert runs["engine"]["accelerate_world"] == [1, 0]
 
 
+@pytest.fixture(scope="module")
+def zero_runs(tmp_path_factory) -> dict[str, dict]:
+    """TRL's SFT under DeepSpeed ZeRO-2 and ZeRO-3 (2 processes x batch 4) and one process x batch 8: full
+    fine-tuning with TRL's fused lm_head loss, ZeRO-3 with the model loaded after the config as TRL's scripts do (so
+    built partitioned) and a config of the stage alone, checkpoints at step 4, and a resume of ZeRO-3's on ZeRO-2."""
+    pytest.importorskip("deepspeed")
+    tmp = tmp_path_factory.mktemp("trl_zero")
+    return {
+        "one": run(tmp, "one", ["--batch-size", "8"]),
+        "zero2": run(tmp, "zero2", ["--zero", "2"], nproc=2),
+        "zero3": run(tmp, "zero3", ["--zero", "3", "--bare-zero", "--load-after-config", "--save-steps", "4"],
+                     nproc=2),
+        "resumed": run(tmp, "resumed", ["--zero", "2", "--resume", str(tmp / "zero3" / "checkpoint-4")], nproc=2),
+        "lora_packed": run(tmp, "lora_packed", ["--zero", "3", "--lora", "--packing"], nproc=2),
+    }
+
+
+def test_sft_under_zero2_and_zero3_equals_one_process(zero_runs) -> None:
+    one = zero_runs["one"]
+    for name in ("zero2", "zero3"):
+        report = zero_runs[name]
+        assert report["world_size"] == 2 and report["trainable"] == one["trainable"], name
+        assert relative(report["losses"], one["losses"]) < 1e-5, name
+        assert relative(report["params"], one["params"]) < 1e-5, name
+
+
+def test_sft_zero3_checkpoint_resumes_exactly_under_zero2(zero_runs) -> None:
+    resumed, whole = zero_runs["resumed"], zero_runs["zero3"]
+    assert relative(resumed["losses"][4:], whole["losses"][4:]) < 1e-5
+    assert relative(resumed["params"], whole["params"]) < 1e-5
+
+
+def test_sft_with_lora_packed_under_zero3(zero_runs) -> None:
+    report = zero_runs["lora_packed"]
+    assert report["trainable"] and all("lora_" in n for n in report["trainable"])
+    assert report["losses"][-1] < report["losses"][0]
+
+
+def dpo(tmp: Path, name: str, args: list[str], nproc: int = 1) -> dict:
+    out = tmp / f"{name}.json"
+    run_script("trl_dpo.py", ["--out", str(out), "--output-dir", str(tmp / name), *args], nproc=nproc, timeout=300)
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def dpo_runs(tmp_path_factory) -> dict[str, dict]:
+    """TRL's DPOTrainer: stock and on the engine in one process (batch 8), under ZeRO-2 and ZeRO-3 in 2 processes
+    (batch 4; the reference model a DeepSpeed inference engine, as TRL prepares it), ZeRO-3's checkpoint at step 3
+    resumed under ZeRO-2, and with LoRA under ZeRO-3 (the adapter disabled for the reference)."""
+    pytest.importorskip("deepspeed")
+    tmp = tmp_path_factory.mktemp("trl_dpo")
+    return {
+        "stock": dpo(tmp, "stock", ["--stock", "--batch-size", "8"]),
+        "one": dpo(tmp, "one", ["--batch-size", "8"]),
+        "zero2": dpo(tmp, "zero2", ["--zero", "2"], nproc=2),
+        "zero3": dpo(tmp, "zero3", ["--zero", "3"], nproc=2),
+        "resumed": dpo(tmp, "resumed", ["--zero", "2", "--resume", str(tmp / "zero3" / "checkpoint-3")], nproc=2),
+        "lora": dpo(tmp, "lora", ["--zero", "3", "--lora"], nproc=2),
+    }
+
+
+def test_dpo_on_the_engine_logs_stock_trl_losses(dpo_runs) -> None:
+    stock, one = dpo_runs["stock"], dpo_runs["one"]
+    assert relative(one["losses"], stock["losses"]) < 1e-6 and relative(one["margins"], stock["margins"]) < 1e-6
+    assert relative(one["params"], stock["params"]) < 1e-6
+
+
+def test_dpo_under_zero2_and_zero3_equals_one_process_and_resumes(dpo_runs) -> None:
+    one = dpo_runs["one"]
+    for name in ("zero2", "zero3"):
+        assert relative(dpo_runs[name]["losses"], one["losses"]) < 1e-5, name
+        assert relative(dpo_runs[name]["params"], one["params"]) < 1e-5, name
+    resumed, whole = dpo_runs["resumed"], dpo_runs["zero3"]
+    assert relative(resumed["losses"][3:], whole["losses"][3:]) < 1e-6
+    assert relative(resumed["params"], whole["params"]) < 1e-6
+    lora = dpo_runs["lora"]
+    assert lora["trainable"] and all("lora_" in n for n in lora["trainable"]) and len(lora["losses"]) == 6
+
+
 def test_sft_with_lora_packed_and_under_fsdp(runs) -> None:
     for name in ("two_lora_packed", "fsdp_lora"):
         report = runs[name]

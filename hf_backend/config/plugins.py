@@ -279,6 +279,13 @@ class DeepSpeedPlugin:
             value = value[key]
         return value
 
+    @property
+    def deepspeed_config(self) -> dict[str, Any]:
+        """Accelerate's attribute: the config in effect, as `config()` gives it (with transformers' "auto" values
+        filled from the TrainingArguments when it came through them). TRL reads it to build its reference model's
+        engine; the strategy resolves what is still "auto" when it builds the training engine."""
+        return self.config()
+
     def is_auto(self, ds_key_long: str) -> bool:
         return self.get_value(ds_key_long) == "auto"
 

@@ -55,6 +55,7 @@ class DeepSpeedStrategy(Strategy):
                                  "(or pip install 'hf-backend[deepspeed]')") from None
         if precision.mode == "fp16":
             raise HfBackendError(_FP16_MESSAGE[process.device.type == "cpu"])
+        attach_deepspeed_comm()
         self.config = plugin.config()
         self.plugin = dataclasses.replace(plugin, zero_stage=self.zero_stage)
         self.gradient_state = gradient_state
@@ -315,6 +316,19 @@ class DeepSpeedStrategy(Strategy):
             self.engine.destroy()
             _forget_zero3_module(self.engine.module)
         self.engine = None
+
+
+def attach_deepspeed_comm() -> None:
+    """deepspeed.comm over the process group the engine set up (DeepSpeed wraps an existing torch group), as
+    Accelerate's state does when DeepSpeed is asked for: `deepspeed.zero.Init` (transformers' `from_pretrained` under
+    ZeRO-3) checks its config's batch sizes against DeepSpeed's world size before it would initialize it, and would
+    count one process."""
+    import deepspeed
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and not deepspeed.comm.is_initialized():
+        deepspeed.comm.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False,
+                                        verbose=False)
 
 
 def _partition_at_construction(config: dict[str, Any], bf16: bool) -> Any:

@@ -112,6 +112,10 @@ class TrainingArguments(engine_named(transformers.TrainingArguments)):
             raise ConfigError(_DEEPSPEED_NEEDS_ACCELERATE)
         from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
 
+        from ..strategies.deepspeed import attach_deepspeed_comm
+
+        attach_deepspeed_comm()  # before a ZeRO-3 from_pretrained, which builds the model partitioned
+
         # transformers fills the config's "auto" values from these arguments, and later from the model.
         self.hf_deepspeed_config = HfTrainerDeepSpeedConfig(deepspeed_config_from_argument(deepspeed))
         self.hf_deepspeed_config.trainer_config_process(self)

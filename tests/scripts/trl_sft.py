@@ -1,11 +1,14 @@
 """TRL's SFTTrainer on hf_backend's engine (`hf_backend.on_engine`), or stock (`--stock`), on a tiny Llama with a
 word-level tokenizer built here: prompt-completion pairs (the prompt masked out of the loss), optionally packed
-padding-free and with a LoRA adapter. Rank 0 writes a JSON report."""
+padding-free, with a LoRA adapter, under FSDP or DeepSpeed ZeRO, with checkpoints and a resume; `--load-after-config`
+loads the model after the config, as TRL's scripts do (under ZeRO-3 it is then built partitioned). Rank 0 writes a
+JSON report."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 from pathlib import Path
@@ -48,8 +51,16 @@ def main() -> int:
     p.add_argument("--lora", action="store_true")
     p.add_argument("--packing", action="store_true")
     p.add_argument("--fsdp", action="store_true")
+    p.add_argument("--zero", type=int, default=0, help="DeepSpeed ZeRO stage (2 or 3)")
+    p.add_argument("--tied", action="store_true", help="lm_head tied to the input embeddings")
+    p.add_argument("--bare-zero", action="store_true", help="a DeepSpeed config of the ZeRO stage alone")
+    p.add_argument("--bf16", action="store_true", help="SFTConfig's default precision (the tests' default: fp32)")
+    p.add_argument("--load-after-config", action="store_true", help="from_pretrained after SFTConfig, as TRL's scripts")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--batch-size", type=int, default=4, help="per process")
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--save-steps", type=int, default=0, help="a checkpoint every this many steps (0: none)")
+    p.add_argument("--resume", default=None, help="a checkpoint directory")
     args = p.parse_args()
 
     from trl import SFTConfig, SFTTrainer
@@ -63,7 +74,15 @@ def main() -> int:
     model = LlamaForCausalLM(LlamaConfig(
         vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id, bos_token_id=None))
+        eos_token_id=tok.eos_token_id, bos_token_id=None, tie_word_embeddings=args.tied))
+    if args.load_after_config:  # TRL's scripts: the arguments first, then from_pretrained (ZeRO-3: built partitioned)
+        saved = Path(args.output_dir) / "initial"
+        if int(os.environ.get("RANK", "0")) == 0:
+            model.save_pretrained(saved)
+        if torch.distributed.is_available() and "RANK" in os.environ:
+            import hf_backend
+
+            hf_backend.PartialState().wait_for_everyone()
     peft_config = None
     if args.lora:
         from peft import LoraConfig
@@ -71,13 +90,22 @@ def main() -> int:
         peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
     backend = {"fsdp": "full_shard", "fsdp_config": {"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}} \
         if args.fsdp else {}
+    if args.zero:
+        backend = {"deepspeed": {"zero_optimization": {"stage": args.zero}, "train_micro_batch_size_per_gpu": "auto",
+                                 "gradient_accumulation_steps": "auto", "gradient_clipping": "auto"}}
+        if args.bare_zero:  # the stage alone, as many users write it
+            backend = {"deepspeed": {"zero_optimization": {"stage": args.zero}}}
     config = SFTConfig(
         output_dir=args.output_dir, max_steps=args.steps, per_device_train_batch_size=args.batch_size,
-        learning_rate=5e-3, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, seed=0,
-        bf16=False, packing=args.packing, max_length=64, dataloader_drop_last=True, **backend)
+        gradient_accumulation_steps=args.grad_accum, learning_rate=5e-3, logging_steps=1,
+        save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500, report_to="none",
+        disable_tqdm=True, seed=0,
+        bf16=args.bf16, packing=args.packing, max_length=64, dataloader_drop_last=True, **backend)
+    if args.load_after_config:
+        model = LlamaForCausalLM.from_pretrained(saved)
     trainer = SFTTrainer(model=model, args=config, train_dataset=pairs(64, 0), processing_class=tok,
                          peft_config=peft_config)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=args.resume)
     import accelerate
 
     seen_by_accelerate = accelerate.PartialState()  # what TRL's own calls are told
