@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import sys
 from pathlib import Path
 
 import torch
 from datasets import Dataset
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
+from trl_grpo import initial_model
 from trl_sft import WORDS, tokenizer
 
 ANSWERS = {"color": ["red", "green", "blue"], "animal": ["cat", "dog", "bird"], "number": ["one", "two", "three"]}
@@ -32,22 +32,6 @@ def preferences(n: int, seed: int) -> Dataset:
         rows.append({"prompt": f"what {kind} is the {size} {thing} ? answer :",
                      "chosen": f" {ANSWERS[kind][right]}", "rejected": f" {ANSWERS[kind][wrong]}"})
     return Dataset.from_list(rows)
-
-
-def initial_model(tok, directory: Path) -> Path:
-    """The tiny Llama saved once (rank 0; the others wait), so that TRL builds its reference model from the path, as
-    it does for a model from the Hub."""
-    if int(os.environ.get("RANK", "0")) == 0 and not (directory / "config.json").exists():
-        torch.manual_seed(0)
-        LlamaForCausalLM(LlamaConfig(
-            vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=64, pad_token_id=tok.pad_token_id,
-            eos_token_id=tok.eos_token_id, bos_token_id=None)).save_pretrained(directory)
-    if "RANK" in os.environ:
-        import hf_backend
-
-        hf_backend.PartialState().wait_for_everyone()
-    return directory
 
 
 def main() -> int:
@@ -69,13 +53,6 @@ def main() -> int:
         import hf_backend
 
         DPOTrainer, DPOConfig = hf_backend.on_engine(DPOTrainer, DPOConfig)
-    tok = tokenizer()
-    model = LlamaForCausalLM.from_pretrained(initial_model(tok, Path(args.output_dir) / "initial"))
-    peft_config = None
-    if args.lora:
-        from peft import LoraConfig
-
-        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
     backend = {}
     if args.zero:
         backend = {"deepspeed": {"zero_optimization": {"stage": args.zero}, "train_micro_batch_size_per_gpu": "auto",
@@ -84,6 +61,14 @@ def main() -> int:
         output_dir=args.output_dir, max_steps=args.steps, per_device_train_batch_size=args.batch_size,
         learning_rate=5e-3, logging_steps=1, save_strategy="steps", save_steps=args.save_steps, report_to="none",
         disable_tqdm=True, seed=0, bf16=False, max_length=32, beta=0.1, dataloader_drop_last=True, **backend)
+    peft_config = None
+    if args.lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    tok = tokenizer()
+    saved = initial_model(tok, Path(args.output_dir) / "initial", barrier=config.world_size > 1)
+    model = LlamaForCausalLM.from_pretrained(saved)
     trainer = DPOTrainer(model=model, args=config, train_dataset=preferences(64, 0), processing_class=tok,
                          peft_config=peft_config)
     trainer.train(resume_from_checkpoint=args.resume)
