@@ -122,8 +122,9 @@ def test_a_model_transformers_sharded_over_another_mesh_is_one_line(model_dir, t
                                                       "--out", str(tmp_path / "r.json"), "--as-written"],
                       nproc=4, env=env, check=False)
     assert proc.returncode != 0
-    assert ("the model was loaded with tp_size=4 (from_pretrained(tp_plan=...) shards over every process, whatever "
-            "device_mesh says) but parallelism_config has tp_size=2; load the model without tp_plan") in proc.stderr
+    assert ("the model was sharded over tp 4 by from_pretrained (tp_plan= or distributed_config=: transformers' own "
+            "mesh over every process, whatever device_mesh says) but parallelism_config asks for dp_shard 2 x tp 2; "
+            "drop parallelism_config (the model's grid becomes the run's), or load the model whole") in proc.stderr
 
 
 def test_parallelism_config_answers_as_accelerates():

@@ -206,6 +206,26 @@ class MeshShape:
             return cls(dp_replicate=world // local, dp_shard=local)
         return cls(dp_shard=world)
 
+    def describe(self) -> str:
+        """"dp_shard 2 x tp 2": the dimensions of size > 1 ("one process" when none is)."""
+        return " x ".join(f"{name} {size}" for name, size in zip(self.DIMS, self.sizes) if size > 1) or "one process"
+
     def as_config(self) -> ParallelismConfig:
         return ParallelismConfig(dp_replicate_size=self.dp_replicate, dp_shard_size=self.dp_shard, tp_size=self.tp,
                                  cp_size=self.cp)
+
+
+def loaded_shape(model: Any) -> MeshShape | None:
+    """The grid transformers sharded a model over while loading it (`from_pretrained(distributed_config=...)`, or
+    `tp_plan=`: its own mesh over every process), as the engine's shape: the run's grid must be that one. None for a
+    model loaded whole. Pipeline and expert parallelism from a DistributedConfig are refused here, in one line."""
+    if getattr(model, "is_distributed_loading_by_transformers", False):
+        config = model.config.distributed_config
+        for name, what in (("pp_size", "pipeline"), ("ep_size", "expert")):
+            if (getattr(config, name, 1) or 1) > 1:
+                raise ConfigError(f"the model was loaded with DistributedConfig({name}={getattr(config, name)}): "
+                                  f"{what} parallelism is not supported by hf_backend yet; load it without {name}")
+        return MeshShape(dp_replicate=config.dp_replicate_size or 1, dp_shard=config.fsdp_size or 1,
+                         tp=config.tp_size or 1)
+    tp = getattr(model, "tp_size", None) or 1  # transformers before DistributedConfig: tp_plan alone
+    return MeshShape(tp=tp) if tp > 1 else None

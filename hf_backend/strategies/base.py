@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from ..config.parallelism import loaded_shape
 from ..errors import HfBackendError
 from ..log import note
 from ..optim import DummyScheduler
@@ -60,6 +61,7 @@ class Strategy:
         """Everything one `prepare` call was given that is not prepared yet, in one call: returns the prepared models,
         optimizers and schedulers, in the order given. Loaders are only read (DeepSpeed sizes its batches from
         them); `evaluation_mode`: the models are only evaluated (placed and autocast, not wrapped for training)."""
+        check_loaded_grid(models, self.shape)
         placement = list(device_placement) if device_placement is not None else [True] * len(models)
         return ([self.setup_model(m, p, evaluation_mode) for m, p in zip(models, placement, strict=True)],
                 [self.setup_optimizer(o) for o in optimizers], [self.setup_scheduler(s) for s in schedulers])
@@ -170,3 +172,22 @@ class Strategy:
 
     def reset(self) -> None:
         """Drop every reference to prepared objects this strategy holds (`Accelerator.free_memory`)."""
+
+
+def check_loaded_grid(models: Sequence[torch.nn.Module], shape: Any) -> None:
+    """A model transformers sharded while loading it (`from_pretrained(distributed_config=...)` or `tp_plan=`) trains
+    as it is only on the grid it was sharded over: that must be this run's (`shape`, None without a mesh)."""
+    for model in models:
+        loaded = loaded_shape(model)
+        if loaded is not None and loaded != shape:
+            run = shape.describe() if shape is not None else "plain data parallelism (no mesh)"
+            raise HfBackendError(
+                f"prepare(): the model was sharded over {loaded.describe()} by from_pretrained (distributed_config= "
+                f"or tp_plan=: transformers' own mesh over every process), but this run's grid is {run}; build the "
+                f"Accelerator with parallelism_config={_config_text(loaded)}, or load the model whole and let "
+                "prepare shard it (docs/parallelism.md)")
+
+
+def _config_text(shape: Any) -> str:
+    sizes = {"dp_replicate_size": shape.dp_replicate, "dp_shard_size": shape.dp_shard, "tp_size": shape.tp}
+    return "ParallelismConfig(" + ", ".join(f"{k}={v}" for k, v in sizes.items() if v > 1) + ")"

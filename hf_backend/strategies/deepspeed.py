@@ -26,7 +26,7 @@ from ..options import Handlers
 from ..precision import Precision
 from ..state import DistributedType, ProcessState
 from . import deepspeed_state
-from .base import Strategy
+from .base import Strategy, check_loaded_grid
 
 _BUCKETS = {  # ZeRO sizes derived from the hidden size h, as transformers does
     "reduce_bucket_size": lambda h: h * h,
@@ -80,6 +80,7 @@ class DeepSpeedStrategy(Strategy):
             if optimizers or any(isinstance(s, DummyScheduler) for s in schedulers):
                 raise HfBackendError("DeepSpeed: prepare() the optimizer in the same call as its model")
             return [], [], list(schedulers)
+        check_loaded_grid(models, None)
         if len(models) > 1 or (self.engine is not None and optimizers):
             raise HfBackendError("DeepSpeed trains one model per Accelerator: prepare it once, with its optimizer")
         if self.engine is None:

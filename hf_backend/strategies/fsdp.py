@@ -66,7 +66,8 @@ class FSDPStrategy(Strategy):
     # -- wrapping ----------------------------------------------------------------------------------------------------
     def setup_model(self, model: torch.nn.Module, device_placement: bool = True,
                     evaluation_mode: bool = False) -> torch.nn.Module:
-        if isinstance(model, FSDPModule):  # sharded by an earlier prepare (transformers evaluates, frees, trains)
+        if isinstance(model, FSDPModule):  # sharded by an earlier prepare (transformers evaluates, frees, trains),
+            self.precision.wrap_forward(model)  # or by from_pretrained(distributed_config=...) on this grid
             return model
         sharded_by_transformers = is_tensor_parallel(model, self.mesh["tp"] if self.shape.tp > 1 else None)
         before = list(model.parameters())  # what an optimizer built before prepare holds; mapped to the shards below

@@ -28,7 +28,7 @@ import json
 import os
 import shutil
 import signal
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,7 @@ import transformers
 from .. import checkpoint, elastic
 from ..accelerator import Accelerator
 from ..config.loader import ConfigError
-from ..config.parallelism import ParallelismConfig
+from ..config.parallelism import MeshShape, loaded_shape
 from ..errors import HfBackendError
 from ..log import note
 from ..options import (
@@ -96,7 +96,8 @@ class Trainer(engine_named(transformers.Trainer)):
         self._counted_model: Any = None  # floating_point_ops: the model whose parameters were counted, and how many
         self._counted_parameters = 0
         self._resume_index: checkpoint.CheckpointIndex | None = None  # the checkpoint train() verified (hashed once)
-        super().__init__(model=model, args=args, **kwargs)
+        with _checkpoints_allowed(model, args):
+            super().__init__(model=model, args=args, **kwargs)
         if args.enable_jit_checkpoint:
             self._coordinate_jit_checkpoint()
 
@@ -116,14 +117,11 @@ class Trainer(engine_named(transformers.Trainer)):
     def create_accelerator_and_postprocess(self) -> None:
         args = self.args
         parallelism = args.parallelism_config
-        loaded_tp = getattr(self.model, "tp_size", None) or 1  # sharded by from_pretrained(tp_plan=...)
-        if loaded_tp > 1 and parallelism is None:  # as transformers does: the grid the model was loaded for
-            parallelism = ParallelismConfig(tp_size=loaded_tp)
-        elif loaded_tp > 1 and parallelism.tp_size != loaded_tp:
-            raise ConfigError(f"the model was loaded with tp_size={loaded_tp} (from_pretrained(tp_plan=...) shards "
-                              "over every process, whatever device_mesh says) but parallelism_config has tp_size="
-                              f"{parallelism.tp_size}; load the model without tp_plan: the Trainer applies its "
-                              "tp_plan over the run's mesh (docs/parallelism.md)")
+        loaded = loaded_shape(self.model)  # sharded by from_pretrained(distributed_config= / tp_plan=...)
+        if loaded is not None and parallelism is None:  # as transformers does: the grid the model was loaded for
+            parallelism = loaded.as_config()
+        elif loaded is not None and MeshShape.of(parallelism, args.world_size) != loaded:
+            raise ConfigError(_loaded_elsewhere(loaded, MeshShape.of(parallelism, args.world_size)))
         quantizer = getattr(self.model, "hf_quantizer", None)  # a PEFT model answers for its base
         if quantizer is not None:
             method = getattr(getattr(quantizer, "quantization_config", None), "quant_method", "quantized")
@@ -331,10 +329,13 @@ class Trainer(engine_named(transformers.Trainer)):
             io.save_weights(self.model_wrapped, output_dir, writes=self._async_writes)
             self._save_model_files(output_dir)
             return
-        state_dict = io.trainable_weights(self.model_wrapped) if adapter else \
-            self.accelerator.get_state_dict(self.model_wrapped)
-        if self.args.should_save:  # before 5.23 transformers' _save writes from every process (transformers_compat)
-            self._save(output_dir, state_dict=state_dict)
+        if getattr(self.model, "is_distributed_loading_by_transformers", False) and not adapter:
+            self._save(output_dir)  # on every process: save_pretrained gathers the model transformers sharded itself
+        else:
+            state_dict = io.trainable_weights(self.model_wrapped) if adapter else \
+                self.accelerator.get_state_dict(self.model_wrapped)
+            if self.args.should_save:  # before 5.23 transformers' _save writes from every process (compat)
+                self._save(output_dir, state_dict=state_dict)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
@@ -418,6 +419,29 @@ class Trainer(engine_named(transformers.Trainer)):
         if not checkpoint.layout.holds_engine_state(directory):
             return None
         return checkpoint.read_index(directory, caller=RESUME, sharing=checkpoint.manifest.machine_sharing())
+
+
+@contextlib.contextmanager
+def _checkpoints_allowed(model: Any, args: TrainingArguments) -> Iterator[None]:
+    """transformers.Trainer refuses checkpoints of a model sharded at load time (`from_pretrained(distributed_config=
+    ...)`): its own checkpoint code cannot write their optimizer state. The engine's writes and reads it like any
+    sharded model's, so that refusal is passed over: transformers' constructor sees `save_only_model`, which nothing
+    else there reads, and the argument is put back right after."""
+    if not getattr(model, "is_distributed_loading_by_transformers", False) or args.save_only_model:
+        yield
+        return
+    args.save_only_model = True
+    try:
+        yield
+    finally:
+        args.save_only_model = False
+
+
+def _loaded_elsewhere(loaded: MeshShape, asked: MeshShape) -> str:
+    return (f"the model was sharded over {loaded.describe()} by from_pretrained (tp_plan= or distributed_config=: "
+            f"transformers' own mesh over every process, whatever device_mesh says) but parallelism_config asks for "
+            f"{asked.describe()}; drop parallelism_config (the model's grid becomes the run's), or load the model "
+            "whole: the Trainer applies its tp_plan over the run's mesh (docs/parallelism.md)")
 
 
 def _loss_of(outputs: Any) -> torch.Tensor:
