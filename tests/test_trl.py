@@ -112,14 +112,17 @@ def dpo(tmp: Path, name: str, args: list[str], nproc: int = 1) -> dict:
 
 @pytest.fixture(scope="module")
 def dpo_runs(tmp_path_factory) -> dict[str, dict]:
-    """TRL's DPOTrainer: stock and on the engine in one process (batch 8), under ZeRO-2 and ZeRO-3 in 2 processes
-    (batch 4; the reference model a DeepSpeed inference engine, as TRL prepares it), ZeRO-3's checkpoint at step 3
-    resumed under ZeRO-2, and with LoRA under ZeRO-3 (the adapter disabled for the reference)."""
+    """TRL's DPOTrainer: stock and on the engine in one process (batch 8), under DDP, FSDP2, ZeRO-2 and ZeRO-3 in 2
+    processes (batch 4; the reference model sharded by TRL's prepare_fsdp, or a DeepSpeed inference engine),
+    ZeRO-3's checkpoint at step 3 resumed under ZeRO-2, and with LoRA under ZeRO-3 (the adapter disabled for the
+    reference)."""
     pytest.importorskip("deepspeed")
     tmp = tmp_path_factory.mktemp("trl_dpo")
     return {
         "stock": dpo(tmp, "stock", ["--stock", "--batch-size", "8"]),
         "one": dpo(tmp, "one", ["--batch-size", "8"]),
+        "ddp": dpo(tmp, "ddp", [], nproc=2),
+        "fsdp": dpo(tmp, "fsdp", ["--fsdp"], nproc=2),
         "zero2": dpo(tmp, "zero2", ["--zero", "2"], nproc=2),
         "zero3": dpo(tmp, "zero3", ["--zero", "3"], nproc=2),
         "resumed": dpo(tmp, "resumed", ["--zero", "2", "--resume", str(tmp / "zero3" / "checkpoint-3")], nproc=2),
@@ -133,9 +136,9 @@ def test_dpo_on_the_engine_logs_stock_trl_losses(dpo_runs) -> None:
     assert relative(one["params"], stock["params"]) < 1e-6
 
 
-def test_dpo_under_zero2_and_zero3_equals_one_process_and_resumes(dpo_runs) -> None:
+def test_dpo_under_every_strategy_equals_one_process_and_resumes(dpo_runs) -> None:
     one = dpo_runs["one"]
-    for name in ("zero2", "zero3"):
+    for name in ("ddp", "fsdp", "zero2", "zero3"):
         assert relative(dpo_runs[name]["losses"], one["losses"]) < 1e-5, name
         assert relative(dpo_runs[name]["params"], one["params"]) < 1e-5, name
     resumed, whole = dpo_runs["resumed"], dpo_runs["zero3"]

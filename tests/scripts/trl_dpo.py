@@ -41,6 +41,7 @@ def main() -> int:
     p.add_argument("--stock", action="store_true", help="TRL's DPOTrainer on transformers and Accelerate")
     p.add_argument("--lora", action="store_true")
     p.add_argument("--zero", type=int, default=0, help="DeepSpeed ZeRO stage (2 or 3)")
+    p.add_argument("--fsdp", action="store_true", help="FSDP2 (the reference model sharded by TRL's prepare_fsdp)")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--save-steps", type=int, default=3)
     p.add_argument("--resume", default=None, help="a checkpoint directory")
@@ -54,6 +55,8 @@ def main() -> int:
 
         DPOTrainer, DPOConfig = hf_backend.on_engine(DPOTrainer, DPOConfig)
     backend = {}
+    if args.fsdp:
+        backend = {"fsdp": "full_shard", "fsdp_config": {"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}}
     if args.zero:
         backend = {"deepspeed": {"zero_optimization": {"stage": args.zero}, "train_micro_batch_size_per_gpu": "auto",
                                  "gradient_accumulation_steps": "auto", "gradient_clipping": "auto"}}
