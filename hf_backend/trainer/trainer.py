@@ -54,7 +54,7 @@ from .accelerate_names import engine_named
 from .arguments import TrainingArguments
 from .jit_checkpoint import JITCheckpoint
 
-compat.check_version()  # 5.17 to 5.23: older is an ImportError, newer a warning
+compat.check_version()  # older than transformers_compat.OLDEST is an ImportError, newer than NEWEST a warning
 
 
 _TRAINER_PARAMETERS = list(inspect.signature(transformers.Trainer.__init__).parameters)[3:]  # after self, model, args
