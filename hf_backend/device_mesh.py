@@ -15,8 +15,6 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .config.parallelism import MeshShape
-
 # Accelerate's flattened dimensions, and the dimensions each joins.
 FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"),
              "dp_cp": ("dp_replicate", "dp_shard", "cp")}
@@ -24,26 +22,16 @@ FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp
 _BUILT: tuple[tuple, Any, DeviceMesh] | None = None  # the last mesh: (sizes, device type), its default group, it
 
 
-def build_mesh(shape: MeshShape, device_type: str) -> DeviceMesh:
-    """The mesh of `shape` (collective the first time: every rank calls it), the same object on later calls while
-    the process group lasts."""
+def build_mesh(shape: Any, device_type: str) -> DeviceMesh:
+    """The mesh of `shape` (a config.parallelism.MeshShape: its `sizes` along its `DIMS`; collective the first time:
+    every rank calls it), the same object on later calls while the process group lasts."""
     global _BUILT
     key = (shape.sizes, device_type)
     if _BUILT is not None and _BUILT[0] == key and _BUILT[1] is dist.group.WORLD:
         return _BUILT[2]
-    mesh = init_device_mesh(device_type, shape.sizes, mesh_dim_names=MeshShape.DIMS)
+    mesh = init_device_mesh(device_type, shape.sizes, mesh_dim_names=shape.DIMS)
     for name, dims in FLATTENED.items():
         mesh[dims]._flatten(name)
     _BUILT = (key, dist.group.WORLD, mesh)
     return mesh
 
-
-def mesh_for_config(config: Any, device_type: str) -> DeviceMesh | None:
-    """`ParallelismConfig.build_device_mesh`: the engine's mesh for the config's sizes over this run's processes (the
-    process state is set up first, as an Accelerator would); None when every size is 1, as in Accelerate."""
-    from .state import get_process_state
-
-    if config.total_size == 1:
-        return None
-    process = get_process_state(cpu=device_type == "cpu")
-    return build_mesh(MeshShape.of(config, process.num_processes), process.device.type)

@@ -129,11 +129,16 @@ class ParallelismConfig:
         return [dim for dim in dims if getattr(self, f"{dim}_size") > 1]
 
     def build_device_mesh(self, device_type: str) -> Any:
-        """The run's DeviceMesh for these sizes over this run's processes (the one the engine then uses), with
-        Accelerate's dimension names; None when every size is 1."""
-        from ..device_mesh import mesh_for_config
+        """The run's DeviceMesh for these sizes over this run's processes (the one the engine then uses, with
+        Accelerate's dimension names; the process state is set up first, as an Accelerator would); None when every
+        size is 1, as in Accelerate."""
+        from ..device_mesh import build_mesh
+        from ..state import get_process_state
 
-        return mesh_for_config(self, device_type)
+        if self.total_size == 1:
+            return None
+        process = get_process_state(cpu=device_type == "cpu")
+        return build_mesh(MeshShape.of(self, process.num_processes), process.device.type)
 
     def get_device_mesh(self, device_type: str | None = None) -> Any:
         """The mesh built once (`build_device_mesh` on the first call, which needs `device_type`)."""
