@@ -131,7 +131,6 @@ def test_plan_is_within_ten_percent_of_a_real_run(tmp_path, llama_dir, strategy,
         measured = json.loads((tmp_path / f"rank{rank}.json").read_text())
         for phase, planned in expected.items():
             # 10%, or 8 MiB where the figure is small (a LoRA adapter's gradients and state are under 1 MiB: the
-            # few MiB the allocator and DeepSpeed keep around a step are then all of the difference; ZeRO-3 keeps
-            # up to 7 MiB of the LoRA model's gathered frozen weights here)
+            # few MiB the allocator and DeepSpeed keep around a step are then all of the difference)
             assert abs(measured[phase] - planned) <= max(0.1 * planned, 8 * MIB), \
                 f"rank {rank} {phase}: measured {measured[phase] / MIB:.1f} MiB, planned {planned / MIB:.1f} MiB"
