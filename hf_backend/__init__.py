@@ -38,6 +38,7 @@ _WHERE = {
     "InitProcessGroupKwargs": ".options",
     "ProjectConfiguration": ".options",
     "DistributedType": ".state",
+    "add_process_group_plugin": ".state",
     "Trainer": ".trainer",
     "TrainingArguments": ".trainer",
     "on_engine": ".trainer",
@@ -65,7 +66,7 @@ if TYPE_CHECKING:
         ProjectConfiguration,
     )
     from .seeding import synchronize_rng_states
-    from .state import DistributedType, PartialState
+    from .state import DistributedType, PartialState, add_process_group_plugin
     from .trainer import Trainer, TrainingArguments, on_engine
 
 
@@ -116,5 +117,6 @@ __all__ = [  # the same names as _WHERE, spelled out for tools that read __all__
     "TorchTensorParallelConfig",
     "Trainer",
     "TrainingArguments",
+    "add_process_group_plugin",
     "on_engine",
 ]

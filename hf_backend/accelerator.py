@@ -45,8 +45,10 @@ from .prepared import PreparedObjects
 from .state import (
     AcceleratorState,
     DistributedType,
+    ProcessGroupPlugin,
     ProcessState,
     ProcessView,
+    add_process_group_plugin,
     get_process_state,
     shutdown_process_group,
 )
@@ -96,10 +98,13 @@ class Accelerator(ProcessView, compat.AccelerateMembers, elastic.ElasticMembers)
                                  "[DistributedDataParallelKwargs(...)]")
         self.handlers = Handlers()
         for handler in kwargs_handlers or []:
+            if isinstance(handler, ProcessGroupPlugin):  # hf_backend.hang_watch.HangWatch
+                add_process_group_plugin(handler)
+                continue
             slot = _HANDLER_SLOTS.get(type(handler))
             if slot is None:
                 raise HfBackendError(f"kwargs_handlers: {type(handler).__name__} is not supported; use one of "
-                                     f"{', '.join(c.__name__ for c in KWARGS_HANDLERS)}")
+                                     f"{', '.join(c.__name__ for c in KWARGS_HANDLERS)}, or HangWatch")
             setattr(self.handlers, slot, handler)
 
         cpu = env.resolve("cpu", cpu)

@@ -1,8 +1,10 @@
 """Hangs that name their rank.
 
-Asked for, and only then: `HF_BACKEND_HANG_TIMEOUT` (seconds) in the environment, which `hf-backend launch` sets
-(300 unless told otherwise) and a plain `torchrun` user may export. A library inside someone's program starts no
-thread and installs no hook of its own accord. A watchdog thread, started when the process group is set up, watches
+A process-group plugin (`HangWatch`), run only where it is installed: `hf-backend launch` and `notebook_launcher`
+install it in their workers (`HF_BACKEND_HANG_TIMEOUT` seconds, which `hf-backend launch` sets: 300 unless told
+otherwise); under plain `torchrun` a script passes it, `Accelerator(kwargs_handlers=[HangWatch(timeout=300)])` or
+`hf_backend.add_process_group_plugin(HangWatch(timeout=300))` (with a Trainer). Nothing else in hf_backend imports
+this module. A watchdog thread, started when the process group is set up, watches
 the thread that set it up: when its innermost Python frame has not moved for that long, the rank records in
 the process group's store where it waits. When every rank waits (or has exited), each prints the stacks of its
 threads, they all record one line naming every rank and where it waits, and exit: never a silent hang until the
@@ -29,19 +31,57 @@ import sysconfig
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 from types import FrameType, TracebackType
 from typing import Any
 
 from .errors import HfBackendError
+from .worker_failures import record_failure
 
 TIMEOUT_VARIABLE = "HF_BACKEND_HANG_TIMEOUT"
 DEFAULT_TIMEOUT = 300.0  # what hf-backend launch sets
 EXCHANGE_SECONDS = 5.0  # how long a rank that hit a mismatch waits for its peers' call sites
 ANSWER_GRACE = 0.5  # how long a peer's watchdog answer waits for that peer's own mismatch record to win over it
 reporting = threading.Event()  # set while this rank reports a hang; the process then ends by the watchdog's hand
-reported_by_launcher = False  # set by `hf-backend launch`'s worker: the launcher prints the summary line itself
 _explaining = threading.Event()  # set while this rank exchanges its own mismatch record: its watchdog does not answer
 _watchdog: _Watchdog | None = None
+
+
+@dataclass(frozen=True)
+class HangWatch:
+    """The hang watch, as a process-group plugin (hf_backend.state.add_process_group_plugin).
+
+    Args:
+        timeout: seconds without progress on every rank before the job is reported as hung (0: off).
+        reported_by_launcher: the launcher prints the one-line summary itself (`hf-backend launch`'s workers).
+    """
+
+    timeout: float = DEFAULT_TIMEOUT
+    reported_by_launcher: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not self.timeout >= 0:
+            raise HfBackendError(_BAD_TIMEOUT.format(name="HangWatch(timeout)", raw=repr(self.timeout)))
+
+    @classmethod
+    def install_from_environment(cls, reported_by_launcher: bool = False) -> None:
+        """What a launcher's worker does: run the watch `HF_BACKEND_HANG_TIMEOUT` asks for (none when it is unset or
+        0) beside this process's group."""
+        from .state import add_process_group_plugin
+
+        seconds = hang_timeout()
+        if seconds > 0:
+            add_process_group_plugin(cls(seconds, reported_by_launcher))
+
+    def start(self, group_timeout: datetime.timedelta | None = None) -> None:
+        if self.timeout > 0:
+            _start(self, group_timeout)
+
+    def stop(self) -> None:
+        stop(exited=True)
+
+
+_BAD_TIMEOUT = "{name}={raw} is not a number of seconds >= 0; set e.g. 300, or 0 to turn the hang watchdog off"
 
 
 def hang_timeout() -> float:
@@ -55,34 +95,32 @@ def hang_timeout() -> float:
     except ValueError:
         value = -1.0
     if not value >= 0:
-        raise HfBackendError(f"environment variable {TIMEOUT_VARIABLE}={raw!r} is not a number of seconds >= 0; "
-                             "set e.g. 300, or 0 to turn the hang watchdog off")
+        raise HfBackendError(_BAD_TIMEOUT.format(name=f"environment variable {TIMEOUT_VARIABLE}", raw=repr(raw)))
     return value
 
 
-def start(group_timeout: datetime.timedelta | None = None) -> None:
+def _start(watch: HangWatch, group_timeout: datetime.timedelta | None) -> None:
     """Start the watchdog for this process's default process group (once), and the one-line account of collective
-    mismatches when TORCH_DISTRIBUTED_DEBUG=DETAIL; called where the process group is set up."""
+    mismatches when TORCH_DISTRIBUTED_DEBUG=DETAIL."""
     global _watchdog
     import torch.distributed as dist
 
     if _watchdog is not None or not dist.is_initialized() or dist.get_world_size() < 2:
         return
-    seconds = hang_timeout()
-    if seconds <= 0:
-        return  # not asked for
-    _install_excepthook()
+    seconds = watch.timeout
+    _install_excepthook(watch.reported_by_launcher)
     from .log import warn
 
     limit = (group_timeout or dist.constants.default_pg_timeout).total_seconds()
     if seconds >= limit:
-        warn(f"{TIMEOUT_VARIABLE}={seconds:g} s is not below the process group's timeout ({limit:g} s): a hung "
+        warn(f"the hang timeout ({seconds:g} s) is not below the process group's timeout ({limit:g} s): a hung "
              "collective times out first, without the ranks' stacks; lower it, or raise the group's timeout")
     try:
         store = _store()
     except (RuntimeError, ValueError):  # a group set up without a store: nothing to share waits through
         return
-    _watchdog = _Watchdog(store, dist.get_rank(), dist.get_world_size(), seconds, threading.get_ident())
+    _watchdog = _Watchdog(store, dist.get_rank(), dist.get_world_size(), seconds, threading.get_ident(),
+                          watch.reported_by_launcher)
     _watchdog.thread = threading.Thread(target=_watchdog.run, name="hf-backend-hang-watchdog", daemon=True)
     _watchdog.thread.start()
     atexit.register(stop, exited=True)
@@ -115,8 +153,10 @@ def _key(kind: str, rank: int | str) -> str:
 
 
 class _Watchdog:
-    def __init__(self, store: Any, rank: int, world: int, timeout: float, thread_id: int) -> None:
+    def __init__(self, store: Any, rank: int, world: int, timeout: float, thread_id: int,
+                 reported_by_launcher: bool = False) -> None:
         self.store, self.rank, self.world, self.timeout, self.thread_id = store, rank, world, timeout, thread_id
+        self.reported_by_launcher = reported_by_launcher
         self.stopped = threading.Event()
         self.published = False
         self.answered = False
@@ -238,9 +278,9 @@ class _Watchdog:
                 time.sleep(0.05)
         except Exception:  # noqa: BLE001 - the store's host is gone
             pass
-        record_error(f"HangError: {summary}", summary, "".join(_format_stack(frame)))
+        record_failure(f"HangError: {summary}", summary, "".join(_format_stack(frame)))
         if self.rank == waiting[0]:
-            if not reported_by_launcher:
+            if not self.reported_by_launcher:
                 print(f"hf_backend: {summary}", file=sys.stderr, flush=True)
             with contextlib.suppress(Exception):  # the store's host is gone
                 self.store.set(_key("summary", self.rank), "1")
@@ -257,22 +297,6 @@ def hang_summary(records: list[dict], timeout: float) -> str:
     parts = [f"rank {rank} waiting in {record['op']} at {record['site']}" if record["state"] == "waiting"
              else f"rank {rank} exited" for rank, record in enumerate(records)]
     return f"hang: no rank made progress for {timeout:g} s: {'; '.join(parts)}"
-
-
-def record_error(message: str, summary: str | None, stack: str) -> None:
-    """Write torch elastic's error file for this worker, as its `@record` does (the launcher reads `summary`, when
-    there is one, from it)."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    now = time.time()
-    info = {"py_callstack": stack, "timestamp": str(int(now)), "time": now, **({"summary": summary} if summary else {})}
-    data = {"message": {"message": message, "extraInfo": info}}
-    try:
-        with open(path, "w") as f:
-            json.dump(data, f)
-    except OSError:
-        pass
 
 
 # -- where a rank is: its operation and its call site -----------------------------------------------------------------
@@ -425,36 +449,6 @@ def _fingerprint(raw: str) -> str:
     return out
 
 
-_UNCHECKED: list = []
-
-
-def unchecked_group() -> Any:
-    """Under TORCH_DISTRIBUTED_DEBUG=DETAIL with gloo, a copy of the default group without torch's checking wrapper,
-    for DDP (made once, by every rank); else None. torch's DDP constructor crashes (SIGSEGV in its logger, which takes
-    the wrapper for gloo's own group) on the checked group; DDP on the copy sends its gradients through a hook on the
-    checked group, so they are still checked."""
-    import torch
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_debug_level() != dist.DebugLevel.DETAIL:
-        return None
-    wrapper = getattr(torch._C._distributed_c10d, "_ProcessGroupWrapper", None)
-    try:
-        backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
-    except RuntimeError:
-        return None
-    if wrapper is None or not isinstance(backend, wrapper) or dist.get_backend() != "gloo":
-        return None
-    if not _UNCHECKED:
-        level = dist.get_debug_level()
-        dist.set_debug_level(dist.DebugLevel.INFO)
-        try:
-            _UNCHECKED.append(dist.new_group(backend="gloo"))
-        finally:
-            dist.set_debug_level(level)
-    return _UNCHECKED[0]
-
-
 def await_exit() -> None:
     """Called with an error while this rank reports a hang: the error is only a peer that finished its report and
     exited before this one; wait for the watchdog to end the process instead of printing it."""
@@ -472,7 +466,7 @@ def printing_rank(line: str) -> int | None:
     return min(raised) if raised else None
 
 
-def _install_excepthook() -> None:
+def _install_excepthook(reported_by_launcher: bool) -> None:
     """Plain torchrun: one rank (`printing_rank`) prints a mismatch's one line before the traceback. After a mismatch
     the process exits at once: tearing down a group left with failed work takes gloo about 4 s, which only delays the
     report. While a hang is reported, an error is not printed (`await_exit`)."""

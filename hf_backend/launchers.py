@@ -117,7 +117,7 @@ def _run_elastic(name: str, function: Callable[..., Any], args: tuple, threads: 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from .cli.launch import describe_failure
+    from .worker_failures import describe_failure
 
     config = LaunchConfig(min_nodes=nodes, max_nodes=nodes, nproc_per_node=nproc, run_id=run_id,
                           rdzv_endpoint=endpoint, rdzv_backend=backend, rdzv_configs=conf, max_restarts=restarts,
@@ -146,8 +146,9 @@ def _run_elastic(name: str, function: Callable[..., Any], args: tuple, threads: 
 def _worker(function: Callable[..., Any], args: tuple, threads: int | None) -> None:
     """What each forked process runs: a fresh hf_backend state, then the function; its error is recorded with the
     exact time, so the launcher names the rank that failed first, not one that only lost its peer."""
-    from .cli.worker import _record
+    from .hang_watch import HangWatch, explain
     from .state import reset_process_state, shutdown_process_group
+    from .worker_failures import record_error
 
     for sig in _AGENT_SIGNALS:  # die at once when stopped, even inside a collective (the agent's handlers defer)
         with contextlib.suppress(AttributeError, ValueError):
@@ -157,15 +158,16 @@ def _worker(function: Callable[..., Any], args: tuple, threads: int | None) -> N
 
         torch.set_num_threads(threads)  # the forked interpreter set its thread count before OMP_NUM_THREADS changed
     reset_process_state()  # an Accelerator built in the notebook before describes the notebook's single process
+    HangWatch.install_from_environment()
     try:
         function(*args)
     except SystemExit as stop:
         if stop.code not in (0, None):
-            _record(stop)
+            record_error(stop, explain(stop))
             raise
     except BaseException as error:
         traceback.print_exc()
-        _record(error)
+        record_error(error, explain(error))
         sys.stderr.flush()
         raise SystemExit(1) from None
     finally:

@@ -5,6 +5,9 @@ Detection order (set up once per process, shared by every `Accelerator`):
 2. a torchrun-style environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT): we initialize the group,
    NCCL when the process has a CUDA device, gloo otherwise;
 3. otherwise a single process.
+
+Process-group plugins (`add_process_group_plugin`: the hang watch, hf_backend/hang_watch.py, which `hf-backend launch`
+installs and a user may pass) start once the group is set up and stop before it is destroyed; none runs unless added.
 """
 
 from __future__ import annotations
@@ -17,12 +20,12 @@ import gc
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 
-from . import accelerate_state, hang_watch
+from . import accelerate_state
 from .enums import DistributedType
 from .errors import HfBackendError
 from .gradient_state import GradientState as GradientState  # Accelerate scripts import it from here (accelerate.state)
@@ -289,6 +292,38 @@ _OUR_GROUP: Any = None  # the default process group when we called init_process_
                        # forgotten (_reset_state), so a state built again on that group still tears it down at exit
 
 
+_PLUGINS: list[ProcessGroupPlugin] = []
+
+
+@runtime_checkable
+class ProcessGroupPlugin(Protocol):
+    """Something that runs beside a process group of two or more processes: started once the group is set up
+    (`group_timeout`: its timeout, when this process set it up), stopped before it is destroyed."""
+
+    def start(self, group_timeout: datetime.timedelta | None) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+def add_process_group_plugin(plugin: ProcessGroupPlugin) -> None:
+    """Run `plugin` beside this process's group: from its set-up, or at once when it is already set up. Adding the
+    same plugin again does nothing."""
+    if not isinstance(plugin, ProcessGroupPlugin):
+        raise HfBackendError(f"{type(plugin).__name__} is not a process-group plugin: it needs start(group_timeout) "
+                             "and stop() methods, e.g. hf_backend.HangWatch(timeout=300)")
+    if plugin in _PLUGINS:
+        return
+    _PLUGINS.append(plugin)
+    if _STATE is not None:
+        _start_plugins([plugin], None)
+
+
+def _start_plugins(plugins: list[ProcessGroupPlugin], group_timeout: datetime.timedelta | None) -> None:
+    if _STATE is not None and _STATE.num_processes > 1:
+        for plugin in plugins:
+            plugin.start(group_timeout)
+
+
 def _group_is_ours() -> bool:
     return _OUR_GROUP is not None and dist.is_initialized() and dist.group.WORLD is _OUR_GROUP
 
@@ -338,7 +373,7 @@ def get_process_state(cpu: bool = False, timeout: datetime.timedelta | None = No
     if dist.is_available() and dist.is_initialized():
         device = _pick_device(cpu, local_rank)
         _STATE = _from_group(device, local_rank, owns_group=_group_is_ours())
-        hang_watch.start()
+        _start_plugins(_PLUGINS, None)
         accelerate_state.tell_process(_STATE)
         return _STATE
 
@@ -358,7 +393,7 @@ def get_process_state(cpu: bool = False, timeout: datetime.timedelta | None = No
         atexit.register(shutdown_process_group)
         _OUR_GROUP = dist.group.WORLD
         _STATE = _from_group(device, local_rank, owns_group=True)
-        hang_watch.start(timeout)
+        _start_plugins(_PLUGINS, timeout)
         accelerate_state.tell_process(_STATE)
         return _STATE
 
@@ -408,7 +443,8 @@ def shutdown_process_group(force: bool = False) -> None:
     # the group we created (also when _reset_state forgot the state), or the state's group when forced
     if not (_group_is_ours() or (_STATE is not None and (_STATE.owns_group or force))):
         return
-    hang_watch.stop(exited=True)
+    for plugin in _PLUGINS:
+        plugin.stop()
     if dist.is_initialized():
         gc.collect()
         dist.destroy_process_group()

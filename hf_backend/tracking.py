@@ -4,239 +4,42 @@
 `Tracking` checks `log_with` when the Accelerator is built (an unknown name, a missing package or a missing logging
 directory fails before training starts, not at the first `log`) and builds the trackers in `init_trackers`. Trackers
 with `main_process_only` (all built-in ones) run on the main process only; elsewhere `log` does nothing and
-`get_tracker` answers a tracker whose every call does nothing, so a script calls them on every process.
+`get_tracker` answers a tracker whose every call does nothing, so a script calls them on every process. The trackers
+themselves are in hf_backend/trackers.py; this module also offers them under Accelerate's path (`accelerate.tracking`).
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
 import importlib.util
-import json
 import os
-import time
-from collections.abc import Callable, Mapping
-from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
-from . import checks, rank
+from . import checks
 from .enums import LoggerType
 from .errors import HfBackendError
-from .log import note, warn
-
-
-def on_main_process(function: Callable) -> Callable:
-    """Decorate a custom tracker's method: it runs only on the main process when the tracker has `main_process_only`."""
-
-    @functools.wraps(function)
-    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if getattr(self, "main_process_only", False) and not rank.is_main_process():
-            return None
-        return function(self, *args, **kwargs)
-
-    return wrapper
-
-
-def _plain(value: Any) -> Any:
-    """Tensors and numpy values -> Python numbers (nested lists when not scalars), inside dicts and lists too."""
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if type(value).__module__.split(".")[0] in ("torch", "numpy") and hasattr(value, "tolist"):
-        return value.tolist()
-    return value
-
-
-def _numeric(value: Any) -> bool:
-    return isinstance(value, (int, float))
-
-
-def _numbers(values: dict, tracker: str) -> dict:
-    """The numeric values (what most libraries take as metrics); a warning names each one left out."""
-    kept = {}
-    for key, value in _plain(values).items():
-        if _numeric(value):
-            kept[key] = value
-        else:
-            warn(f"{tracker}: {key!r} is a {type(value).__name__}, not a number; it is not logged")
-    return kept
-
-
-class GeneralTracker:
-    """Base class of every tracker; subclass it for a custom one.
-
-    A subclass sets the class attributes `name` and `requires_logging_directory`, defines the `tracker` property (the
-    library's object), `store_init_configuration` and `log`, and optionally `start` (called by `init_trackers`) and
-    `finish` (called by `end_training`). Its instance goes in `Accelerator(log_with=...)`.
-    """
-
-    main_process_only = True
-
-    def __init__(self, _blank: bool = False) -> None:
-        if _blank:
-            return
-        missing = [attr for attr in ("name", "requires_logging_directory") if not hasattr(self, attr)]
-        if type(self).tracker is GeneralTracker.tracker:
-            missing.append("tracker")
-        if missing:
-            raise HfBackendError(f"{type(self).__name__} must define {', '.join(missing)} (see GeneralTracker)")
-
-    @property
-    def tracker(self) -> Any:
-        """The library's object (wandb's run, TensorBoard's SummaryWriter, ...)."""
-        return None
-
-    def start(self) -> None:
-        """Create the run; `init_trackers` calls it on the processes that use this tracker."""
-
-    def store_init_configuration(self, values: dict) -> None:
-        """Record `values` as the run's hyperparameters."""
-
-    def log(self, values: dict, step: int | None = None, **kwargs: Any) -> None:
-        """Record `values` (name -> number, string, ...) at `step`."""
-
-    def finish(self) -> None:
-        """Close the run."""
-
-
-class _NoOpTracker(GeneralTracker):
-    """What `get_tracker` answers where the tracker does not run (other processes): every call does nothing."""
-
-    requires_logging_directory = False
-
-    def __init__(self, name: str) -> None:
-        super().__init__(_blank=True)
-        self.name = name
-
-    def __getattr__(self, attr: str) -> Any:
-        if attr.startswith("__"):
-            raise AttributeError(attr)
-        return lambda *args, **kwargs: None
-
-
-class _LibraryTracker(GeneralTracker):
-    """A built-in tracker: `start` imports `module` and opens the run (`init(project=run_name, **init_kwargs)` unless
-    `_open` says otherwise); `tracker` is the run. `pip` is the package to install for `module`."""
-
-    requires_logging_directory = False
-    module: str | None = None
-    pip: str | None = None
-
-    def __init__(self, run_name: str, **kwargs: Any) -> None:
-        super().__init__()
-        self.run_name, self.init_kwargs, self.run = run_name, kwargs, None
-
-    @property
-    def tracker(self) -> Any:
-        return self.run
-
-    def start(self) -> None:
-        self.lib = importlib.import_module(self.module) if self.module else None
-        self.run = self._open(self.lib)
-
-    def _open(self, lib: Any) -> Any:
-        return lib.init(project=self.run_name, **self.init_kwargs)
-
-    def store_init_configuration(self, values: dict) -> None:
-        self.run.config.update(_plain(values))
-
-    def log(self, values: dict, step: int | None = None, **kwargs: Any) -> None:
-        self.run.log(values, step=step, **kwargs)
-
-    def finish(self) -> None:
-        self.run.finish()
-
-
-class JSONLTracker(_LibraryTracker):
-    """hf_backend's own file tracker, no package needed: `logging_dir/<run_name>/metrics.jsonl` gets one line per
-    `log` call, `{"step": ..., "time": ..., "values": {...}}` (tensors and numpy values as numbers), and `config.json`
-    the configuration. `tracker` is the metrics file's path (pandas: `read_json(path, lines=True)`)."""
-
-    name = "jsonl"
-    requires_logging_directory = True
-
-    def __init__(self, run_name: str, logging_dir: str | os.PathLike, **kwargs: Any) -> None:
-        if kwargs:
-            raise HfBackendError(f"the jsonl tracker takes no init_kwargs; got {', '.join(sorted(kwargs))}")
-        super().__init__(run_name)
-        self.logging_dir = Path(logging_dir) / run_name
-        self.run = self.logging_dir / "metrics.jsonl"
-        self._file: Any = None
-
-    def start(self) -> None:
-        self.logging_dir.mkdir(parents=True, exist_ok=True)
-        self._file = self.run.open("a", encoding="utf-8")  # append: a resumed run continues its file
-
-    def store_init_configuration(self, values: dict) -> None:
-        text = json.dumps(_plain(values), indent=2, default=str)
-        (self.logging_dir / "config.json").write_text(text + "\n", encoding="utf-8")
-
-    def log(self, values: dict, step: int | None = None) -> None:
-        record = {"step": step, "time": round(time.time(), 3), "values": _plain(values)}
-        self._file.write(json.dumps(record, default=str) + "\n")
-        self._file.flush()  # a crash loses no line logged before it
-
-    def finish(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-
-
-class TensorBoardTracker(_LibraryTracker):
-    """torch's SummaryWriter in `logging_dir/<run_name>` (init_kwargs go to it); the configuration as hparams in its
-    `hparams` sub-run. Numbers are scalars, strings text, dicts of numbers `add_scalars`."""
-
-    name = module = pip = "tensorboard"
-    requires_logging_directory = True
-
-    def __init__(self, run_name: str, logging_dir: str | os.PathLike, **kwargs: Any) -> None:
-        super().__init__(run_name, **kwargs)
-        self.logging_dir = os.path.join(logging_dir, run_name)
-
-    @property
-    def writer(self) -> Any:  # Accelerate's attribute name
-        return self.run
-
-    def _open(self, lib: Any) -> Any:
-        from torch.utils.tensorboard import SummaryWriter
-
-        return SummaryWriter(self.logging_dir, **self.init_kwargs)
-
-    def store_init_configuration(self, values: dict) -> None:
-        hparams = {k: v if isinstance(v, (bool, int, float, str)) else str(v) for k, v in _plain(values).items()}
-        self.run.add_hparams(hparams, metric_dict={}, run_name="hparams")
-
-    def log(self, values: dict, step: int | None = None, **kwargs: Any) -> None:
-        for key, value in _plain(values).items():
-            if _numeric(value):
-                self.run.add_scalar(key, value, global_step=step, **kwargs)
-            elif isinstance(value, str):
-                self.run.add_text(key, value, global_step=step, **kwargs)
-            elif isinstance(value, dict) and all(_numeric(v) for v in value.values()):
-                self.run.add_scalars(key, value, global_step=step, **kwargs)
-            else:
-                warn(f"tensorboard: {key!r} is a {type(value).__name__}, not a number, string or dict of numbers; "
-                     "it is not logged")
-        self.run.flush()
-
-    def finish(self) -> None:
-        self.run.close()
+from .log import note
+from .trackers import (
+    AimTracker,
+    ClearMLTracker,
+    CometMLTracker,
+    DVCLiveTracker,
+    GeneralTracker,
+    JSONLTracker,
+    MLflowTracker,
+    SwanLabTracker,
+    TensorBoardTracker,
+    TrackioTracker,
+    WandBTracker,
+    _LibraryTracker,
+    _NoOpTracker,
+    on_main_process,
+)
 
 
 @functools.cache
 def _builtin() -> dict[str, type[_LibraryTracker]]:
-    from .tracking_integrations import (
-        AimTracker,
-        ClearMLTracker,
-        CometMLTracker,
-        DVCLiveTracker,
-        MLflowTracker,
-        SwanLabTracker,
-        TrackioTracker,
-        WandBTracker,
-    )
-
     return {cls.name: cls for cls in (JSONLTracker, TensorBoardTracker, WandBTracker, TrackioTracker, CometMLTracker,
                                       MLflowTracker, ClearMLTracker, DVCLiveTracker, SwanLabTracker, AimTracker)}
 
@@ -387,3 +190,8 @@ class Tracking:
                 error = error or exc
         if error is not None:
             raise error
+
+
+__all__ = ["AimTracker", "ClearMLTracker", "CometMLTracker", "DVCLiveTracker", "GeneralTracker", "JSONLTracker",
+           "MLflowTracker", "SwanLabTracker", "TensorBoardTracker", "TrackioTracker", "Tracking", "WandBTracker",
+           "get_available_trackers", "on_main_process"]

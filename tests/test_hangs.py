@@ -133,10 +133,10 @@ def test_a_hang_ends_after_the_timeout_naming_every_rank(tmp_path):
 
 @pytest.mark.parametrize("debug", [False, True], ids=["hang", "mismatch"])
 def test_plain_torchrun_gets_the_same_report_from_the_ranks(tmp_path, debug):
-    # Plain torchrun: the watch (and the mismatch's one line) only when HF_BACKEND_HANG_TIMEOUT asks for it.
-    env = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL", hang_watch.TIMEOUT_VARIABLE: "300"} if debug else \
-        {hang_watch.TIMEOUT_VARIABLE: str(TIMEOUT)}
-    code, output, ended = _run(tmp_path, [*TORCHRUN, SCRIPT, str(tmp_path)], **env)
+    # Plain torchrun: the watch (and the mismatch's one line) only when the script passes a HangWatch.
+    env = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"} if debug else {}
+    timeout = 300 if debug else TIMEOUT
+    code, output, ended = _run(tmp_path, [*TORCHRUN, SCRIPT, str(tmp_path), str(timeout)], **env)
     assert code == 1, output[-4000:]
     lines = output.splitlines()
     if debug:
@@ -176,7 +176,8 @@ ONE_SIDED = """\
 import datetime, os, sys, time
 import torch.distributed as dist
 from hf_backend import Accelerator
-accelerator = Accelerator(cpu=True)
+from hf_backend.hang_watch import HangWatch
+accelerator = Accelerator(cpu=True, kwargs_handlers=[HangWatch(300)] if sys.argv[2:] else [])
 with open(os.path.join(sys.argv[1], f"pid{accelerator.process_index}"), "w") as f:
     f.write(str(os.getpid()))
 def next_batch():
@@ -192,11 +193,11 @@ else:
 def test_a_rank_that_got_no_error_answers_with_where_it_waits(tmp_path, launcher):
     (tmp_path / "one_sided.py").write_text(ONE_SIDED)
     command = [*LAUNCH, "one_sided.py"] if launcher == "launch" else [*TORCHRUN, "one_sided.py"]
-    asked = {} if launcher == "launch" else {hang_watch.TIMEOUT_VARIABLE: "300"}  # the launcher sets it itself
-    code, output, _ = _run(tmp_path, [*command, str(tmp_path)], **asked)
+    asked = [] if launcher == "launch" else ["watch"]  # the launcher installs the watch itself
+    code, output, _ = _run(tmp_path, [*command, str(tmp_path), *asked])
     assert code == 1, output[-4000:]
-    line = ("collective mismatch: rank 0 calls monitored_barrier at one_sided.py:10; rank 1 waiting in next_batch at "
-            "one_sided.py:8")
+    line = ("collective mismatch: rank 0 calls monitored_barrier at one_sided.py:11; rank 1 waiting in next_batch at "
+            "one_sided.py:9")
     if launcher == "launch":
         assert output.strip().splitlines()[-1] == f"hf-backend launch: {line}; the workers were stopped"
     else:
@@ -208,7 +209,9 @@ def test_a_rank_that_got_no_error_answers_with_where_it_waits(tmp_path, launcher
 BUSY = """\
 import os, sys, time
 import torch
-from hf_backend import Accelerator
+from hf_backend import Accelerator, add_process_group_plugin
+from hf_backend.hang_watch import HangWatch
+add_process_group_plugin(HangWatch(float(sys.argv[3])))  # as a script with a Trainer would
 accelerator = Accelerator(cpu=True)
 with open(os.path.join(sys.argv[1], f"pid{accelerator.process_index}"), "w") as f:
     f.write(str(os.getpid()))
@@ -226,8 +229,7 @@ accelerator.wait_for_everyone()
 
 def test_a_busy_rank_is_progress_and_the_watchdog_still_sees_a_later_hang(tmp_path):
     (tmp_path / "busy.py").write_text(BUSY)
-    code, output, _ = _run(tmp_path, [*TORCHRUN, "busy.py", str(tmp_path), "hang"],
-                           **{hang_watch.TIMEOUT_VARIABLE: "1"})
+    code, output, _ = _run(tmp_path, [*TORCHRUN, "busy.py", str(tmp_path), "hang", "1"])
     assert code == 1 and "finished 0" in output and "finished 1" in output, output[-4000:]
     reduce = BUSY.splitlines().index("    accelerator.reduce(torch.ones(2))") + 1
     assert (f"hf_backend: hang: no rank made progress for 1 s: rank 0 waiting in all_reduce at busy.py:{reduce}; "
@@ -238,11 +240,11 @@ def test_a_timeout_past_the_groups_is_a_warning(tmp_path):
     """The main process warns as its watchdog starts (no launcher involved: the ranks are forked warm)."""
     script = tmp_path / "busy.py"
     script.write_text(BUSY)
-    proc = run_script(script, [str(tmp_path), "no"], nproc=2, env={hang_watch.TIMEOUT_VARIABLE: "1800"})
+    proc = run_script(script, [str(tmp_path), "no", "1800"], nproc=2)
     output = proc.stdout + proc.stderr
     assert "finished 0" in output and "finished 1" in output, output[-4000:]
-    warning = (f"hf_backend: {hang_watch.TIMEOUT_VARIABLE}=1800 s is not below the process group's timeout (1800 s): "
-               "a hung collective times out first, without the ranks' stacks; lower it, or raise the group's timeout")
+    warning = ("hf_backend: the hang timeout (1800 s) is not below the process group's timeout (1800 s): a hung "
+               "collective times out first, without the ranks' stacks; lower it, or raise the group's timeout")
     assert [line for line in output.splitlines() if "is not below" in line] == [warning], output[-4000:]  # rank 0
 
 
@@ -255,6 +257,9 @@ def test_the_timeout_is_read_once_and_checked(monkeypatch):
         monkeypatch.setenv(hang_watch.TIMEOUT_VARIABLE, bad)
         with pytest.raises(Exception, match=f"{hang_watch.TIMEOUT_VARIABLE}='{bad}' is not a number of seconds"):
             hang_watch.hang_timeout()
+    for bad in (-1, "300", float("nan"), True):
+        with pytest.raises(Exception, match=r"HangWatch\(timeout\)=.* is not a number of seconds >= 0"):
+            hang_watch.HangWatch(bad)
 
 
 def test_a_bad_hang_timeout_is_one_line_before_any_worker_starts(tmp_path):
@@ -422,21 +427,27 @@ def test_the_watchdog_holds_a_frame_that_stood_still_and_tells_a_new_call_at_its
 QUIET = """\
 import json, sys, threading
 from hf_backend import Accelerator
-accelerator = Accelerator(cpu=True)
+handlers = []
+if sys.argv[1:]:
+    from hf_backend.hang_watch import HangWatch
+    handlers.append(HangWatch(300))
+accelerator = Accelerator(cpu=True, kwargs_handlers=handlers)
 accelerator.wait_for_everyone()
-print(json.dumps({"threads": sorted(t.name for t in threading.enumerate()),
+imported = "hf_backend.hang_watch" in sys.modules
+print(json.dumps({"threads": sorted(t.name for t in threading.enumerate()), "imported": imported,
                   "excepthook": getattr(sys.excepthook, "__module__", "")}))  # torch's init_process_group sets its own
 """
 
 
 @pytest.mark.parametrize("asked", [False, True])
 def test_no_watchdog_or_excepthook_unless_asked(tmp_path, asked, monkeypatch):
-    """A library inside someone's program (2 processes set up without the launcher) starts no thread and leaves
-    sys.excepthook alone; HF_BACKEND_HANG_TIMEOUT (what the launcher sets) asks for both."""
-    monkeypatch.delenv(hang_watch.TIMEOUT_VARIABLE, raising=False)
+    """A library inside someone's program (2 processes set up without the launcher) starts no thread, leaves
+    sys.excepthook alone and does not even import the hang watch, HF_BACKEND_HANG_TIMEOUT exported or not (the
+    launchers read it); a HangWatch passed to the Accelerator asks for both."""
     script = tmp_path / "quiet.py"
     script.write_text(QUIET)
-    proc = run_script(script, [], nproc=2, env={hang_watch.TIMEOUT_VARIABLE: "300"} if asked else {})
+    proc = run_script(script, ["watch"] if asked else [], nproc=2, env={hang_watch.TIMEOUT_VARIABLE: "300"})
     report = json.loads(proc.stdout.splitlines()[1])  # rank 0's line, after "[rank 0]"
     assert ("hf-backend-hang-watchdog" in report["threads"]) == asked, report
+    assert report["imported"] == asked, report
     assert (report["excepthook"] == "hf_backend.hang_watch") == asked, report

@@ -17,6 +17,7 @@ from .. import hang_watch
 from ..config import environment as env
 from ..config.loader import ConfigError, default_config_path, read_mapping, validate
 from ..config.schema import DeepSpeedSection, FsdpSection, LaunchConfig, ParallelismSection, fields_of
+from ..worker_failures import describe_failure
 
 _TOP_FLAGS = ("num_processes", "num_machines", "machine_rank", "main_process_ip", "main_process_port",
               "rdzv_backend", "mixed_precision", "gradient_accumulation_steps", "distributed_type", "gpu_ids",
@@ -232,50 +233,3 @@ class _QuietStop(logging.Filter):
             self.stopping = True
             return False
         return not (self.stopping and str(record.msg).startswith("Sending process %s closing signal"))
-
-
-def describe_failure(err: Any) -> str:
-    """One line: which rank failed first, how, and its error's message (all its lines, joined and bounded); for a hang
-    or a collective mismatch, the workers' own line naming every rank and where it is."""
-    rank, failure = min(err.failures.items(), key=lambda item: _failure_time(item[1]))
-    recorded = _failure_time(failure) != float("inf")
-    summary = _summary(failure)
-    if summary:
-        stacks = "; every rank's stacks are above" if summary.startswith("hang:") else ""
-        return f"{summary}{stacks}; the workers were stopped"
-    if failure.exitcode >= 0:
-        how = f"exited with code {failure.exitcode}"
-    elif recorded:  # it raised, then the launcher stopped it before it had exited
-        how = "failed"
-    else:
-        how = f"was killed by {failure.signal_name()}"
-    message = failure.message
-    if isinstance(message, dict):
-        message = message.get("message", "")
-    text = one_line(str(message or ""))
-    detail = f": {text}" if text and (recorded or failure.exitcode >= 0) else ""
-    return f"rank {rank} (local rank {failure.local_rank}) {how}{detail}; the other workers were stopped"
-
-
-def _summary(failure: Any) -> str | None:
-    """The line a worker recorded for a hang or a collective mismatch (hf_backend/hang_watch.py), if any."""
-    message = failure.message
-    if isinstance(message, dict):
-        return message.get("extraInfo", {}).get("summary") or None
-    return None
-
-
-def one_line(message: str, limit: int = 300) -> str:
-    """A multi-line message on one line, bounded: a pydantic error's key is on its second line, a URL on its last."""
-    text = " | ".join(line.strip() for line in message.splitlines() if line.strip())
-    return text if len(text) <= limit else text[:limit - 3].rstrip() + "..."
-
-
-def _failure_time(failure: Any) -> float:
-    """When the worker failed: the exact time our worker recorded, else the whole seconds of torch's record; no record
-    (a worker killed by the launcher, whose "timestamp" is merely when torch looked), last."""
-    data = failure.error_file_data if isinstance(failure.error_file_data, dict) else {}
-    message = data.get("message")
-    if isinstance(message, dict):
-        return float(message.get("extraInfo", {}).get("time", failure.timestamp))
-    return float(failure.timestamp) if "timestamp" in data else float("inf")

@@ -15,16 +15,11 @@ import signal
 import sys
 import threading
 import time
-import traceback
 
 from hf_backend import hang_watch
+from hf_backend.worker_failures import record_error
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
-def _record(error: BaseException) -> None:
-    # a collective mismatch gets a summary: one line naming each rank's call site
-    hang_watch.record_error(f"{type(error).__name__}: {error}", hang_watch.explain(error), traceback.format_exc())
 
 
 def die_with_parent(parent: int) -> None:
@@ -59,7 +54,7 @@ def _kill_self() -> None:
 
 
 def main() -> None:
-    hang_watch.reported_by_launcher = True
+    hang_watch.HangWatch.install_from_environment(reported_by_launcher=True)
     argv = sys.argv[1:]
     if argv[:1] == ["--parent"]:
         die_with_parent(int(argv[1]))
@@ -76,13 +71,13 @@ def main() -> None:
     except SystemExit as stop:
         hang_watch.await_exit()
         if stop.code not in (0, None):
-            _record(stop)
+            record_error(stop, hang_watch.explain(stop))
         raise
     except KeyboardInterrupt:  # the launcher passes on its SIGINT to stop the workers; it says so in one line
         sys.exit(128 + signal.SIGINT)
     except BaseException as error:
         hang_watch.await_exit()  # reporting a hang: a peer's exit is not this rank's failure
-        _record(error)
+        record_error(error, hang_watch.explain(error))  # a mismatch: the line naming each rank
         raise
 
 

@@ -13,7 +13,6 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from .. import hang_watch
 from ..enums import DDPCommunicationHookType as Hook
 from ..errors import HfBackendError
 from ..options import DistributedDataParallelKwargs
@@ -57,7 +56,7 @@ class DDPStrategy(Strategy):
         # DDP broadcasts rank 0's parameters and buffers at construction: ranks that seeded differently agree.
         # Under TORCH_DISTRIBUTED_DEBUG=DETAIL on gloo, DDP runs on a copy of the group without torch's checks (its
         # constructor crashes on the checked one) and its gradients reach the checked group through the hook.
-        group = hang_watch.unchecked_group()
+        group = unchecked_group()
         kwargs = self.handlers.ddp.ddp_kwargs()
         if group is not None:
             kwargs["process_group"] = group
@@ -240,3 +239,29 @@ def _check_torch_can_run(hook: Hook, wrapper: Hook) -> None:
                              "'s batched_powerSGD_hook fails on its first compressed step; use comm_hook='power_sgd' "
                              "(comm_state_option={'batch_tensors_with_same_shape': True} batches same-shaped tensors)")
 
+
+_UNCHECKED: list = []
+
+
+def unchecked_group() -> Any:
+    """Under TORCH_DISTRIBUTED_DEBUG=DETAIL with gloo, a copy of the default group without torch's checking wrapper,
+    for DDP (made once, by every rank); else None. torch's DDP constructor crashes (SIGSEGV in its logger, which takes
+    the wrapper for gloo's own group) on the checked group; DDP on the copy sends its gradients through a hook on the
+    checked group, so they are still checked."""
+    if not dist.is_initialized() or dist.get_debug_level() != dist.DebugLevel.DETAIL:
+        return None
+    wrapper = getattr(torch._C._distributed_c10d, "_ProcessGroupWrapper", None)
+    try:
+        backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    except RuntimeError:
+        return None
+    if wrapper is None or not isinstance(backend, wrapper) or dist.get_backend() != "gloo":
+        return None
+    if not _UNCHECKED:
+        level = dist.get_debug_level()
+        dist.set_debug_level(dist.DebugLevel.INFO)
+        try:
+            _UNCHECKED.append(dist.new_group(backend="gloo"))
+        finally:
+            dist.set_debug_level(level)
+    return _UNCHECKED[0]

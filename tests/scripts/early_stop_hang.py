@@ -1,7 +1,8 @@
 """Early stopping decided on a per-rank metric (a real Trainer bug report): rank 1's metric crosses the threshold a
 step before rank 0's, so rank 1 leaves the loop and waits for everyone at the end while rank 0 trains on into the
 next step's gradient all-reduce. Each rank writes its pid to <dir>/pid<rank>; rank 1 writes the time it stopped to
-<dir>/stopped, when the job starts to hang."""
+<dir>/stopped, when the job starts to hang. A second argument, seconds: the hang watch this script passes itself
+(plain torchrun; `hf-backend launch` installs one)."""
 
 import os
 import sys
@@ -10,9 +11,10 @@ import time
 import torch
 
 from hf_backend import Accelerator
+from hf_backend.hang_watch import HangWatch
 
 out = sys.argv[1]
-accelerator = Accelerator(cpu=True)
+accelerator = Accelerator(cpu=True, kwargs_handlers=[HangWatch(float(arg)) for arg in sys.argv[2:3]])
 rank = accelerator.process_index
 with open(os.path.join(out, f"pid{rank}"), "w") as f:
     f.write(str(os.getpid()))

@@ -1,0 +1,92 @@
+"""The house's structure, read from the code's own imports (module-level and inside functions alike): no import
+cycles among hf_backend's modules, the command line above the library (nothing outside `hf_backend.cli` imports it),
+and the hang watch an optional room that the process state and the strategies never import."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "hf_backend"
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _imported(name: str, path: Path) -> set[str]:
+    """The hf_backend modules `name` imports, wherever in the file; `from hf_backend import X` counts as the package
+    itself unless X is a module."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            module = ".".join([*base, node.module] if node.module else base)
+            targets = [f"{module}.{alias.name}" if f"{module}.{alias.name}" in MODULES else module
+                       for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in MODULES:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+GRAPH = {name: _imported(name, path) for name, path in MODULES.items()}
+
+
+def _cycle() -> list[str] | None:
+    """One import cycle among hf_backend's modules (depth-first search), or None."""
+    done: set[str] = set()
+    for start in sorted(GRAPH):
+        stack, on_path = [(start, iter(sorted(GRAPH[start])))], [start]
+        while stack:
+            node, children = stack[-1]
+            child = next(children, None)
+            if child is None:
+                done.add(node)
+                stack.pop()
+                on_path.pop()
+            elif child in on_path:
+                return [*on_path[on_path.index(child):], child]
+            elif child not in done:
+                stack.append((child, iter(sorted(GRAPH[child]))))
+                on_path.append(child)
+    return None
+
+
+def test_the_reader_sees_every_import():
+    assert "hf_backend.state" in GRAPH["hf_backend.accelerator"]  # a module-level relative import
+    assert "hf_backend.worker_failures" in GRAPH["hf_backend.launchers"]  # one inside a function
+
+
+def test_no_import_cycles():
+    assert _cycle() is None, " -> ".join(_cycle())
+
+
+def test_the_library_does_not_import_the_command_line():
+    upward = {name: sorted(t for t in targets if t.startswith("hf_backend.cli"))
+              for name, targets in GRAPH.items() if not name.startswith("hf_backend.cli")}
+    assert {name: targets for name, targets in upward.items() if targets} == {}
+
+
+@pytest.mark.parametrize("importer", ["hf_backend.state", "hf_backend.accelerator", "hf_backend.strategies"])
+def test_the_hang_watch_is_an_optional_room(importer):
+    rooms = [name for name in GRAPH if name == importer or name.startswith(importer + ".")]
+    assert rooms and all("hf_backend.hang_watch" not in GRAPH[name] for name in rooms)
