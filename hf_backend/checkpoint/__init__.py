@@ -2,7 +2,8 @@
 
     layout.py       every name in a checkpoint directory (and the layout itself, documented there)
     files.py        how bytes are written and read: safetensors weights, torch files, random generator states
-    directories.py  staging + rename (a save appears complete or not at all), automatic naming, rotation
+    directories.py  staging + rename (a save appears complete or not at all), automatic naming, rotation,
+                    which Trainer checkpoint to resume and whether it can be
     durable.py      large files hashed while written (for the manifest) and fsynced; safetensors from tensor memory
     async_save.py   where a save's large writes go: now, or host memory then a writer thread (async save_state)
     manifest.py     every file's size and checksum (pieces of XXH3-128), checked before anything loads
@@ -18,12 +19,17 @@
 from __future__ import annotations
 
 from . import adapters, layout, manifest
-from .directories import automatic_dir, last_complete_trainer_checkpoint, latest_automatic_checkpoint, rotate
+from .directories import (
+    automatic_dir,
+    check_trainer_checkpoint,
+    last_complete_trainer_checkpoint,
+    latest_automatic_checkpoint,
+    rotate,
+)
 from .files import load_file, save_object
 from .index import CheckpointIndex, read_index
 from .state_io import CheckpointIO, apply_load_hooks, apply_save_hooks
 
 __all__ = ["CheckpointIO", "CheckpointIndex", "adapters", "apply_load_hooks", "apply_save_hooks", "automatic_dir",
-           "last_complete_trainer_checkpoint", "latest_automatic_checkpoint", "layout", "load_file", "manifest",
-           "read_index",
-           "rotate", "save_object"]
+           "check_trainer_checkpoint", "last_complete_trainer_checkpoint", "latest_automatic_checkpoint", "layout",
+           "load_file", "manifest", "read_index", "rotate", "save_object"]

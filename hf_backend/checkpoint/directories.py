@@ -1,10 +1,11 @@
-"""Checkpoint directories: a save appears complete or not at all, automatic naming and rotation, and which of a
-Trainer's checkpoints is the newest complete one."""
+"""Checkpoint directories: a save appears complete or not at all, automatic naming and rotation, which of a
+Trainer's checkpoints is the newest complete one, and whether one can be resumed."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -133,3 +134,41 @@ def last_complete_trainer_checkpoint(output_dir: str, usable: Callable[[Path], N
         except HfBackendError as err:
             note(f"passing over {path}: {err}")
     return None
+
+
+def check_trainer_checkpoint(directory: str | os.PathLike, fresh_optimizer: bool = False,
+                             caller: str = "resume_from_checkpoint") -> CheckpointIndex | None:
+    """Raise HfBackendError, one line naming the file, unless the Trainer checkpoint `directory` is complete, its
+    manifest (when sealed) checks out, and it holds an optimizer state (or `fresh_optimizer`: save_only_model).
+    Returns its index (None for a checkpoint transformers.Trainer wrote)."""
+    directory = Path(directory)
+    try:
+        names = set(os.listdir(directory))
+    except OSError as err:
+        raise HfBackendError(f"{caller}: {directory} cannot be read ({type(err).__name__}); give this process read "
+                             "access to it") from None
+    index = read_index(directory, caller=caller, sharing=manifest.machine_sharing()) \
+        if layout.METADATA in names else None
+    meta = index.meta if index is not None else {}
+    engine = sorted(names & {layout.dataloader_file(0), layout.sharded_dir("model"), layout.sharded_dir("optimizer")})
+    if not meta and engine:  # hf_backend wrote it (transformers.Trainer writes none of these): the metadata is lost
+        raise HfBackendError(f"{caller}: {directory / layout.METADATA} is missing though hf_backend wrote the "
+                             f"checkpoint (it holds {engine[0]}); the checkpoint is damaged, use another one")
+    state = directory / layout.TRAINER_STATE
+    if layout.TRAINER_STATE not in names:
+        raise HfBackendError(f"{caller}: {state} is missing (its save was interrupted); use another checkpoint")
+    try:
+        json.loads(state.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise HfBackendError(f"{caller}: {state} is damaged ({type(err).__name__}); use another checkpoint") from None
+    if fresh_optimizer or meta.get("counts", {}).get("optimizers", 0) > 0 or layout.holds_trainer_optimizer(directory):
+        return index
+    if not meta and any(directory.glob(layout.TRAINER_DEEPSPEED_GLOB)):
+        raise HfBackendError(f"{caller}: {directory} holds DeepSpeed's own checkpoint (global_step*/, as "
+                             "transformers.Trainer writes it under DeepSpeed), which hf_backend.Trainer does not read; "
+                             "resume it with transformers.Trainer, or pass save_only_model=True to start from its "
+                             "weights with a fresh optimizer")
+    what = (f"{directory / layout.METADATA} is missing, and so is {layout.TRAINER_OPTIMIZER}" if not meta else
+            f"no {layout.TRAINER_OPTIMIZER}, and {layout.METADATA} lists none: saved with save_only_model")
+    raise HfBackendError(f"{caller}: {directory} holds no optimizer state ({what}); pass save_only_model=True to "
+                         "resume its weights with a fresh optimizer, or use another checkpoint")

@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import json
 import os
 import shutil
 import signal
@@ -281,7 +280,8 @@ class Trainer(engine_named(transformers.Trainer)):
         self._resume_index = None
 
         def usable(directory: str | os.PathLike) -> None:
-            self._resume_index = check_checkpoint(directory, fresh_optimizer=self.args.save_only_model)
+            self._resume_index = checkpoint.check_trainer_checkpoint(
+                directory, fresh_optimizer=self.args.save_only_model, caller=RESUME)
 
         if resume_from_checkpoint is True:  # under torch elastic a first start has none yet: it starts fresh
             resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir, usable, elastic.under_elastic())
@@ -465,40 +465,3 @@ def last_complete_checkpoint(output_dir: str, usable: Callable[[str], None] | No
         return None
     raise ConfigError(f"resume_from_checkpoint=True: No valid checkpoint found in output directory ({output_dir}): "
                       "no complete checkpoint-* directory there; train without resuming or pass a checkpoint path")
-
-
-def check_checkpoint(directory: str | os.PathLike, fresh_optimizer: bool = False) -> checkpoint.CheckpointIndex | None:
-    """Raise HfBackendError, one line naming the file, unless the Trainer checkpoint `directory` is complete, its
-    manifest (when sealed) checks out, and it holds an optimizer state (or `fresh_optimizer`: save_only_model).
-    Returns its index (None for a checkpoint transformers.Trainer wrote)."""
-    layout, directory = checkpoint.layout, Path(directory)
-    try:
-        names = set(os.listdir(directory))
-    except OSError as err:
-        raise HfBackendError(f"{RESUME}: {directory} cannot be read ({type(err).__name__}); give this process read "
-                             "access to it") from None
-    index = checkpoint.read_index(directory, caller=RESUME, sharing=checkpoint.manifest.machine_sharing()) \
-        if layout.METADATA in names else None
-    meta = index.meta if index is not None else {}
-    engine = sorted(names & {layout.dataloader_file(0), layout.sharded_dir("model"), layout.sharded_dir("optimizer")})
-    if not meta and engine:  # hf_backend wrote it (transformers.Trainer writes none of these): the metadata is lost
-        raise HfBackendError(f"{RESUME}: {directory / layout.METADATA} is missing though hf_backend wrote the "
-                             f"checkpoint (it holds {engine[0]}); the checkpoint is damaged, use another one")
-    state = directory / layout.TRAINER_STATE
-    if layout.TRAINER_STATE not in names:
-        raise HfBackendError(f"{RESUME}: {state} is missing (its save was interrupted); use another checkpoint")
-    try:
-        json.loads(state.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise HfBackendError(f"{RESUME}: {state} is damaged ({type(err).__name__}); use another checkpoint") from None
-    if fresh_optimizer or meta.get("counts", {}).get("optimizers", 0) > 0 or layout.holds_trainer_optimizer(directory):
-        return index
-    if not meta and any(directory.glob(layout.TRAINER_DEEPSPEED_GLOB)):
-        raise HfBackendError(f"{RESUME}: {directory} holds DeepSpeed's own checkpoint (global_step*/, as "
-                             "transformers.Trainer writes it under DeepSpeed), which hf_backend.Trainer does not read; "
-                             "resume it with transformers.Trainer, or pass save_only_model=True to start from its "
-                             "weights with a fresh optimizer")
-    what = (f"{directory / layout.METADATA} is missing, and so is {layout.TRAINER_OPTIMIZER}" if not meta else
-            f"no {layout.TRAINER_OPTIMIZER}, and {layout.METADATA} lists none: saved with save_only_model")
-    raise HfBackendError(f"{RESUME}: {directory} holds no optimizer state ({what}); pass save_only_model=True to "
-                         "resume its weights with a fresh optimizer, or use another checkpoint")
