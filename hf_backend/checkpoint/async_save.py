@@ -113,10 +113,9 @@ class Writes:
 
 class PendingSave:
     """A save whose writes are done or under way; `finish()` (every process) seals and renames it, or cleans up.
-    `staging`: a directories.Staging, or what else has its `target`, `path`, `process`, `commit` and `abandon` (a
-    Trainer checkpoint: hf_backend/trainer/async_checkpoint.py)."""
+    `staging`: a directories.Staging (a Trainer checkpoint's: hf_backend/trainer/async_checkpoint.py)."""
 
-    def __init__(self, staging: Staging | Any, writes: Writes, seal: Callable[[Path, Callable[[Path], str]], None],
+    def __init__(self, staging: Staging, writes: Writes, seal: Callable[[Path, Callable[[Path], str]], None],
                  after: Callable[[], None] | None) -> None:
         self.staging, self.writes, self.seal, self.after = staging, writes, seal, after
 

@@ -30,19 +30,23 @@ class Staging:
     everyone: ProcessState  # every process
 
     def commit(self, seal: Callable[[Path], None]) -> None:
-        """Every process: wait for all, then the main one seals, fsyncs and renames (durable once it returns)."""
+        """Every process: wait for all, then the main one fsyncs and `finish`es (durable once it returns)."""
         self.process.wait_for_everyone()
         if self.process.is_main_process:
             durable.fsync_tree(self.path)
-            seal(self.path)
-            previous = layout.previous_dir(self.target)
-            if self.target.exists():
-                shutil.rmtree(previous, ignore_errors=True)
-                self.target.rename(previous)
-            self.path.rename(self.target)
-            durable.fsync_dir(self.target.parent)
-            shutil.rmtree(previous, ignore_errors=True)
+            self.finish(seal)
         self.everyone.wait_for_everyone()
+
+    def finish(self, seal: Callable[[Path], None]) -> None:
+        """The main process, every file written and fsynced: seal the manifest, rename the directory into place."""
+        seal(self.path)
+        previous = layout.previous_dir(self.target)
+        if self.target.exists():
+            shutil.rmtree(previous, ignore_errors=True)
+            self.target.rename(previous)
+        self.path.rename(self.target)
+        durable.fsync_dir(self.target.parent)
+        shutil.rmtree(previous, ignore_errors=True)
 
     def abandon(self) -> None:
         """Every process: remove the staged files of a failed save (an older checkpoint at `target` stays)."""

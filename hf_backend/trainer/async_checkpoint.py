@@ -12,8 +12,8 @@ best model is loaded, or at `accelerator.wait_for_checkpoint()` / `end_training(
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
-import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,38 +22,27 @@ import transformers
 
 from ..checkpoint import durable, layout, manifest
 from ..checkpoint.async_save import PendingSave, Writes
-from ..state import ProcessState
+from ..checkpoint.directories import Staging
 
 _HELD = ".incomplete"  # trainer_state.json is written under this suffix and renamed when every file is in place
 
 
-class TrainerCheckpoint:
-    """A `checkpoint-{step}` being written in the background: what `PendingSave` finishes or abandons."""
+@dataclasses.dataclass
+class TrainerCheckpoint(Staging):
+    """A `checkpoint-{step}` written in place in the background (`path` is `target`), which `PendingSave` commits
+    or abandons: its trainer_state.json, held back until then, marks it complete."""
 
-    def __init__(self, path: Path, process: ProcessState, rotate: Callable[[], None]) -> None:
-        self.target = self.path = path
-        self.process = self.everyone = process
-        self.rotate = rotate
+    rotate: Callable[[], None] = lambda: None
 
-    def commit(self, seal: Callable[[Path], None]) -> None:
-        """Every process: once all have written, the main one fsyncs the files, puts trainer_state.json in place,
-        seals the manifest of every file (as a synchronous Trainer checkpoint has) and rotates old checkpoints."""
-        self.process.wait_for_everyone()
-        if self.process.is_main_process:
-            durable.fsync_tree(self.path)
-            held = self.path / (layout.TRAINER_STATE + _HELD)
-            if held.is_file():
-                os.replace(held, self.path / layout.TRAINER_STATE)
-                durable.fsync_dir(self.path)
-            seal(self.path)
-            self.rotate()
-        self.process.wait_for_everyone()
-
-    def abandon(self) -> None:
-        self.process.wait_for_everyone()
-        if self.process.is_main_process:
-            shutil.rmtree(self.path, ignore_errors=True)
-        self.process.wait_for_everyone()
+    def finish(self, seal: Callable[[Path], None]) -> None:
+        """The main process, every file written and fsynced: trainer_state.json put in place, the manifest of every
+        file sealed (as a synchronous Trainer checkpoint has), old checkpoints rotated."""
+        held = self.path / (layout.TRAINER_STATE + _HELD)
+        if held.is_file():
+            os.replace(held, self.path / layout.TRAINER_STATE)
+            durable.fsync_dir(self.path)
+        seal(self.path)
+        self.rotate()
 
 
 @contextlib.contextmanager
@@ -81,7 +70,8 @@ def deferred(trainer: Any, trial: Any) -> Iterator[Writes]:
         if limit is not None:
             _rotate(trainer, run_dir, limit)
 
-    io.saves.put(PendingSave(TrainerCheckpoint(path, io.process, rotate), writes, manifest.seal, None))
+    checkpoint = TrainerCheckpoint(path, path, io.process, io.process, rotate)
+    io.saves.put(PendingSave(checkpoint, writes, manifest.seal, None))
 
 
 def _rotate(trainer: Any, run_dir: Path, limit: int) -> None:
