@@ -3,71 +3,61 @@
 `from hf_backend import Accelerator` is the engine; it imports without transformers. Every public name is imported on
 first use, so the command line (`hf-backend config`, `--version`) starts without importing torch, and `Trainer` /
 `TrainingArguments` (transformers' classes on the engine) only import transformers when asked for.
+
+The public names are the imports under `if TYPE_CHECKING:` below, the one list: type checkers read them there, and at
+run time `_WHERE` is read from the same lines (each name, the module it is imported from on first use).
 """
 
 from __future__ import annotations
 
+import ast
 import importlib
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-# public name -> the module that defines it
-_WHERE = {
-    "Accelerator": ".accelerator",
-    "LocalSGD": ".local_sgd",
-    "debug_launcher": ".launchers",
-    "notebook_launcher": ".launchers",
-    "skip_first_batches": ".data",
-    "find_executable_batch_size": ".memory",
-    "is_rich_available": ".availability",
-    "DDPCommunicationHookType": ".enums",
-    "ProfileKwargs": ".options",
-    "PartialState": ".state",
-    "synchronize_rng_states": ".seeding",
-    "DeepSpeedPlugin": ".config.plugins",
-    "FullyShardedDataParallelPlugin": ".config.plugins",
-    "ParallelismConfig": ".config.parallelism",
-    "TorchTensorParallelConfig": ".config.parallelism",
-    "HfBackendError": ".errors",
-    "AutocastKwargs": ".options",
-    "DataLoaderConfiguration": ".options",
-    "DistributedDataParallelKwargs": ".options",
-    "GradientAccumulationPlugin": ".options",
-    "GradScalerKwargs": ".options",
-    "InitProcessGroupKwargs": ".options",
-    "ProjectConfiguration": ".options",
-    "DistributedType": ".state",
-    "add_process_group_plugin": ".state",
-    "Trainer": ".trainer",
-    "TrainingArguments": ".trainer",
-    "on_engine": ".trainer",
-}
+if TYPE_CHECKING:  # the public names (redundant aliases: explicit re-exports)
+    from .accelerator import Accelerator as Accelerator
+    from .availability import is_rich_available as is_rich_available
+    from .config.parallelism import ParallelismConfig as ParallelismConfig
+    from .config.parallelism import TorchTensorParallelConfig as TorchTensorParallelConfig
+    from .config.plugins import DeepSpeedPlugin as DeepSpeedPlugin
+    from .config.plugins import FullyShardedDataParallelPlugin as FullyShardedDataParallelPlugin
+    from .data import skip_first_batches as skip_first_batches
+    from .enums import DDPCommunicationHookType as DDPCommunicationHookType
+    from .errors import HfBackendError as HfBackendError
+    from .launchers import debug_launcher as debug_launcher
+    from .launchers import notebook_launcher as notebook_launcher
+    from .local_sgd import LocalSGD as LocalSGD
+    from .memory import find_executable_batch_size as find_executable_batch_size
+    from .options import AutocastKwargs as AutocastKwargs
+    from .options import DataLoaderConfiguration as DataLoaderConfiguration
+    from .options import DistributedDataParallelKwargs as DistributedDataParallelKwargs
+    from .options import GradientAccumulationPlugin as GradientAccumulationPlugin
+    from .options import GradScalerKwargs as GradScalerKwargs
+    from .options import InitProcessGroupKwargs as InitProcessGroupKwargs
+    from .options import ProfileKwargs as ProfileKwargs
+    from .options import ProjectConfiguration as ProjectConfiguration
+    from .seeding import synchronize_rng_states as synchronize_rng_states
+    from .state import DistributedType as DistributedType
+    from .state import PartialState as PartialState
+    from .state import add_process_group_plugin as add_process_group_plugin
+    from .trainer import Trainer as Trainer
+    from .trainer import TrainingArguments as TrainingArguments
+    from .trainer import on_engine as on_engine
 
-if TYPE_CHECKING:
-    from .accelerator import Accelerator
-    from .availability import is_rich_available
-    from .config.parallelism import ParallelismConfig, TorchTensorParallelConfig
-    from .config.plugins import DeepSpeedPlugin, FullyShardedDataParallelPlugin
-    from .data import skip_first_batches
-    from .enums import DDPCommunicationHookType
-    from .errors import HfBackendError
-    from .launchers import debug_launcher, notebook_launcher
-    from .local_sgd import LocalSGD
-    from .memory import find_executable_batch_size
-    from .options import (
-        AutocastKwargs,
-        DataLoaderConfiguration,
-        DistributedDataParallelKwargs,
-        GradientAccumulationPlugin,
-        GradScalerKwargs,
-        InitProcessGroupKwargs,
-        ProfileKwargs,
-        ProjectConfiguration,
-    )
-    from .seeding import synchronize_rng_states
-    from .state import DistributedType, PartialState, add_process_group_plugin
-    from .trainer import Trainer, TrainingArguments, on_engine
+
+def _public_names() -> dict[str, str]:
+    """Each public name and its module (".accelerator"), from this file's `if TYPE_CHECKING:` imports."""
+    tree = ast.parse(Path(__file__).read_text())
+    block = next(node for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING")
+    return {alias.asname or alias.name: "." * node.level + (node.module or "")
+            for node in block.body if isinstance(node, ast.ImportFrom) for alias in node.names}
+
+
+_WHERE = _public_names()
+__all__ = list(_WHERE)
 
 
 def __getattr__(name: str) -> Any:
@@ -88,35 +78,3 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted([*globals(), *_WHERE])
-
-
-__all__ = [  # the same names as _WHERE, spelled out for tools that read __all__ statically
-    "Accelerator",
-    "DDPCommunicationHookType",
-    "LocalSGD",
-    "PartialState",
-    "ProfileKwargs",
-    "debug_launcher",
-    "find_executable_batch_size",
-    "is_rich_available",
-    "notebook_launcher",
-    "skip_first_batches",
-    "synchronize_rng_states",
-    "AutocastKwargs",
-    "DataLoaderConfiguration",
-    "DeepSpeedPlugin",
-    "DistributedDataParallelKwargs",
-    "DistributedType",
-    "FullyShardedDataParallelPlugin",
-    "GradScalerKwargs",
-    "GradientAccumulationPlugin",
-    "HfBackendError",
-    "InitProcessGroupKwargs",
-    "ParallelismConfig",
-    "ProjectConfiguration",
-    "TorchTensorParallelConfig",
-    "Trainer",
-    "TrainingArguments",
-    "add_process_group_plugin",
-    "on_engine",
-]

@@ -11,47 +11,58 @@ import contextlib
 import os
 import socket
 from collections.abc import Iterator
+from types import ModuleType
 from typing import Any
 
 import torch
 
 from . import availability, refused
-from .availability import compare_versions, is_torch_version
-from .collectives import broadcast, broadcast_object_list, gather, gather_object, pad_across_processes
+from .availability import compare_versions as compare_versions
+from .availability import is_torch_version as is_torch_version
+from .collectives import broadcast as broadcast
+from .collectives import broadcast_object_list as broadcast_object_list
+from .collectives import gather as gather
+from .collectives import gather_object as gather_object
+from .collectives import pad_across_processes as pad_across_processes
 from .collectives import reduce as _reduce
-from .config.parallelism import ParallelismConfig, TorchContextParallelConfig, TorchTensorParallelConfig
-from .config.plugins import DeepSpeedPlugin, FullyShardedDataParallelPlugin
-from .enums import (
-    ComputeEnvironment,
-    CustomDtype,
-    DDPCommunicationHookType,
-    DistributedType,
-    DynamoBackend,
-    FP8BackendType,
-    LoggerType,
-    PrecisionType,
-    RNGType,
-    SageMakerDistributedType,
-)
+from .config.parallelism import ParallelismConfig as ParallelismConfig
+from .config.parallelism import TorchContextParallelConfig as TorchContextParallelConfig
+from .config.parallelism import TorchTensorParallelConfig as TorchTensorParallelConfig
+from .config.plugins import DeepSpeedPlugin as DeepSpeedPlugin
+from .config.plugins import FullyShardedDataParallelPlugin as FullyShardedDataParallelPlugin
+from .enums import ComputeEnvironment as ComputeEnvironment
+from .enums import CustomDtype as CustomDtype
+from .enums import DDPCommunicationHookType as DDPCommunicationHookType
+from .enums import DistributedType as DistributedType
+from .enums import DynamoBackend as DynamoBackend
+from .enums import FP8BackendType as FP8BackendType
+from .enums import LoggerType as LoggerType
+from .enums import PrecisionType as PrecisionType
+from .enums import RNGType as RNGType
+from .enums import SageMakerDistributedType as SageMakerDistributedType
 from .errors import HfBackendError
-from .memory import find_executable_batch_size, release_memory
-from .nested import recursively_apply, send_to_device
-from .optim import DummyOptim, DummyScheduler
-from .options import (
-    AutocastKwargs,
-    DataLoaderConfiguration,
-    DistributedDataParallelKwargs,
-    GradientAccumulationPlugin,
-    GradScalerKwargs,
-    InitProcessGroupKwargs,
-    KwargsHandler,
-    ProfileKwargs,
-    ProjectConfiguration,
-    TorchDynamoPlugin,
-)
-from .seeding import set_seed, synchronize_rng_state, synchronize_rng_states
+from .memory import find_executable_batch_size as find_executable_batch_size
+from .memory import release_memory as release_memory
+from .nested import recursively_apply as recursively_apply
+from .nested import send_to_device as send_to_device
+from .optim import DummyOptim as DummyOptim
+from .optim import DummyScheduler as DummyScheduler
+from .options import AutocastKwargs as AutocastKwargs
+from .options import DataLoaderConfiguration as DataLoaderConfiguration
+from .options import DistributedDataParallelKwargs as DistributedDataParallelKwargs
+from .options import GradientAccumulationPlugin as GradientAccumulationPlugin
+from .options import GradScalerKwargs as GradScalerKwargs
+from .options import InitProcessGroupKwargs as InitProcessGroupKwargs
+from .options import KwargsHandler as KwargsHandler
+from .options import ProfileKwargs as ProfileKwargs
+from .options import ProjectConfiguration as ProjectConfiguration
+from .options import TorchDynamoPlugin as TorchDynamoPlugin
+from .seeding import set_seed as set_seed
+from .seeding import synchronize_rng_state as synchronize_rng_state
+from .seeding import synchronize_rng_states as synchronize_rng_states
 from .state import PartialState
-from .unwrap import extract_model_from_parallel, is_compiled_module
+from .unwrap import extract_model_from_parallel as extract_model_from_parallel
+from .unwrap import is_compiled_module as is_compiled_module
 
 
 def reduce(tensor: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
@@ -189,18 +200,7 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'hf_backend.utils' has no attribute {name!r}")
 
 
-__all__ = [
-    "AutocastKwargs", "ComputeEnvironment", "CustomDtype", "DDPCommunicationHookType", "DataLoaderConfiguration",
-    "DeepSpeedPlugin", "DistributedDataParallelKwargs", "DistributedType", "DummyOptim", "DummyScheduler",
-    "DynamoBackend", "FP8BackendType", "FullyShardedDataParallelPlugin", "GradScalerKwargs",
-    "GradientAccumulationPlugin", "InitProcessGroupKwargs", "KwargsHandler", "LoggerType", "ParallelismConfig",
-    "PrecisionType", "ProfileKwargs", "ProjectConfiguration", "TorchContextParallelConfig", "TorchDynamoPlugin",
-    "TorchTensorParallelConfig",
-    "RNGType", "SageMakerDistributedType", "broadcast",
-    "broadcast_object_list", "clear_environment", "compare_versions", "concatenate", "extract_model_from_parallel",
-    "find_batch_size", "find_executable_batch_size", "gather", "gather_object", "get_int_from_env",
-    "is_compiled_module", "is_namedtuple", "is_port_in_use", "is_torch_tensor", "is_torch_version", "listify", "load",
-    "pad_across_processes", "parse_flag_from_env", "patch_environment", "recursively_apply", "reduce",
-    "release_memory", "save", "send_to_device", "set_seed", "str_to_bool", "synchronize_rng_state",
-    "synchronize_rng_states", "tqdm", "wait_for_everyone",
-]
+__all__ = sorted(  # what `from hf_backend.utils import *` gives: every hf_backend object named here
+    name for name, value in globals().items()
+    if not name.startswith("_") and not isinstance(value, ModuleType)
+    and getattr(value, "__module__", "").startswith("hf_backend"))
