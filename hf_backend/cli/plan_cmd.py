@@ -1,4 +1,4 @@
-"""`hf-backend plan`: memory per process of a training run, before launching it (hf_backend/memory_plan.py).
+"""`hf-backend plan`: memory per process of a training run, before launching it (hf_backend/plan.py).
 
     hf-backend plan MODEL_DIR_OR_CONFIG --strategy fsdp --num_processes 8 [--mixed_precision bf16]
         [--lora 16 [--lora_targets q_proj v_proj]] [--parallelism dp_shard=4,tp=2] [--batch_size 4]
@@ -17,7 +17,7 @@ from ..errors import HfBackendError
 
 
 def add_parser(sub: Any) -> None:
-    from ..memory_plan import STRATEGIES
+    from ..plan import STRATEGIES
 
     p = sub.add_parser("plan", help="memory per process of a training run (parameters, gradients, optimizer state, "
                                     "activations), from the model's config alone")
@@ -62,7 +62,7 @@ def _gib(n: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..memory_plan import build_on_meta, plan_memory
+    from ..plan import build_on_meta, plan_memory
 
     model = build_on_meta(args.model, args.lora, args.lora_targets, args.dtype)
     plan = plan_memory(model, args.strategy, args.num_processes, mixed_precision=args.mixed_precision,
