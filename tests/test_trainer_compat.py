@@ -32,10 +32,27 @@ def test_the_borrowed_epoch_loop_is_the_recorded_one():
 
 def test_the_epoch_loop_runs_with_the_engines_skip_first_batches():
     borrowed = Trainer._run_epoch
-    assert borrowed.__code__ is transformers.Trainer._run_epoch.__code__  # transformers' code, unchanged
+    theirs = transformers.Trainer._run_epoch.__code__
+    # transformers' code, with one statement in its device form (the next test)
+    assert borrowed.__code__.co_filename == theirs.co_filename
+    assert borrowed.__code__.co_firstlineno == theirs.co_firstlineno
     assert borrowed.__globals__["skip_first_batches"] is accelerate_names._skip_first_batches
     assert transformers.Trainer._run_epoch.__globals__.get("skip_first_batches") is not borrowed.__globals__[
         "skip_first_batches"]
+
+
+def test_the_logged_loss_statement_is_replaced():
+    """The installed transformers' `_run_epoch` holds the statement that adds the step's loss to the
+    logged sum exactly as recorded (transformers_compat._LOGGED_LOSS): the Trainer runs its device
+    form; everything else in the loop is transformers' code."""
+    ours, theirs = Trainer._run_epoch.__code__, transformers.Trainer._run_epoch.__code__
+    assert set(ours.co_names) - set(theirs.co_names) == {"_loss_to_log"}
+    assert set(theirs.co_names) - set(ours.co_names) == {
+        "logging_nan_inf_filter", "isnan", "isinf", "ValueError", "_globalstep_last_logged"}
+
+    def loop(self):
+        self._tr_loss += tr_loss_step  # noqa: F821 - never run
+    assert compat.loss_filter_on_device(loop) is loop  # not found: unchanged
 
 
 def test_every_name_transformers_imports_from_accelerate_has_the_engines_object():

@@ -5,6 +5,9 @@ with `trainer_state.json` and RNG files, their rotation) are transformers' own c
 - `create_accelerator_and_postprocess`: builds hf_backend.Accelerator from the TrainingArguments;
 - `_get_num_items_in_batch`: decides once whether the model's loss honours `num_items_in_batch` (see there);
 - `floating_point_ops`: the same estimate, with the model's parameters counted once rather than at every step;
+- `_run_epoch`: transformers' loop with `logging_nan_inf_filter` computed on the device
+  (`_loss_to_log`), where transformers' test waits for the device after every backward
+  (transformers_compat.loss_filter_on_device);
 - checkpoint I/O: one layout under every strategy (checkpoint/layout.py), written and read by the engine's
   CheckpointIO. The weights (full `model.safetensors`, FSDP's shards under SHARDED_STATE_DICT, or a PEFT model's
   adapter), the optimizer (`optimizer.pt` keyed by parameter names, or shards) and `scheduler.pt`, the train loader's
@@ -33,6 +36,7 @@ from typing import Any
 
 import torch
 import transformers
+from transformers.utils import is_torch_xla_available
 
 from .. import checkpoint, elastic
 from ..accelerator import Accelerator
@@ -72,7 +76,10 @@ def _graph_may_vary(model: Any) -> bool:
     return any(isinstance(v := getattr(config, name, None), (int, float)) and v > 0 for name in _VARYING_GRAPH_FIELDS)
 
 
-class Trainer(engine_named(transformers.Trainer)):
+_EngineNamed = engine_named(transformers.Trainer)
+
+
+class Trainer(_EngineNamed):
     def __init__(self, model: Any = None, args: TrainingArguments | None = None, *rest: Any, **kwargs: Any) -> None:
         if args is None:
             args = TrainingArguments(output_dir="tmp_trainer")
@@ -203,6 +210,24 @@ class Trainer(engine_named(transformers.Trainer)):
     def get_train_dataloader(self) -> Any:
         self._train_loader = super().get_train_dataloader()
         return self._train_loader
+
+    # -- the logged loss ---------------------------------------------------------------------------
+    # transformers' epoch loop, its NaN/inf filter of the logged loss computed on the device
+    _run_epoch = compat.loss_filter_on_device(_EngineNamed._run_epoch)
+
+    def _loss_to_log(self, loss: torch.Tensor) -> torch.Tensor:
+        """What transformers' loop adds to the logged loss sum for a step's loss: the loss itself,
+        or, with `logging_nan_inf_filter` and a NaN or infinite loss, the sum so far divided by the
+        steps since the last log plus one. transformers decides with `torch.isnan(loss) or
+        torch.isinf(loss)` on the host, which waits for the device after every backward; here
+        `torch.where` picks on the device: the same numbers, no wait."""
+        if self._tr_loss.device != loss.device:  # transformers' check (it skips it for a NaN loss)
+            raise ValueError("Calculated loss must be on the original device: "
+                             f"{self._tr_loss.device} but device in use is {loss.device}")
+        if not self.args.logging_nan_inf_filter or is_torch_xla_available():
+            return loss
+        since = 1 + self.state.global_step - self._globalstep_last_logged
+        return torch.where(torch.isfinite(loss), loss, self._tr_loss / since)
 
     # -- loss normalization ----------------------------------------------------------------------------------------
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> Any:

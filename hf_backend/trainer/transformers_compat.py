@@ -18,11 +18,14 @@ hf_backend asks here instead of looking at transformers' version:
 `Trainer._run_epoch` runs with the engine's `skip_first_batches` in place of Accelerate's (accelerate_names.py), and
 how a run resumes rests on it: RUN_EPOCH_FINGERPRINTS records it for each supported minor;
 tests/test_trainer_compat.py fails when the installed one differs, and a differing one warns at import: review what
-changed, then record the new fingerprint.
+changed, then record the new fingerprint. One statement of it, the same in every supported
+version, runs in another form: the step loss added to the logged sum, whose
+`logging_nan_inf_filter` test waits for the device after every backward (`loss_filter_on_device`).
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import hashlib
 import inspect
@@ -130,3 +133,59 @@ def model_activation_checkpointing(model: Any) -> bool:
 def loss_is_scaled_for_ga(trainer: Any) -> bool | None:
     """`Trainer.loss_is_scaled_for_ga` (5.19 on; before, None: the Trainer decided from the model's loss kwargs)."""
     return getattr(trainer, "loss_is_scaled_for_ga", None)
+
+
+# -- the logged loss's NaN/inf filter, on the device ----------------------------------------------
+# The statement of transformers' `_run_epoch` (5.17 to 5.24) that adds a step's loss to the logged
+# sum. Its `logging_nan_inf_filter` test turns `torch.isnan(loss)` into a Python bool: the host
+# waits for the device after every backward, before it launches the clipping and optimizer kernels.
+_LOGGED_LOSS = """
+if (self.args.logging_nan_inf_filter and not is_torch_xla_available()
+        and (torch.isnan(tr_loss_step) or torch.isinf(tr_loss_step))):
+    self._tr_loss += self._tr_loss / (1 + self.state.global_step - self._globalstep_last_logged)
+else:
+    if self._tr_loss.device != tr_loss_step.device:
+        raise ValueError(
+            f"Calculated loss must be on the original device: {self._tr_loss.device} "
+            f"but device in use is {tr_loss_step.device}"
+        )
+    self._tr_loss += tr_loss_step
+"""
+# What hf_backend.Trainer runs in its place: the same sum, the filter computed on the device
+# (`Trainer._loss_to_log`).
+_LOGGED_LOSS_ON_DEVICE = "self._tr_loss += self._loss_to_log(tr_loss_step)"
+
+
+def loss_filter_on_device(function: types.FunctionType) -> types.FunctionType:
+    """`function` (transformers' `Trainer._run_epoch`) with the statement _LOGGED_LOSS replaced by
+    _LOGGED_LOSS_ON_DEVICE; the rest is transformers' code, compiled from its source with its file
+    name, line numbers and globals. Returned unchanged when that statement is not in it exactly once
+    (a transformers release that changed it: the loop then keeps its host sync, and
+    tests/test_trainer_step.py and tests/test_trainer_compat.py fail)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    ast.increment_lineno(tree, function.__code__.co_firstlineno - 1)
+    wanted = ast.dump(ast.parse(_LOGGED_LOSS).body[0])
+    found = []
+
+    class Replace(ast.NodeTransformer):
+        def visit_If(self, node: ast.If) -> ast.AST:
+            if ast.dump(node) != wanted:
+                return self.generic_visit(node)
+            found.append(node)
+            statement = ast.parse(_LOGGED_LOSS_ON_DEVICE).body[0]  # one line, where the `if` was
+            for part in ast.walk(statement):
+                if "lineno" in part._attributes:
+                    part.lineno = part.end_lineno = node.lineno
+                    part.col_offset += node.col_offset
+                    part.end_col_offset += node.col_offset
+            return statement
+
+    tree = Replace().visit(tree)
+    if len(found) != 1 or function.__code__.co_freevars or len(tree.body) != 1:
+        return function
+    namespace: dict[str, Any] = {}
+    exec(compile(tree, function.__code__.co_filename, "exec"), function.__globals__, namespace)
+    made = namespace[function.__name__]
+    made.__defaults__, made.__kwdefaults__ = function.__defaults__, function.__kwdefaults__
+    made.__qualname__, made.__doc__ = function.__qualname__, function.__doc__
+    return made
