@@ -3,7 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test test-oldest test-newest test-install test-gpu gpu-wheels lint bench bench-checkpoint bench-gpu demo demo-sft clean
+.PHONY: setup test test-oldest test-newest test-install test-gpu gpu-wheels lint bench bench-checkpoint bench-gpu bench-gpu-llm demo demo-sft clean
 
 setup: $(STAMP)
 
@@ -84,6 +84,12 @@ gpu-wheels:
 bench-gpu:  # BERT-base-sized, bf16, sequence 128: bare loop vs transformers.Trainer vs hf_backend.Trainer
 	@$(NEED_CUDA)
 	$(GPU_PY) benchmarks/gpu_trainer.py --json gpu_bench.json
+
+# A 1.1B Llama, bf16, sequence 2048, full and LoRA: bare loop, both Trainers, TRL's SFTTrainer
+# stock and on the engine (needs peft and trl, the llm extra). 10 processes of 20 steps each.
+bench-gpu-llm:
+	@$(NEED_CUDA)
+	$(GPU_PY) benchmarks/gpu_llm.py --json gpu_llm_bench.json
 
 bench: setup
 	$(PY) benchmarks/run.py

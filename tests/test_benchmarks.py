@@ -1,6 +1,6 @@
 """benchmarks/gpu_trainer.py needs a GPU for its figures; CI has none, so its --smoke mode runs the same three variants
 (bare loop, transformers.Trainer, hf_backend.Trainer) on the CPU with a tiny BERT: the script's code cannot rot
-unnoticed between GPU runs."""
+unnoticed between GPU runs. The same for benchmarks/gpu_llm.py (a tiny Llama)."""
 
 from __future__ import annotations
 
@@ -38,3 +38,25 @@ def test_too_few_steps_for_a_steady_state_is_one_line():
     assert proc.returncode == 2
     assert proc.stderr.splitlines()[-1].endswith("--steps 5: samples/s is taken over the steps after the 10th; "
                                                  "give at least 12")
+
+
+def test_the_llm_gpu_benchmark_runs_in_smoke_mode(tmp_path):
+    """benchmarks/gpu_llm.py on a tiny Llama, full and LoRA: the bare loop, hf_backend.Trainer and
+    TRL's SFTTrainer on the engine (the stock variants differ from these by their imports)."""
+    out = tmp_path / "llm.json"
+    variants = ["bare", "hf_backend", "trl_engine"]
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_llm.py"), "--smoke",
+                           "--steps", "5", "--variants", *variants, "--json", str(out)],
+                          capture_output=True, text=True, env=cli_env(), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = [line.split(" | ")[:2] for line in proc.stdout.splitlines()
+            if line.startswith("| ") and "variant" not in line]
+    expected = [[f"| {mode}", variant] for mode in ("full", "lora") for variant in variants]
+    assert rows == expected, proc.stdout
+    results = json.loads(out.read_text())
+    assert results["seq"] == 64 and "failures" not in results
+    for mode, adapter in (("full", False), ("lora", True)):
+        for variant in variants:
+            [run] = results["runs"][mode][variant]
+            assert run["steps"] == 5 and run["tokens_per_s"] > 0 and run["first_step_s"] > 0
+            assert (run["trainable"] < run["parameters"]) is adapter and run["peak_gib"] is None
