@@ -37,6 +37,10 @@ def test_the_epoch_loop_runs_with_the_engines_skip_first_batches():
     assert borrowed.__code__.co_filename == theirs.co_filename
     assert borrowed.__code__.co_firstlineno == theirs.co_firstlineno
     assert borrowed.__globals__["skip_first_batches"] is accelerate_names._skip_first_batches
+    # every name it imports from accelerate is the engine's (accelerate_names.unmapped passes over
+    # the methods hf_backend.Trainer overrides, this one included)
+    for name in accelerate_names._accelerate_names(transformers.Trainer._run_epoch):
+        assert borrowed.__globals__[name] is accelerate_names.ENGINE_OBJECTS[name], name
     assert transformers.Trainer._run_epoch.__globals__.get("skip_first_batches") is not borrowed.__globals__[
         "skip_first_batches"]
 
