@@ -16,8 +16,9 @@ from hf_backend import DeepSpeedPlugin, FullyShardedDataParallelPlugin, HfBacken
 from hf_backend.config import backend as backend_module
 from hf_backend.config import environment as env
 from hf_backend.config.backend import ACCELERATOR, TRAINING_ARGUMENTS, choose_backend
+from hf_backend.config.fsdp import FsdpOptions
 from hf_backend.config.loader import validate
-from hf_backend.config.plugins import FsdpOptions
+from hf_backend.config.plugins import fsdp_options
 from hf_backend.enums import DistributedType
 from hf_backend.options import Handlers
 from hf_backend.precision import Precision
@@ -66,7 +67,7 @@ def test_explicit_arguments_win_then_the_launcher_then_plain_data_parallelism(mo
     deepspeed_launch = _launched("DEEPSPEED", deepspeed_config={"zero_stage": 3})
     chosen = choose_backend(FullyShardedDataParallelPlugin(sharding_strategy="SHARD_GRAD_OP"), None, deepspeed_launch)
     assert chosen.kind == "FSDP" and chosen.deepspeed is None
-    assert chosen.fsdp.sharding_strategy == "SHARD_GRAD_OP" and chosen.fsdp.as_plugin().fsdp_version == 2
+    assert chosen.fsdp.sharding_strategy == "SHARD_GRAD_OP" and chosen.fsdp.fsdp_version == 2
     assert notes == []  # the Accelerator overrides the launcher silently, as before
     chosen = choose_backend(True, None, deepspeed_launch, TRAINING_ARGUMENTS)
     assert (chosen.kind, chosen.fsdp, chosen.deepspeed) == ("FSDP", None, None)  # TrainingArguments read their own
@@ -112,18 +113,35 @@ def test_the_docs_yaml_becomes_one_frozen_value_from_training_arguments_to_the_s
     assert resolutions == []
     assert isinstance(strategy, FSDPStrategy) and strategy.options is args.fsdp_options is chosen.fsdp
     assert strategy.options.state_dict_type == args.fsdp_plugin.state_dict_type == "SHARDED_STATE_DICT"
-    assert args.fsdp_config == strategy.options.as_config() and strategy.plugin == args.fsdp_plugin
+    assert args.fsdp_config == strategy.options.to_dict()
+    assert strategy.state_plugins()["fsdp_plugin"] is args.fsdp_plugin is args.fsdp_options
     with pytest.raises(dataclasses.FrozenInstanceError):
         strategy.options.state_dict_type = "FULL_STATE_DICT"
 
 
 def test_a_plugin_is_resolved_once_and_changing_it_afterwards_changes_nothing_resolved(resolutions):
     plugin = FullyShardedDataParallelPlugin(sharding_strategy="SHARD_GRAD_OP")
-    options = FsdpOptions.of(plugin)
-    assert FsdpOptions.of(options) is options and len(resolutions) == 1
+    options = fsdp_options(plugin)
+    assert fsdp_options(options) is options and len(resolutions) == 1
     assert (options.sharding_strategy, options.reshard_after_forward) == ("SHARD_GRAD_OP", False)
     plugin.activation_checkpointing = True
-    assert not options.activation_checkpointing and FsdpOptions.of(plugin).activation_checkpointing
+    assert not options.activation_checkpointing and fsdp_options(plugin).activation_checkpointing
+
+
+def test_the_options_read_as_accelerates_plugin_and_back_from_their_dict(tmp_path):
+    """`accelerator.state.fsdp_plugin` is the options themselves: code written for Accelerate's plugin finds every
+    attribute it has (TRL's prepare_fsdp reads ignored_modules); `TrainingArguments.fsdp_config`, their plain
+    dict, given back to TrainingArguments gives the same options."""
+    plugin = FullyShardedDataParallelPlugin(sharding_strategy=2, transformer_cls_names_to_wrap=["BertLayer"])
+    options = plugin.resolved()
+    assert [f.name for f in dataclasses.fields(plugin) if not hasattr(options, f.name)] == []
+    assert (options.fsdp_version, options.ignored_modules, options.reshard_after_forward) == (2, None, False)
+    pytest.importorskip("transformers")
+    from hf_backend import TrainingArguments
+
+    args = TrainingArguments(output_dir=str(tmp_path), report_to="none", fsdp_config=plugin)
+    again = TrainingArguments(output_dir=str(tmp_path), report_to="none", fsdp_config=args.fsdp_config)
+    assert again.fsdp_options == args.fsdp_options == options
 
 
 def test_one_process_reports_fsdp_without_resolving_again(resolutions):
@@ -162,8 +180,7 @@ def test_a_deepspeed_config_file_is_json_whatever_its_name(tmp_path):
 def test_cpu_ram_efficient_loading_sets_transformers_variables_keeping_a_launchers(loading_variables, monkeypatch,
                                                                                   two_fake_processes):
     monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "false")  # as a launcher or the user left it
-    FSDPStrategy(TWO_CPU, Precision("no", TWO_CPU.device), Handlers(),
-                 FullyShardedDataParallelPlugin(cpu_ram_efficient_loading=True))
+    FSDPStrategy(TWO_CPU, Precision("no", TWO_CPU.device), Handlers(), FsdpOptions(cpu_ram_efficient_loading=True))
     assert os.environ["ACCELERATE_USE_FSDP"] == "true" and os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] == "false"
 
 

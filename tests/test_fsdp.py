@@ -106,7 +106,8 @@ def test_the_docs_fsdp_yaml_trains_fsdp_through_the_launcher(tmp_path):
 
 def _strategy(**plugin) -> FSDPStrategy:
     state = ProcessState(torch.device("cpu"), 2, 0, 0, 2, "gloo")
-    return FSDPStrategy(state, Precision("no", state.device), Handlers(), FullyShardedDataParallelPlugin(**plugin))
+    options = FullyShardedDataParallelPlugin(**plugin).resolved()
+    return FSDPStrategy(state, Precision("no", state.device), Handlers(), options)
 
 
 def test_a_wrong_layer_class_lists_the_models_block_classes(two_fake_processes):

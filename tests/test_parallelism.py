@@ -254,15 +254,15 @@ def test_a_model_sharded_on_a_mesh_of_its_own_is_refused(two_fake_processes):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, distribute_tensor
 
-    from hf_backend import FullyShardedDataParallelPlugin, HfBackendError
+    from hf_backend import HfBackendError
+    from hf_backend.config.fsdp import FsdpOptions
     from hf_backend.config.parallelism import MeshShape
     from hf_backend.options import Handlers
     from hf_backend.precision import Precision
     from hf_backend.strategies import FSDPStrategy
 
     process = two_fake_processes
-    strategy = FSDPStrategy(process, Precision("no", process.device), Handlers(), FullyShardedDataParallelPlugin(),
-                            MeshShape(tp=2))
+    strategy = FSDPStrategy(process, Precision("no", process.device), Handlers(), FsdpOptions(), MeshShape(tp=2))
     model = torch.nn.Linear(4, 4)
     own = init_device_mesh("cpu", (2,), mesh_dim_names=("transformers_tp",))
     model.weight = torch.nn.Parameter(distribute_tensor(model.weight.detach(), own, [Replicate()]))
@@ -277,7 +277,8 @@ def test_cpu_ram_efficient_loading_of_a_model_sharded_by_from_pretrained_is_refu
         monkeypatch.setenv(name, "true")
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from hf_backend import FullyShardedDataParallelPlugin, HfBackendError
+    from hf_backend import HfBackendError
+    from hf_backend.config.fsdp import FsdpOptions
     from hf_backend.config.parallelism import MeshShape
     from hf_backend.options import Handlers
     from hf_backend.precision import Precision
@@ -285,7 +286,7 @@ def test_cpu_ram_efficient_loading_of_a_model_sharded_by_from_pretrained_is_refu
 
     process = two_fake_processes
     strategy = FSDPStrategy(process, Precision("no", process.device), Handlers(),
-                            FullyShardedDataParallelPlugin(cpu_ram_efficient_loading=True), MeshShape(tp=2))
+                            FsdpOptions(cpu_ram_efficient_loading=True), MeshShape(tp=2))
     model = torch.nn.Linear(4, 4)
     model.weight = torch.nn.Parameter(distribute_tensor(model.weight.detach(), strategy.mesh["tp"], [Shard(0)]))
     with pytest.raises(HfBackendError, match=r"^prepare\(\): cpu_ram_efficient_loading needs rank 0's full weights, "

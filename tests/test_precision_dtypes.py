@@ -227,7 +227,7 @@ def make(kind: str, process: ProcessState, mode: str, policy: dict | None = None
     precision, handlers = Precision(mode, process.device), Handlers()
     if kind == "fsdp":
         plugin = FullyShardedDataParallelPlugin(auto_wrap_policy="NO_WRAP", mixed_precision_policy=policy)
-        return FSDPStrategy(process, precision, handlers, plugin)
+        return FSDPStrategy(process, precision, handlers, plugin.resolved())
     return {"single": SingleDeviceStrategy, "ddp": DDPStrategy}[kind](process, precision, handlers)
 
 

@@ -48,7 +48,7 @@ def make_strategy(kind: str, process: ProcessState):
         plugin = FullyShardedDataParallelPlugin(
             auto_wrap_policy="SIZE_BASED_WRAP", min_num_params=16,
             state_dict_type="SHARDED_STATE_DICT" if kind == "fsdp_sharded" else "FULL_STATE_DICT")
-        return FSDPStrategy(process, precision, handlers, plugin)
+        return FSDPStrategy(process, precision, handlers, plugin.resolved())
     pytest.importorskip("deepspeed")
     gradient_state = GradientState(GradientAccumulationPlugin(num_steps=1))
     plugin = DeepSpeedPlugin(hf_ds_config={"train_micro_batch_size_per_gpu": 2}, zero_stage=int(kind[-1]))
@@ -131,7 +131,7 @@ def fsdp_model(process: ProcessState, **plugin) -> tuple[FSDPStrategy, torch.nn.
     """Two FSDP blocks (the Linears) under a root without parameters of its own."""
     strategy = FSDPStrategy(process, Precision("no", process.device, None, None), Handlers(),
                             FullyShardedDataParallelPlugin(auto_wrap_policy="SIZE_BASED_WRAP", min_num_params=16,
-                                                           **plugin))
+                                                           **plugin).resolved())
     torch.manual_seed(0)
     return strategy, strategy.setup_model(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(),
                                                               torch.nn.Linear(8, 2)))

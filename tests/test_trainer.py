@@ -250,7 +250,8 @@ def test_the_docs_yaml_becomes_the_fsdp_options_in_effect(tmp_path):
     plugin = args.fsdp_plugin
     assert (plugin.sharding_strategy, plugin.state_dict_type, plugin.transformer_cls_names_to_wrap) == \
         ("FULL_SHARD", "SHARDED_STATE_DICT", "BertLayer")
-    assert args.fsdp_config["fsdp_cpu_ram_efficient_loading"] is True and args.to_json_string()
+    assert args.fsdp_config["cpu_ram_efficient_loading"] is True and args.to_json_string()
+    assert args.fsdp_plugin is args.fsdp_options  # one value, shown under Accelerate's name
     assert args.fsdp is False  # one process: transformers' Trainer would refuse FSDP; the engine trains unsharded
 
 

@@ -15,8 +15,9 @@ from typing import Any
 
 from ..log import note
 from .environment import read_launch_config
+from .fsdp import FsdpOptions
 from .loader import ConfigError
-from .plugins import DeepSpeedPlugin, FsdpOptions
+from .plugins import DeepSpeedPlugin, fsdp_options
 
 FSDP, DEEPSPEED, DATA_PARALLEL = "FSDP", "DEEPSPEED", "DATA_PARALLEL"
 
@@ -70,11 +71,11 @@ def choose_backend(fsdp: Any = None, deepspeed: Any = None, launch_config: Any =
         if not caller.reads_arguments:
             return Backend(chosen)
         if fsdp is not None:
-            return Backend(FSDP, fsdp=FsdpOptions.of(fsdp))
+            return Backend(FSDP, fsdp=fsdp_options(fsdp))
         return Backend(DEEPSPEED, deepspeed=DeepSpeedPlugin.from_object(deepspeed))
     if launched == FSDP:
         # only the keys the file gave: the rest follow from them (SHARD_GRAD_OP keeps parameters after forward)
-        return Backend(FSDP, fsdp=FsdpOptions.from_section(launch_config.fsdp, set(launch_config.fsdp_config)))
+        return Backend(FSDP, fsdp=FsdpOptions.from_section(launch_config.fsdp_config))
     if launched == DEEPSPEED:
         return Backend(DEEPSPEED, deepspeed=DeepSpeedPlugin.from_section(launch_config.deepspeed))
     return Backend(DATA_PARALLEL)

@@ -287,15 +287,15 @@ def validate(raw: dict[str, Any], source: str = "<config>") -> LaunchConfig:
     return config
 
 
-def validate_section(raw: dict[str, Any], model: type, source: str) -> tuple[Any, set[str]]:
+def validate_section(raw: dict[str, Any], model: type, source: str) -> dict[str, Any]:
     """One section on its own (transformers' flat `fsdp_config`, say), checked like the same keys in a config file;
-    returns it and the names of the fields the mapping gave."""
+    returns the values it gives under the model's field names, in canonical form."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{source} must be a mapping of option names to values, not a {type(raw).__name__}")
     values, unused = _check_keys(raw, model, source, prefix="")
     if unused:
         note(f"{source}: {', '.join(unused)} accepted from Accelerate's format; they have no effect in hf_backend")
-    return model(**values), set(values)
+    return values
 
 
 def _check_keys(raw: dict, model: type, source: str, prefix: str) -> tuple[dict[str, Any], list[str]]:

@@ -1,9 +1,9 @@
 """`FullyShardedDataParallelPlugin` and `DeepSpeedPlugin`: options with the field names users know from Accelerate.
 
-Each field may be given as Accelerate and transformers spell it (strings, 1-5 for sharding strategies, torch enums,
-FSDP1 config objects); `resolved()` turns them, once, into `FsdpOptions`: the one frozen value the FSDP strategy
-runs from, whatever the options came from (a plugin, a config file's `fsdp_config:` section, TrainingArguments). A
-plugin object from `accelerate` is read by its fields (`from_object`), never imported.
+Each FSDP field may be given as Accelerate and transformers spell it (strings, 1-5 for sharding strategies, torch
+enums, FSDP1 config objects); `resolved()` converts a plugin, once, into `FsdpOptions` (config/fsdp.py), the frozen
+value the FSDP strategy runs from. A plugin object from `accelerate` is read by its fields (`from_object`), never
+imported.
 """
 
 from __future__ import annotations
@@ -18,20 +18,16 @@ from typing import Any
 import torch
 
 from ..log import note
+from .fsdp import FsdpOptions, section_fields
 from .loader import ConfigError, coerce, read_mapping
 from .schema import DeepSpeedSection, FsdpSection, fields_of
 
-# plugin field -> config key (FsdpSection), for the fields that have one
-_KEYS = {
-    "fsdp_version": "fsdp_version", "sharding_strategy": "fsdp_sharding_strategy",
-    "reshard_after_forward": "fsdp_reshard_after_forward", "backward_prefetch": "fsdp_backward_prefetch",
-    "auto_wrap_policy": "fsdp_auto_wrap_policy", "state_dict_type": "fsdp_state_dict_type",
-    "use_orig_params": "fsdp_use_orig_params", "sync_module_states": "fsdp_sync_module_states",
-    "forward_prefetch": "fsdp_forward_prefetch", "activation_checkpointing": "fsdp_activation_checkpointing",
-    "cpu_ram_efficient_loading": "fsdp_cpu_ram_efficient_loading",
-    "transformer_cls_names_to_wrap": "fsdp_transformer_layer_cls_to_wrap", "min_num_params": "fsdp_min_num_params",
-    "cpu_offload": "fsdp_offload_params",
-}
+_POLICY_FUNCTION = ("FullyShardedDataParallelPlugin(auto_wrap_policy=<function>): give the policy by name "
+                    "(TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP, NO_WRAP)")
+_NO_PARAM_INIT = ("FullyShardedDataParallelPlugin.param_init_fn is not called: FSDP2 materializes meta-device "
+                  "modules with to_empty() and receives rank 0's weights")
+_NO_IGNORED_MODULES = ("FullyShardedDataParallelPlugin.ignored_modules is not supported by hf_backend's FSDP2 "
+                       "strategy; freeze those parameters (requires_grad=False) instead")
 
 
 @dataclass
@@ -58,9 +54,29 @@ class FullyShardedDataParallelPlugin:
     transformer_cls_names_to_wrap: Any = None
     min_num_params: int | None = None
 
-    def given_options(self) -> set[str]:
-        """The config keys (FsdpSection names) of the fields set on this plugin."""
-        return {key for field, key in _KEYS.items() if getattr(self, field) is not None}
+    def given_options(self) -> dict[str, Any]:
+        """The options this plugin sets, by FsdpOptions' field names, checked and in canonical form; raises
+        ConfigError naming a bad field. Fields FSDP2 has no use for get a note or an error."""
+        given: dict[str, Any] = {}
+        for name, field in section_fields().items():
+            value = _plain(getattr(self, name))
+            if value is None:
+                continue
+            if name == "auto_wrap_policy" and callable(value):
+                raise ConfigError(_POLICY_FUNCTION)
+            given[name] = coerce(value, field, f"FullyShardedDataParallelPlugin.{name}")
+        if self.fsdp_version is not None:  # 1 or 2: both run as FSDP2
+            coerce(self.fsdp_version, fields_of(FsdpSection)["fsdp_version"],
+                   "FullyShardedDataParallelPlugin.fsdp_version")
+        if self.mixed_precision_policy is not None:
+            given["mixed_precision_policy"] = self.mixed_precision_policy
+        _check_fsdp1_fields(self)
+        return given
+
+    def resolved(self) -> FsdpOptions:
+        """The options this plugin asks for, converted once where it enters; changing the plugin afterwards
+        changes nothing resolved."""
+        return FsdpOptions(**self.given_options())
 
     @classmethod
     def from_object(cls, obj: Any) -> FullyShardedDataParallelPlugin:
@@ -74,7 +90,7 @@ class FullyShardedDataParallelPlugin:
         """The checkpoint kind: the value given, else FSDP_STATE_DICT_TYPE from the environment, else full."""
         self.state_dict_type = state_dict_type or self.state_dict_type or os.environ.get(
             "FSDP_STATE_DICT_TYPE", "FULL_STATE_DICT")
-        self.resolved()
+        self.given_options()
 
     def set_auto_wrap_policy(self, model: torch.nn.Module) -> None:
         """The policy set, else FSDP_AUTO_WRAP_POLICY from the environment (with FSDP_TRANSFORMER_CLS_TO_WRAP and
@@ -108,103 +124,43 @@ class FullyShardedDataParallelPlugin:
             self.mixed_precision_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
 
     def validate_mixed_precision_policy(self) -> None:
-        self.resolved()
+        self.given_options()
 
     def set_cpu_offload(self) -> None:
         if self.cpu_offload is None:
             self.cpu_offload = False
 
     def validate_cpu_offload(self) -> None:
-        self.resolved()
+        self.given_options()
 
-    def resolved(self) -> FsdpOptions:
-        """The options in canonical form; raises ConfigError naming a bad field."""
-        values: dict[str, Any] = {}
-        fields = fields_of(FsdpSection)
-        for name, key in _KEYS.items():
-            value = _plain(getattr(self, name))
-            if value is None:
-                continue
-            if name == "auto_wrap_policy" and callable(value):
-                raise ConfigError("FullyShardedDataParallelPlugin(auto_wrap_policy=<function>): give the policy by "
-                                  "name (TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP, NO_WRAP)")
-            values[key] = coerce(value, fields[key], f"FullyShardedDataParallelPlugin.{name}")
-        if self.limit_all_gathers is False:
-            note_limit_all_gathers("FullyShardedDataParallelPlugin")
-        if self.param_init_fn is not None:
-            note("FullyShardedDataParallelPlugin.param_init_fn is not called: FSDP2 materializes meta-device modules "
-                 "with to_empty() and receives rank 0's weights")
-        if self.ignored_modules:
-            raise ConfigError("FullyShardedDataParallelPlugin.ignored_modules is not supported by hf_backend's FSDP2 "
-                              "strategy; freeze those parameters (requires_grad=False) instead")
-        for name in ("state_dict_config", "optim_state_dict_config"):
-            config = getattr(self, name)
-            if config is not None and getattr(config, "rank0_only", False):
-                note(f"FullyShardedDataParallelPlugin.{name}(rank0_only=True): full states are gathered to rank 0 "
-                     "for saving in any case")
-        return FsdpOptions.from_section(FsdpSection(**values), set(values), self.mixed_precision_policy)
+
+def fsdp_options(source: Any) -> FsdpOptions:
+    """What `Accelerator(fsdp_plugin=...)` was given, as options: FsdpOptions as they are (TrainingArguments made
+    them), a plugin (ours or Accelerate's) converted once."""
+    if isinstance(source, FsdpOptions):
+        return source
+    return FullyShardedDataParallelPlugin.from_object(source).resolved()
+
+
+def _check_fsdp1_fields(plugin: FullyShardedDataParallelPlugin) -> None:
+    """The plugin's FSDP1 fields that FSDP2 has no use for: a note for each one set, an error for
+    ignored_modules."""
+    if plugin.limit_all_gathers is False:
+        note_limit_all_gathers("FullyShardedDataParallelPlugin")
+    if plugin.param_init_fn is not None:
+        note(_NO_PARAM_INIT)
+    if plugin.ignored_modules:
+        raise ConfigError(_NO_IGNORED_MODULES)
+    for name in ("state_dict_config", "optim_state_dict_config"):
+        config = getattr(plugin, name)
+        if config is not None and getattr(config, "rank0_only", False):
+            note(f"FullyShardedDataParallelPlugin.{name}(rank0_only=True): full states are gathered to rank 0 "
+                 "for saving in any case")
 
 
 def note_limit_all_gathers(where: str) -> None:
     """limit_all_gathers=False (a plugin field, and a key of transformers' flat options) has nothing to turn off."""
     note(f"{where}: limit_all_gathers=False: FSDP2 always limits in-flight all-gathers")
-
-
-_RESHARDING = ("FULL_SHARD", "HYBRID_SHARD")  # the FSDP1 strategies that free gathered parameters after forward
-
-
-@dataclass(frozen=True)
-class FsdpOptions:
-    """The FSDP options, resolved once where they enter (`FullyShardedDataParallelPlugin.resolved`, `from_section`):
-    the one value the FSDP strategy runs from. Accelerate's plugin field names, canonical values (the config schema's
-    choices: FsdpSection); fsdp_version is 2, the only implementation."""
-
-    sharding_strategy: str
-    reshard_after_forward: bool
-    cpu_offload: bool
-    auto_wrap_policy: str
-    transformer_cls_names_to_wrap: str | None  # comma-separated; None: the model's _no_split_modules
-    min_num_params: int
-    backward_prefetch: str
-    forward_prefetch: bool | None
-    state_dict_type: str
-    cpu_ram_efficient_loading: bool
-    sync_module_states: bool
-    use_orig_params: bool
-    activation_checkpointing: bool
-    mixed_precision_policy: Any = None  # a MixedPrecisionPolicy (or its dtypes); None: autocast, as elsewhere
-    fsdp_version: int = 2
-
-    @classmethod
-    def of(cls, source: Any) -> FsdpOptions:
-        """The options of a plugin (ours or Accelerate's); options are returned as they are."""
-        if isinstance(source, FsdpOptions):
-            return source
-        return FullyShardedDataParallelPlugin.from_object(source).resolved()
-
-    @classmethod
-    def from_section(cls, section: FsdpSection, given: set[str], mixed_precision_policy: Any = None) -> FsdpOptions:
-        """A validated `fsdp_config:` section; `given`: the keys that were set (reshard_after_forward follows from the
-        sharding strategy unless given)."""
-        values = {field: getattr(section, key) for field, key in _KEYS.items() if field != "fsdp_version"}
-        if not section.fsdp_use_orig_params:
-            note("fsdp use_orig_params=False has no FSDP2 meaning: parameters stay as they are (sharded as DTensors)")
-        if "fsdp_reshard_after_forward" not in given:
-            values["reshard_after_forward"] = section.fsdp_sharding_strategy in _RESHARDING
-        return cls(**values, mixed_precision_policy=mixed_precision_policy)
-
-    def with_sharding_strategy(self, strategy: str, reshard_given: bool) -> FsdpOptions:
-        """These options under another sharding strategy (reshard_after_forward following it unless given)."""
-        reshard = self.reshard_after_forward if reshard_given else strategy in _RESHARDING
-        return dataclasses.replace(self, sharding_strategy=strategy, reshard_after_forward=reshard)
-
-    def as_plugin(self) -> FullyShardedDataParallelPlugin:
-        """The plugin `accelerator.state.fsdp_plugin` and `TrainingArguments.fsdp_plugin` show."""
-        return FullyShardedDataParallelPlugin(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
-
-    def as_config(self) -> dict[str, Any]:
-        """The options under the config file's keys (`TrainingArguments.fsdp_config`)."""
-        return {key: getattr(self, field) for field, key in _KEYS.items()}
 
 
 # torch's FSDP1 wrap-policy functions, which Accelerate's plugin turns policy names into
@@ -223,8 +179,6 @@ def _plain(value: Any) -> Any:
     if hasattr(value, "name") and hasattr(value, "value") and not isinstance(value, (str, int)):
         return value.name
     return value
-
-
 
 
 @dataclass
@@ -366,4 +320,4 @@ class DeepSpeedPlugin:
         return config
 
 
-__all__ = ["ConfigError", "DeepSpeedPlugin", "FsdpOptions", "FullyShardedDataParallelPlugin"]
+__all__ = ["ConfigError", "DeepSpeedPlugin", "FullyShardedDataParallelPlugin", "fsdp_options"]

@@ -11,50 +11,57 @@ out and contradicting it is an error. `deepspeed` may be a DeepSpeed JSON path, 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from typing import Any
 
 from ..log import note
+from .fsdp import FsdpOptions, given_in_section
 from .loader import ConfigError, read_mapping, validate, validate_section
-from .plugins import DeepSpeedPlugin, FsdpOptions, FullyShardedDataParallelPlugin, note_limit_all_gathers
+from .plugins import DeepSpeedPlugin, FullyShardedDataParallelPlugin, note_limit_all_gathers
 from .schema import FsdpSection
 
-_FSDP_WORDS = {  # word: (config key, options field, value)
-    "full_shard": ("fsdp_sharding_strategy", "sharding_strategy", "FULL_SHARD"),
-    "shard_grad_op": ("fsdp_sharding_strategy", "sharding_strategy", "SHARD_GRAD_OP"),
-    "no_shard": ("fsdp_sharding_strategy", "sharding_strategy", "NO_SHARD"),
-    "hybrid_shard": ("fsdp_sharding_strategy", "sharding_strategy", "HYBRID_SHARD"),
-    "hybrid_shard_zero2": ("fsdp_sharding_strategy", "sharding_strategy", "HYBRID_SHARD_ZERO2"),
-    "offload": ("fsdp_offload_params", "cpu_offload", True),
-    "auto_wrap": ("fsdp_auto_wrap_policy", "auto_wrap_policy", "TRANSFORMER_BASED_WRAP"),
+_FSDP_WORDS = {  # word: (options field, value)
+    "full_shard": ("sharding_strategy", "FULL_SHARD"),
+    "shard_grad_op": ("sharding_strategy", "SHARD_GRAD_OP"),
+    "no_shard": ("sharding_strategy", "NO_SHARD"),
+    "hybrid_shard": ("sharding_strategy", "HYBRID_SHARD"),
+    "hybrid_shard_zero2": ("sharding_strategy", "HYBRID_SHARD_ZERO2"),
+    "offload": ("cpu_offload", True),
+    "auto_wrap": ("auto_wrap_policy", "TRANSFORMER_BASED_WRAP"),
 }
 _XLA_KEYS = ("xla", "xla_fsdp_v2", "xla_fsdp_grad_ckpt", "xla_fsdp_settings")
 
 
 def fsdp_options_from_arguments(fsdp: Any, fsdp_config: Any) -> FsdpOptions | None:
-    """The FSDP options TrainingArguments(fsdp=..., fsdp_config=...) ask for, resolved (once); None when FSDP is
+    """The FSDP options TrainingArguments(fsdp=..., fsdp_config=...) ask for, converted once; None when FSDP is
     off."""
     if not fsdp and fsdp_config in (None, {}):
         return None
-    source = "fsdp_config"
+    source = str(fsdp_config) if isinstance(fsdp_config, (str, os.PathLike)) else "fsdp_config"
+    given = _given_options(fsdp_config, source)
+    return FsdpOptions(**{**given, **_word_options(fsdp, given, source)})
+
+
+def _given_options(fsdp_config: Any, source: str) -> dict[str, Any]:
+    """The options `fsdp_config` gives, checked, by FsdpOptions' field names."""
     if fsdp_config is None:
-        options, given = FsdpOptions.from_section(FsdpSection(), set()), set()
-    elif isinstance(fsdp_config, (str, os.PathLike, dict)):
-        raw = fsdp_config
-        if not isinstance(fsdp_config, dict):
-            source = str(fsdp_config)
-            raw = read_mapping(fsdp_config)
-        if "fsdp_config" in raw or "distributed_type" in raw:
-            section, given = _from_launch_config(raw, source)
-        else:
-            section, given = validate_section(_split_flat(raw, source), FsdpSection, source)
-        options = FsdpOptions.from_section(section, given)
+        return {}
+    if isinstance(fsdp_config, (str, os.PathLike)):
+        return _given_in_mapping(read_mapping(fsdp_config), source)
+    if isinstance(fsdp_config, dict):
+        return _given_in_mapping(fsdp_config, source)
+    plugin = FullyShardedDataParallelPlugin.from_object(fsdp_config)  # ours, or Accelerate's read by its fields
+    return plugin.given_options()
+
+
+def _given_in_mapping(raw: Any, source: str) -> dict[str, Any]:
+    """A launch config's FSDP section (`hf-backend config`, `accelerate config`), or transformers' flat options."""
+    if isinstance(raw, dict) and ("fsdp_config" in raw or "distributed_type" in raw):
+        section = _launch_config_section(raw, source)
     else:
-        plugin = FullyShardedDataParallelPlugin.from_object(fsdp_config)
-        options, given = plugin.resolved(), plugin.given_options()
-    return _apply_words(options, _fsdp_words(fsdp), given, source)
+        section = validate_section(_split_flat(raw, source), FsdpSection, source)
+    return given_in_section(section)
 
 
 def _fsdp_words(fsdp: Any) -> list[str]:
@@ -65,20 +72,17 @@ def _fsdp_words(fsdp: Any) -> list[str]:
     return []
 
 
-def _apply_words(options: FsdpOptions, words: list[str], given: set[str], source: str) -> FsdpOptions:
-    """transformers' option words over the options; `given`: the config keys the options were given."""
-    for word in words:
+def _word_options(fsdp: Any, given: dict[str, Any], source: str) -> dict[str, Any]:
+    """transformers' option words as options: they fill what `given` leaves out; contradicting it is an error."""
+    options = {}
+    for word in _fsdp_words(fsdp):
         if word not in _FSDP_WORDS:
             raise ConfigError(f"fsdp={word!r} is not an FSDP option; use fsdp=True or one of "
                               f"{', '.join(_FSDP_WORDS)}")
-        key, field, value = _FSDP_WORDS[word]
-        if key in given and getattr(options, field) != value:
-            raise ConfigError(f"fsdp={word!r} contradicts {source}'s {key.removeprefix('fsdp_')}="
-                              f"{getattr(options, field)!r}; keep one")
-        if field == "sharding_strategy":
-            options = options.with_sharding_strategy(value, "fsdp_reshard_after_forward" in given)
-        else:
-            options = dataclasses.replace(options, **{field: value})
+        field, value = _FSDP_WORDS[word]
+        if given.get(field, value) != value:
+            raise ConfigError(f"fsdp={word!r} contradicts {source}'s {field}={given[field]!r}; keep one")
+        options[field] = value
     return options
 
 
@@ -101,8 +105,8 @@ def _split_flat(raw: Any, source: str) -> dict[str, Any]:
     return flat
 
 
-def _from_launch_config(raw: dict[str, Any], source: str) -> tuple[FsdpSection, set[str]]:
-    """The FSDP section of a launch config file, and the keys it gives (the others keep their derived defaults)."""
+def _launch_config_section(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    """The keys the FSDP section of a launch config file gives (the others keep their derived defaults)."""
     config = validate(raw, source=source)
     if config.distributed_type != "FSDP":
         raise ConfigError(f"{source} sets distributed_type: {config.distributed_type}, not FSDP; pass an FSDP config "
@@ -113,7 +117,7 @@ def _from_launch_config(raw: dict[str, Any], source: str) -> tuple[FsdpSection, 
     if launch_only:
         note(f"fsdp_config={source}: its FSDP section is used here; {', '.join(launch_only)} take effect when the file "
              "is given to `hf-backend launch --config_file`")
-    return config.fsdp, set(config.fsdp_config)
+    return config.fsdp_config
 
 
 def deepspeed_config_from_argument(deepspeed: Any) -> dict[str, Any]:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from ..config.backend import DATA_PARALLEL, Backend
+from ..config.fsdp import FsdpOptions
 from ..config.parallelism import MeshShape
-from ..config.plugins import FsdpOptions, FullyShardedDataParallelPlugin
 from ..errors import HfBackendError
 from ..gradient_state import GradientState
 from ..log import note
@@ -34,8 +34,7 @@ def select_strategy(process: ProcessState, precision: Precision, handlers: Handl
             raise HfBackendError("parallelism_config with DeepSpeed: hf_backend applies tensor and context "
                                  "parallelism on its native path; drop deepspeed (shard with dp_shard_size) or "
                                  "parallelism_config")
-        options = backend.fsdp or FsdpOptions.of(FullyShardedDataParallelPlugin())
-        return FSDPStrategy(process, precision, handlers, options, shape)
+        return FSDPStrategy(process, precision, handlers, backend.fsdp or FsdpOptions(), shape)
     if backend.fsdp is not None:
         if process.distributed:
             return FSDPStrategy(process, precision, handlers, backend.fsdp)

@@ -38,7 +38,6 @@ class Strategy:
     """Defaults are those of a plain, unwrapped model on one device; subclasses override what they change."""
 
     distributed_type = DistributedType.NO
-    plugin: Any = None  # the FSDP / DeepSpeed plugin in effect, as `accelerator.state` shows it
 
     def __init__(self, process: ProcessState, precision: Precision, handlers: Handlers) -> None:
         self.process = process

@@ -22,8 +22,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 
 from ..config.environment import set_ram_efficient_loading_variables
+from ..config.fsdp import FsdpOptions
 from ..config.parallelism import MeshShape
-from ..config.plugins import FsdpOptions, FullyShardedDataParallelPlugin
 from ..device_mesh import build_mesh
 from ..errors import HfBackendError
 from ..log import note
@@ -40,12 +40,12 @@ from .tensor_parallel import apply_tensor_parallel, is_tensor_parallel
 class FSDPStrategy(Strategy):
     distributed_type = DistributedType.FSDP
 
-    def __init__(self, process: ProcessState, precision: Precision, handlers: Handlers,
-                 fsdp: FsdpOptions | FullyShardedDataParallelPlugin, shape: MeshShape | None = None) -> None:
-        """`fsdp`: the options `config.backend.choose_backend` resolved (a plugin, ours or Accelerate's, is resolved
-        here); `shape`: the process grid a ParallelismConfig asked for (else the sharding strategy's)."""
+    def __init__(self, process: ProcessState, precision: Precision, handlers: Handlers, options: FsdpOptions,
+                 shape: MeshShape | None = None) -> None:
+        """`options`: what `config.backend.choose_backend` resolved; `shape`: the process grid a
+        ParallelismConfig asked for (else the sharding strategy's)."""
         super().__init__(process, precision, handlers)
-        self.options = FsdpOptions.of(fsdp)
+        self.options = options
         self.shape = shape or MeshShape.for_fsdp(self.options.sharding_strategy, process.num_processes,
                                                  process.local_num_processes)
         self.mesh = build_mesh(self.shape, process.device.type)
@@ -53,7 +53,6 @@ class FSDPStrategy(Strategy):
         self.cp_mesh = self.mesh["cp"]
         self._data_shard = data_shard(self.mesh, self.shape)
         self._sequences_split = False  # inside maybe_context_parallel
-        self.plugin = self.options.as_plugin()  # what accelerator.state.fsdp_plugin shows
         self.sharded_checkpoints = self.options.state_dict_type != "FULL_STATE_DICT"
         if self.options.cpu_ram_efficient_loading:
             set_ram_efficient_loading_variables()
@@ -211,7 +210,7 @@ class FSDPStrategy(Strategy):
         return clip_grad_norm(parameters, max_norm, norm_type)
 
     def state_plugins(self) -> dict[str, Any]:
-        return {"fsdp_plugin": self.plugin}
+        return {"fsdp_plugin": self.options}  # Accelerate's plugin attribute names, read as they are
 
     def join(self, joinables: list) -> contextlib.AbstractContextManager:
         raise HfBackendError("join_uneven_inputs is supported with DDP only: under FSDP a process that runs out of "

@@ -29,6 +29,7 @@ from transformers.trainer_pt_utils import AcceleratorConfig
 from .. import accelerate_state, checks
 from ..config import environment as env
 from ..config.backend import TRAINING_ARGUMENTS, choose_backend
+from ..config.fsdp import FsdpOptions
 from ..config.loader import ConfigError
 from ..config.parallelism import ParallelismConfig
 from ..config.plugins import DeepSpeedPlugin
@@ -43,7 +44,7 @@ class TrainingArguments(engine_named(transformers.TrainingArguments)):
     async_save: bool = dataclasses.field(default=False, metadata={"help": (
         "hf_backend: a checkpoint's large files are copied to host memory and written in the background while "
         "training goes on; the checkpoint counts (trainer_state.json, rotation) once every file is written")})
-    fsdp_options = None  # the FSDP options resolved once (config.plugins.FsdpOptions), set by _process_fsdp_args
+    fsdp_options = None  # the FSDP options resolved once (config.fsdp.FsdpOptions), set by _process_fsdp_args
 
     def __post_init__(self) -> None:
         for name in ("gradient_accumulation_steps", "per_device_train_batch_size", "per_device_eval_batch_size"):
@@ -92,17 +93,19 @@ class TrainingArguments(engine_named(transformers.TrainingArguments)):
         self._n_gpu = 1 if self.distributed_state.device.type == "cuda" else 0  # never torch's DataParallel
         return self.distributed_state.device
 
+    @property
+    def fsdp_plugin(self) -> FsdpOptions | None:
+        """The FSDP options under Accelerate's name (as `accelerator.state.fsdp_plugin` shows them)."""
+        return self.fsdp_options
+
     def _process_fsdp_args(self) -> None:
         """Called by transformers' __post_init__: the options (the launcher's, or these arguments' read now, once),
-        which the Trainer hands to the Accelerator, shown as `fsdp_plugin` (Accelerate's plugin) and `fsdp_config` (the
-        options in effect, a plain dict); transformers' own plugin arguments stay None (its Accelerate path is
-        unused)."""
-        self.fsdp_options = self._backend.fsdp or fsdp_options_from_arguments(self.fsdp, self.fsdp_config)
-        options = self.fsdp_options
-        self.fsdp_plugin = options.as_plugin() if options is not None else None
+        which the Trainer hands to the Accelerator, shown as `fsdp_plugin` and, as a plain dict, `fsdp_config`;
+        transformers' own plugin arguments stay None (its Accelerate path is unused)."""
+        self.fsdp_options = options = self._backend.fsdp or fsdp_options_from_arguments(self.fsdp, self.fsdp_config)
         if options is None:
             return None
-        self.fsdp_config = options.as_config()
+        self.fsdp_config = options.to_dict()
         # transformers' Trainer refuses FSDP in one process; the engine trains unsharded there, with a note.
         self.fsdp = self.world_size > 1
         return None

@@ -73,7 +73,7 @@ def nccl_of_one():
 def _fsdp(process: ProcessState, **options) -> FSDPStrategy:
     plugin = FullyShardedDataParallelPlugin(auto_wrap_policy="TRANSFORMER_BASED_WRAP",
                                             transformer_cls_names_to_wrap=["BertLayer"], **options)
-    return FSDPStrategy(process, Precision("no", process.device), Handlers(), plugin)
+    return FSDPStrategy(process, Precision("no", process.device), Handlers(), plugin.resolved())
 
 
 def _prepare(strategy, model, optimizer):
@@ -121,7 +121,7 @@ def test_fsdp2_cpu_ram_efficient_loading_and_sharded_state_read_mapped_on_the_gp
         monkeypatch.setenv(name, "true")
     plugin = FullyShardedDataParallelPlugin(auto_wrap_policy="TRANSFORMER_BASED_WRAP",
                                             transformer_cls_names_to_wrap=["BertLayer"], cpu_ram_efficient_loading=True)
-    strategy = FSDPStrategy(nccl_of_one, Precision("bf16", CUDA0), Handlers(), plugin)
+    strategy = FSDPStrategy(nccl_of_one, Precision("bf16", CUDA0), Handlers(), plugin.resolved())
     model = tiny_bert(dropout=0.0).to(torch.bfloat16)
     expected = _full(model.state_dict())
     model, _ = _prepare(strategy, model, torch.optim.AdamW(model.parameters(), lr=1e-3))
