@@ -53,6 +53,7 @@ from .state import (
     shutdown_process_group,
 )
 from .strategies import select_strategy
+from .strategies.capabilities import Joinable, ValueClipping, capability
 from .trigger import Trigger, uneven_inputs
 from .unwrap import is_compiled_module
 
@@ -372,10 +373,11 @@ class Accelerator(ProcessView, compat.AccelerateMembers, elastic.ElasticMembers)
 
     def clip_grad_value_(self, parameters: Iterable[torch.nn.Parameter], clip_value: float) -> None:
         checks.number(clip_value, "clip_grad_value_ clip_value", positive=True)
+        clipping = capability(self.strategy, ValueClipping)  # DeepSpeed clips by norm only
         if not self.sync_gradients:
             return
         self.unscale_gradients()
-        self.strategy.clip_grad_value_(parameters, clip_value)
+        clipping.clip_grad_value_(parameters, clip_value)
 
     def autocast(self, autocast_handler: Any = None) -> contextlib.AbstractContextManager:
         return self.precision.autocast(enabled=getattr(autocast_handler, "enabled", True))
@@ -482,7 +484,8 @@ class Accelerator(ProcessView, compat.AccelerateMembers, elastic.ElasticMembers)
     def join_uneven_inputs(self, joinables: list, even_batches: bool | None = None) -> Iterator[None]:
         """Train on loaders whose processes run out at different steps (torch's Join for DDP models); `even_batches`
         overrides the prepared loaders' setting inside the block."""
-        with uneven_inputs(self.strategy, joinables, self._objects.dataloaders, even_batches):
+        joinable = capability(self.strategy, Joinable)  # FSDP and DeepSpeed cannot: one line says so
+        with uneven_inputs(joinable, joinables, self._objects.dataloaders, even_batches):
             yield
 
     def trigger_sync_in_backward(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:

@@ -16,12 +16,14 @@ import torch.distributed as dist
 
 from hf_backend.checkpoint import CheckpointIO, manifest
 from hf_backend.config.plugins import DeepSpeedPlugin, FullyShardedDataParallelPlugin
+from hf_backend.errors import HfBackendError
 from hf_backend.gradient_state import GradientState
 from hf_backend.options import GradientAccumulationPlugin, Handlers
 from hf_backend.precision import Precision
 from hf_backend.prepared import PreparedObjects
 from hf_backend.state import ProcessState
 from hf_backend.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, SingleDeviceStrategy
+from hf_backend.strategies.capabilities import Joinable, ValueClipping, capability
 
 STRATEGIES = ["single", "ddp", "fsdp_full", "fsdp_sharded", "zero2", "zero3"]
 
@@ -116,6 +118,26 @@ def test_reset_releases_the_model(world_of_one, kind):
     del model, optimizer
     gc.collect()
     assert probe() is None, gc.get_referrers(probe())
+
+
+@pytest.mark.parametrize("kind", STRATEGIES)
+def test_what_a_strategy_cannot_do_is_a_capability_it_lacks_refused_in_one_line(world_of_one, kind):
+    """join_uneven_inputs and clip_grad_value_ are capabilities a strategy has or lacks, not members it overrides
+    only to raise; `capability` refuses in one line naming the strategy and the fix."""
+    strategy = make_strategy(kind, world_of_one)
+    joins, clips = kind in ("single", "ddp"), not kind.startswith("zero")
+    assert (isinstance(strategy, Joinable), isinstance(strategy, ValueClipping)) == (joins, clips)
+    name = "FSDP" if kind.startswith("fsdp") else "DeepSpeed"
+    if not joins:
+        with pytest.raises(HfBackendError, match=rf"^join_uneven_inputs is supported with DDP only: under {name} a "
+                                                 r"process that runs out of data would hang the others; use "
+                                                 r"even_batches=True \(the default\) instead$"):
+            capability(strategy, Joinable)
+    if not clips:
+        with pytest.raises(HfBackendError, match=r"^clip_grad_value_ is not available with DeepSpeed; clip by norm "
+                                                 r"instead \(clip_grad_norm_; DeepSpeed: set gradient_clipping in "
+                                                 r"its config\)$"):
+            capability(strategy, ValueClipping)
 
 
 @pytest.mark.parametrize("kind", ["single", "ddp", "fsdp_full"])

@@ -3,7 +3,8 @@
 The Accelerator picks a strategy once and routes every model-touching call through it; it never asks which one it
 has. `setup` prepares what one `prepare` call was given, jointly (as a Lightning Fabric strategy does): the native
 strategies build it from `setup_model` / `setup_optimizer` / `setup_scheduler`; DeepSpeed builds one engine from all
-of it and hands back optimizers it steps itself (optim.EngineStepped).
+of it and hands back optimizers it steps itself (optim.EngineStepped). What only some strategies can do
+(`join_uneven_inputs`, `clip_grad_value_`) is an optional capability (capabilities.py), not a member here.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
-from torch.distributed.algorithms.join import Join
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -25,7 +25,6 @@ from torch.distributed.checkpoint.state_dict import (
 
 from ..config.parallelism import loaded_shape
 from ..errors import HfBackendError
-from ..log import note
 from ..optim import DummyScheduler
 from ..options import Handlers
 from ..precision import Precision
@@ -115,13 +114,6 @@ class Strategy:
         """A block whose backward synchronizes although it runs under `no_sync` (only DDP needs to do anything)."""
         return contextlib.nullcontext()
 
-    def join(self, joinables: list) -> contextlib.AbstractContextManager:
-        """Context for processes whose loaders run out at different steps. One process has nothing to join."""
-        if not self.process.distributed:
-            note("join_uneven_inputs in a single process: nothing to join")
-            return contextlib.nullcontext()
-        return Join(joinables)
-
     def state_plugins(self) -> dict[str, Any]:
         """The plugin `accelerator.state` shows, under Accelerate's name (fsdp_plugin, deepspeed_plugin)."""
         return {}
@@ -129,9 +121,6 @@ class Strategy:
     def clip_grad_norm_(self, parameters: Iterable[torch.nn.Parameter], max_norm: float,
                         norm_type: float = 2.0) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(list(parameters), max_norm, norm_type=norm_type)
-
-    def clip_grad_value_(self, parameters: Iterable[torch.nn.Parameter], clip_value: float) -> None:
-        torch.nn.utils.clip_grad_value_(list(parameters), clip_value)
 
     # -- state -------------------------------------------------------------------------------------------------------
     # What a model's and optimizer's state is, through torch's distributed state-dict API; hf_backend.checkpoint

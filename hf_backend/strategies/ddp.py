@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 
 from ..enums import DDPCommunicationHookType as Hook
@@ -18,6 +19,7 @@ from ..errors import HfBackendError
 from ..options import DistributedDataParallelKwargs
 from ..state import DistributedType
 from .base import Strategy
+from .capabilities import Joinable, ValueClipping
 
 _POWER_SGD = (Hook.POWER_SGD, Hook.BATCHED_POWER_SGD)
 _HOOKS = {Hook.FP16: default_hooks.fp16_compress_hook, Hook.BF16: default_hooks.bf16_compress_hook,
@@ -25,7 +27,7 @@ _HOOKS = {Hook.FP16: default_hooks.fp16_compress_hook, Hook.BF16: default_hooks.
 _WRAPPERS = {Hook.FP16: default_hooks.fp16_compress_wrapper, Hook.BF16: default_hooks.bf16_compress_wrapper}
 
 
-class DDPStrategy(Strategy):
+class DDPStrategy(Strategy, Joinable, ValueClipping):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._unprobed: list[DistributedDataParallel] = []  # find_unused_parameters=None, first step not taken yet
@@ -93,6 +95,9 @@ class DDPStrategy(Strategy):
 
     def is_wrapper(self, model: torch.nn.Module) -> bool:
         return isinstance(model, DistributedDataParallel)
+
+    def join(self, joinables: list) -> contextlib.AbstractContextManager:
+        return Join(joinables)
 
     def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
         return model.no_sync() if isinstance(model, DistributedDataParallel) else contextlib.nullcontext()

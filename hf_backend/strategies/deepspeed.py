@@ -9,7 +9,6 @@ the optimizer step at the window's end (the Accelerator tells it where that is).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -229,13 +228,11 @@ class DeepSpeedStrategy(Strategy):
 
     # -- training step -----------------------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, accumulation_steps: int, sync: bool, **kwargs: Any) -> None:
-        # The engine divides by its gradient_accumulation_steps itself: the loss is divided exactly once.
+        # The engine divides by its gradient_accumulation_steps itself: the loss is divided exactly once; it
+        # reduces gradients only at the window's end, so `no_sync` has nothing to do (the base's null context).
         self.engine.set_gradient_accumulation_boundary(sync)
         self.engine.backward(loss, **kwargs)
         self.engine.step()
-
-    def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()  # the engine reduces only at the window's end
 
     def clip_grad_norm_(self, parameters: Iterable[torch.nn.Parameter], max_norm: float,
                         norm_type: float = 2.0) -> torch.Tensor:
@@ -249,14 +246,6 @@ class DeepSpeedStrategy(Strategy):
 
     def state_plugins(self) -> dict[str, Any]:
         return {"deepspeed_plugin": self.plugin}
-
-    def join(self, joinables: list) -> contextlib.AbstractContextManager:
-        raise HfBackendError("join_uneven_inputs is supported with DDP only: under DeepSpeed a process that runs out "
-                             "of data would hang the others; use even_batches=True (the default) instead")
-
-    def clip_grad_value_(self, parameters: Iterable[torch.nn.Parameter], clip_value: float) -> None:
-        raise HfBackendError("clip_grad_value_ is not available with DeepSpeed; set gradient_clipping (a norm) in "
-                             "its config")
 
     def is_wrapper(self, model: torch.nn.Module) -> bool:
         return model is self.engine

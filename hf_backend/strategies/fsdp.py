@@ -31,13 +31,14 @@ from ..options import Handlers
 from ..precision import Precision, dtype_of
 from ..state import DistributedType, ProcessState
 from .base import Strategy
+from .capabilities import ValueClipping
 from .context_parallel import apply_context_parallel, check_inputs, split_sequences
 from .fsdp_overlap import schedule
 from .mesh import DataShard, data_shard, fsdp_mesh
 from .tensor_parallel import apply_tensor_parallel, is_tensor_parallel
 
 
-class FSDPStrategy(Strategy):
+class FSDPStrategy(Strategy, ValueClipping):
     distributed_type = DistributedType.FSDP
 
     def __init__(self, process: ProcessState, precision: Precision, handlers: Handlers, options: FsdpOptions,
@@ -212,11 +213,8 @@ class FSDPStrategy(Strategy):
     def state_plugins(self) -> dict[str, Any]:
         return {"fsdp_plugin": self.options}  # Accelerate's plugin attribute names, read as they are
 
-    def join(self, joinables: list) -> contextlib.AbstractContextManager:
-        raise HfBackendError("join_uneven_inputs is supported with DDP only: under FSDP a process that runs out of "
-                             "data would hang the others; use even_batches=True (the default) instead")
-
     def clip_grad_value_(self, parameters: Iterable[torch.nn.Parameter], clip_value: float) -> None:
+        """Each process clamps its own shards: element-wise clipping needs no communication."""
         for p in parameters:
             if p.grad is not None:
                 local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
+from ..log import note
 from .base import Strategy
+from .capabilities import Joinable, ValueClipping
 
 
-class SingleDeviceStrategy(Strategy):
+class SingleDeviceStrategy(Strategy, Joinable, ValueClipping):
+    def join(self, joinables: list) -> contextlib.AbstractContextManager:
+        note("join_uneven_inputs in a single process: nothing to join")
+        return contextlib.nullcontext()
+
     def setup_model(self, model: torch.nn.Module, device_placement: bool = True,
                     evaluation_mode: bool = False) -> torch.nn.Module:
         model = super().setup_model(model, device_placement)

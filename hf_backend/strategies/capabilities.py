@@ -1,0 +1,54 @@
+"""What some strategies can do and others cannot, as small interfaces a strategy has or lacks (Lightning Fabric's
+`_Sharded`, `_BackwardSyncControl`), instead of methods a strategy overrides only to raise.
+
+`capability(strategy, Joinable)` hands the strategy back as that interface, or refuses in one line naming the call
+and the fix: the one place such refusals are written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from typing import Any, TypeVar
+
+import torch
+
+from ..errors import HfBackendError
+
+
+class Joinable(ABC):
+    """Processes whose loaders run out at different steps keep training until all are done (`join_uneven_inputs`,
+    torch's Join); a sharded strategy cannot, since a process out of data would leave the others' collectives
+    waiting."""
+
+    @abstractmethod
+    def join(self, joinables: list) -> contextlib.AbstractContextManager:
+        """The context the training loop runs in."""
+
+
+class ValueClipping:
+    """Gradients clipped element-wise (`clip_grad_value_`), by default with torch's function; an engine that clips
+    by norm itself has no such step."""
+
+    def clip_grad_value_(self, parameters: Iterable[torch.nn.Parameter], clip_value: float) -> None:
+        torch.nn.utils.clip_grad_value_(list(parameters), clip_value)
+
+
+_REFUSALS = {
+    Joinable: "join_uneven_inputs is supported with DDP only: under {name} a process that runs out of data would "
+              "hang the others; use even_batches=True (the default) instead",
+    ValueClipping: "clip_grad_value_ is not available with {name}; clip by norm instead (clip_grad_norm_; "
+                   "DeepSpeed: set gradient_clipping in its config)",
+}
+_NAMES = {"DEEPSPEED": "DeepSpeed"}  # as a strategy is called in messages, by its distributed type
+
+Capability = TypeVar("Capability")
+
+
+def capability(strategy: Any, kind: type[Capability]) -> Capability:
+    """`strategy` as the capability `kind`; a strategy without it is refused in one line."""
+    if not isinstance(strategy, kind):
+        shown = str(getattr(strategy.distributed_type, "value", strategy.distributed_type))
+        raise HfBackendError(_REFUSALS[kind].format(name=_NAMES.get(shown, shown)))
+    return strategy
