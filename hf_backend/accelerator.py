@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader
 from torch.utils.hooks import RemovableHandle
 
-from . import accelerate_state, checkpoint, checks, collectives, compat, elastic
+from . import accelerate_state, checkpoint, checks, collectives, compat, elastic, rank0_loading
 from .config import environment as env
 from .config.backend import choose_backend
 from .data import PreparedDataLoader, prepare_dataloader, skip_first_batches
@@ -144,6 +144,8 @@ class Accelerator(ProcessView, compat.AccelerateMembers, elastic.ElasticMembers)
         self._parallelism_shape = env.parallelism_shape(parallelism_config, self.process.num_processes)
         self.strategy = select_strategy(self.process, self.precision, self.handlers, backend, self.gradient_state,
                                         self.dataloader_config.split_batches, self._parallelism_shape)
+        if self.strategy.receives_rank0_weights:  # asked for: from_pretrained may load on rank 0 only
+            rank0_loading.tell_transformers()
         self._config_mesh = compat.config_mesh(self)  # a grid of replicas only (DDP) still has Accelerate's mesh
         self._objects = PreparedObjects()
         self.checkpoint_io = checkpoint.CheckpointIO(self.process, self.strategy, self.precision, self._objects,

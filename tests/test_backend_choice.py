@@ -16,7 +16,6 @@ from hf_backend import DeepSpeedPlugin, FullyShardedDataParallelPlugin, HfBacken
 from hf_backend.config import backend as backend_module
 from hf_backend.config import environment as env
 from hf_backend.config.backend import ACCELERATOR, TRAINING_ARGUMENTS, choose_backend
-from hf_backend.config.fsdp import FsdpOptions
 from hf_backend.config.loader import validate
 from hf_backend.config.plugins import fsdp_options
 from hf_backend.enums import DistributedType
@@ -40,8 +39,8 @@ def own_notes(monkeypatch) -> None:
 
 @pytest.fixture
 def loading_variables(monkeypatch) -> None:
-    """The variables FSDP's cpu_ram_efficient_loading sets, unset now and after the test (processes that tests
-    start inherit os.environ)."""
+    """The variables an Accelerator with FSDP's cpu_ram_efficient_loading sets, unset now and after the test
+    (processes that tests start inherit os.environ)."""
     for name in ("ACCELERATE_USE_FSDP", "FSDP_CPU_RAM_EFFICIENT_LOADING"):
         monkeypatch.setenv(name, "")  # recorded, so the undo removes what the test's code sets
         monkeypatch.delenv(name)
@@ -177,10 +176,28 @@ def test_a_deepspeed_config_file_is_json_whatever_its_name(tmp_path):
         DeepSpeedPlugin(hf_ds_config=str(tmp_path / "nowhere.json")).config()
 
 
-def test_cpu_ram_efficient_loading_sets_transformers_variables_keeping_a_launchers(loading_variables, monkeypatch,
-                                                                                  two_fake_processes):
+@pytest.fixture
+def no_process_state() -> None:
+    """No process state before the test (one an earlier test left would be one process), so that the next fixture
+    sets it up on its group and tears it down afterwards."""
+    from hf_backend.state import reset_process_state
+
+    reset_process_state()
+
+
+def test_cpu_ram_efficient_loading_is_told_to_transformers_by_the_accelerator_keeping_a_launchers(
+        loading_variables, monkeypatch, no_process_state, two_fake_processes):
+    """Plugins, options and strategies write no environment; the Accelerator built with the option sets the
+    variables transformers' from_pretrained reads, keeping a value a launcher or the user left."""
+    from hf_backend import Accelerator
+
+    plugin = FullyShardedDataParallelPlugin(cpu_ram_efficient_loading=True)
+    FSDPStrategy(TWO_CPU, Precision("no", TWO_CPU.device), Handlers(), plugin.resolved())
+    assert not {"ACCELERATE_USE_FSDP", "FSDP_CPU_RAM_EFFICIENT_LOADING"} & set(os.environ)
+    Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin())
+    assert not {"ACCELERATE_USE_FSDP", "FSDP_CPU_RAM_EFFICIENT_LOADING"} & set(os.environ)
     monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "false")  # as a launcher or the user left it
-    FSDPStrategy(TWO_CPU, Precision("no", TWO_CPU.device), Handlers(), FsdpOptions(cpu_ram_efficient_loading=True))
+    Accelerator(fsdp_plugin=plugin)
     assert os.environ["ACCELERATE_USE_FSDP"] == "true" and os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] == "false"
 
 

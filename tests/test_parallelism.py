@@ -271,10 +271,8 @@ def test_a_model_sharded_on_a_mesh_of_its_own_is_refused(two_fake_processes):
         strategy.setup_model(model)
 
 
-def test_cpu_ram_efficient_loading_of_a_model_sharded_by_from_pretrained_is_refused(two_fake_processes, monkeypatch):
+def test_cpu_ram_efficient_loading_of_a_model_sharded_by_from_pretrained_is_refused(two_fake_processes):
     """Rank 0 has no full weights to send when from_pretrained(tp_plan=...) already split them."""
-    for name in ("ACCELERATE_USE_FSDP", "FSDP_CPU_RAM_EFFICIENT_LOADING"):  # the strategy sets them: undone after
-        monkeypatch.setenv(name, "true")
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from hf_backend import HfBackendError

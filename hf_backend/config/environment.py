@@ -1,7 +1,7 @@
 """The environment variables through which a launcher hands settings to `Accelerator()` in each process.
 
 `hf-backend launch` writes them (`to_environment`); `Accelerator()` and `TrainingArguments` read them (`resolve`,
-`read_launch_config`). The two variables the FSDP strategy sets for transformers are here too, with the reason.
+`read_launch_config`). Nothing here writes `os.environ`.
 """
 
 from __future__ import annotations
@@ -126,16 +126,3 @@ def resolve(name: str, explicit: Any = None) -> Any:
         warn(f"{name}={explicit!r} given to Accelerator() overrides the launcher's {env_name}={raw}")
     return explicit
 
-
-def set_ram_efficient_loading_variables() -> None:
-    """FSDP with cpu_ram_efficient_loading, in more than one process: let transformers' `from_pretrained` build the
-    model without initializing its weights on ranks other than local rank 0 (it checks ACCELERATE_USE_FSDP and
-    FSDP_CPU_RAM_EFFICIENT_LOADING in `os.environ` at each call, where a process group is initialized).
-
-    Set for the rest of the process, and so inherited by processes it starts, as `accelerate launch` exports them
-    for the whole job and Accelerate's own Accelerator sets them in the process: `from_pretrained` may run at any
-    time after the FSDP strategy is built (before `prepare`, or again in the Trainer's `model_init`), and an
-    Accelerator has no end of life at which to unset them. A value already there (the launcher's, the user's) is
-    kept. The FSDP strategy's constructor is the only caller."""
-    os.environ.setdefault("ACCELERATE_USE_FSDP", "true")
-    os.environ.setdefault("FSDP_CPU_RAM_EFFICIENT_LOADING", "true")

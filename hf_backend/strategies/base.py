@@ -37,6 +37,9 @@ class Strategy:
     """Defaults are those of a plain, unwrapped model on one device; subclasses override what they change."""
 
     distributed_type = DistributedType.NO
+    # Ranks other than 0 may build the model without its weights (on the meta device): preparing it gives them
+    # rank 0's (FSDP's cpu_ram_efficient_loading).
+    receives_rank0_weights = False
 
     def __init__(self, process: ProcessState, precision: Precision, handlers: Handlers) -> None:
         self.process = process

@@ -21,7 +21,6 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from ..config.environment import set_ram_efficient_loading_variables
 from ..config.fsdp import FsdpOptions
 from ..config.parallelism import MeshShape
 from ..device_mesh import build_mesh
@@ -55,8 +54,7 @@ class FSDPStrategy(Strategy, ValueClipping):
         self._data_shard = data_shard(self.mesh, self.shape)
         self._sequences_split = False  # inside maybe_context_parallel
         self.sharded_checkpoints = self.options.state_dict_type != "FULL_STATE_DICT"
-        if self.options.cpu_ram_efficient_loading:
-            set_ram_efficient_loading_variables()
+        self.receives_rank0_weights = self.options.cpu_ram_efficient_loading
         self._new_params: dict[int, torch.nn.Parameter] = {}  # id(parameter before sharding) -> sharded one
         if self.options.backward_prefetch != "BACKWARD_PRE":
             note(f"fsdp backward_prefetch={self.options.backward_prefetch}: FSDP2 always prefetches the next "
@@ -71,7 +69,7 @@ class FSDPStrategy(Strategy, ValueClipping):
             return model
         sharded_by_transformers = is_tensor_parallel(model, self.mesh["tp"] if self.shape.tp > 1 else None)
         before = list(model.parameters())  # what an optimizer built before prepare holds; mapped to the shards below
-        efficient = self.options.cpu_ram_efficient_loading
+        efficient = self.receives_rank0_weights
         main = self.process.is_main_process
         on_meta = any(p.is_meta for p in model.parameters())
         if on_meta and (main or not efficient):
