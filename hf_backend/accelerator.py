@@ -144,7 +144,7 @@ class Accelerator(ProcessView, compat.AccelerateMembers, elastic.ElasticMembers)
         self._parallelism_shape = env.parallelism_shape(parallelism_config, self.process.num_processes)
         self.strategy = select_strategy(self.process, self.precision, self.handlers, backend, self.gradient_state,
                                         self.dataloader_config.split_batches, self._parallelism_shape)
-        if self.strategy.receives_rank0_weights:  # asked for: from_pretrained may load on rank 0 only
+        if self.strategy.receives_rank0_weights:  # from_pretrained may load on rank 0 only
             rank0_loading.tell_transformers()
         self._config_mesh = compat.config_mesh(self)  # a grid of replicas only (DDP) still has Accelerate's mesh
         self._objects = PreparedObjects()
@@ -486,7 +486,7 @@ class Accelerator(ProcessView, compat.AccelerateMembers, elastic.ElasticMembers)
     def join_uneven_inputs(self, joinables: list, even_batches: bool | None = None) -> Iterator[None]:
         """Train on loaders whose processes run out at different steps (torch's Join for DDP models); `even_batches`
         overrides the prepared loaders' setting inside the block."""
-        joinable = capability(self.strategy, Joinable)  # FSDP and DeepSpeed cannot: one line says so
+        joinable = capability(self.strategy, Joinable)  # one line refuses FSDP and DeepSpeed
         with uneven_inputs(joinable, joinables, self._objects.dataloaders, even_batches):
             yield
 

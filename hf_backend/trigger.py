@@ -37,8 +37,8 @@ class Trigger:
 
 @contextlib.contextmanager
 def uneven_inputs(strategy: Any, joinables: list, loaders: list, even_batches: bool | None) -> Iterator[None]:
-    """Run the block under the join context of `strategy` (a Joinable one: torch's `Join` for DDP), with
-    `even_batches` of the prepared map-style loaders set as asked and restored afterwards."""
+    """Run the block under the join context of `strategy` (a Joinable: torch's `Join` for DDP),
+    with `even_batches` of the prepared map-style loaders set as asked and restored afterwards."""
     samplers = [loader.source for loader in loaders if hasattr(loader.source, "even_batches")]  # map-style
     saved = [sampler.even_batches for sampler in samplers]
     if even_batches is not None:

@@ -39,8 +39,8 @@ def own_notes(monkeypatch) -> None:
 
 @pytest.fixture
 def loading_variables(monkeypatch) -> None:
-    """The variables an Accelerator with FSDP's cpu_ram_efficient_loading sets, unset now and after the test
-    (processes that tests start inherit os.environ)."""
+    """The variables an Accelerator with FSDP's cpu_ram_efficient_loading sets, unset now and after
+    the test (processes that tests start inherit os.environ)."""
     for name in ("ACCELERATE_USE_FSDP", "FSDP_CPU_RAM_EFFICIENT_LOADING"):
         monkeypatch.setenv(name, "")  # recorded, so the undo removes what the test's code sets
         monkeypatch.delenv(name)
@@ -128,18 +128,21 @@ def test_a_plugin_is_resolved_once_and_changing_it_afterwards_changes_nothing_re
 
 
 def test_the_options_read_as_accelerates_plugin_and_back_from_their_dict(tmp_path):
-    """`accelerator.state.fsdp_plugin` is the options themselves: code written for Accelerate's plugin finds every
-    attribute it has (TRL's prepare_fsdp reads ignored_modules); `TrainingArguments.fsdp_config`, their plain
-    dict, given back to TrainingArguments gives the same options."""
-    plugin = FullyShardedDataParallelPlugin(sharding_strategy=2, transformer_cls_names_to_wrap=["BertLayer"])
+    """`accelerator.state.fsdp_plugin` is the options themselves: code written for Accelerate's
+    plugin finds every attribute it has (TRL's prepare_fsdp reads ignored_modules);
+    `TrainingArguments.fsdp_config`, their plain dict, given back gives the same options."""
+    plugin = FullyShardedDataParallelPlugin(sharding_strategy=2,
+                                            transformer_cls_names_to_wrap=["BertLayer"])
     options = plugin.resolved()
     assert [f.name for f in dataclasses.fields(plugin) if not hasattr(options, f.name)] == []
-    assert (options.fsdp_version, options.ignored_modules, options.reshard_after_forward) == (2, None, False)
+    assert options.fsdp_version == 2 and options.ignored_modules is None
+    assert options.reshard_after_forward is False  # SHARD_GRAD_OP's
     pytest.importorskip("transformers")
     from hf_backend import TrainingArguments
 
-    args = TrainingArguments(output_dir=str(tmp_path), report_to="none", fsdp_config=plugin)
-    again = TrainingArguments(output_dir=str(tmp_path), report_to="none", fsdp_config=args.fsdp_config)
+    out = str(tmp_path)
+    args = TrainingArguments(output_dir=out, report_to="none", fsdp_config=plugin)
+    again = TrainingArguments(output_dir=out, report_to="none", fsdp_config=args.fsdp_config)
     assert again.fsdp_options == args.fsdp_options == options
 
 
@@ -178,8 +181,8 @@ def test_a_deepspeed_config_file_is_json_whatever_its_name(tmp_path):
 
 @pytest.fixture
 def no_process_state() -> None:
-    """No process state before the test (one an earlier test left would be one process), so that the next fixture
-    sets it up on its group and tears it down afterwards."""
+    """No process state before the test (one an earlier test left would be one process), so that
+    the next fixture sets it up on its group and tears it down afterwards."""
     from hf_backend.state import reset_process_state
 
     reset_process_state()
@@ -187,18 +190,21 @@ def no_process_state() -> None:
 
 def test_cpu_ram_efficient_loading_is_told_to_transformers_by_the_accelerator_keeping_a_launchers(
         loading_variables, monkeypatch, no_process_state, two_fake_processes):
-    """Plugins, options and strategies write no environment; the Accelerator built with the option sets the
-    variables transformers' from_pretrained reads, keeping a value a launcher or the user left."""
+    """Plugins, options and strategies write no environment; the Accelerator built with the
+    option sets the variables transformers' from_pretrained reads, keeping a value a launcher or
+    the user left."""
     from hf_backend import Accelerator
 
+    variables = {"ACCELERATE_USE_FSDP", "FSDP_CPU_RAM_EFFICIENT_LOADING"}
     plugin = FullyShardedDataParallelPlugin(cpu_ram_efficient_loading=True)
     FSDPStrategy(TWO_CPU, Precision("no", TWO_CPU.device), Handlers(), plugin.resolved())
-    assert not {"ACCELERATE_USE_FSDP", "FSDP_CPU_RAM_EFFICIENT_LOADING"} & set(os.environ)
+    assert not variables & set(os.environ)
     Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin())
-    assert not {"ACCELERATE_USE_FSDP", "FSDP_CPU_RAM_EFFICIENT_LOADING"} & set(os.environ)
-    monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "false")  # as a launcher or the user left it
+    assert not variables & set(os.environ)
+    monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "false")  # a launcher's or the user's
     Accelerator(fsdp_plugin=plugin)
-    assert os.environ["ACCELERATE_USE_FSDP"] == "true" and os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] == "false"
+    assert os.environ["ACCELERATE_USE_FSDP"] == "true"
+    assert os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] == "false"
 
 
 def test_a_config_files_fsdp_section_sets_only_the_keys_it_gives(tmp_path):

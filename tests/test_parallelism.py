@@ -262,7 +262,8 @@ def test_a_model_sharded_on_a_mesh_of_its_own_is_refused(two_fake_processes):
     from hf_backend.strategies import FSDPStrategy
 
     process = two_fake_processes
-    strategy = FSDPStrategy(process, Precision("no", process.device), Handlers(), FsdpOptions(), MeshShape(tp=2))
+    strategy = FSDPStrategy(process, Precision("no", process.device), Handlers(), FsdpOptions(),
+                            MeshShape(tp=2))
     model = torch.nn.Linear(4, 4)
     own = init_device_mesh("cpu", (2,), mesh_dim_names=("transformers_tp",))
     model.weight = torch.nn.Parameter(distribute_tensor(model.weight.detach(), own, [Replicate()]))
@@ -271,7 +272,8 @@ def test_a_model_sharded_on_a_mesh_of_its_own_is_refused(two_fake_processes):
         strategy.setup_model(model)
 
 
-def test_cpu_ram_efficient_loading_of_a_model_sharded_by_from_pretrained_is_refused(two_fake_processes):
+def test_cpu_ram_efficient_loading_of_a_model_sharded_by_from_pretrained_is_refused(
+        two_fake_processes):
     """Rank 0 has no full weights to send when from_pretrained(tp_plan=...) already split them."""
     from torch.distributed.tensor import Shard, distribute_tensor
 

@@ -121,22 +121,24 @@ def test_reset_releases_the_model(world_of_one, kind):
 
 
 @pytest.mark.parametrize("kind", STRATEGIES)
-def test_what_a_strategy_cannot_do_is_a_capability_it_lacks_refused_in_one_line(world_of_one, kind):
-    """join_uneven_inputs and clip_grad_value_ are capabilities a strategy has or lacks, not members it overrides
-    only to raise; `capability` refuses in one line naming the strategy and the fix."""
+def test_what_a_strategy_cannot_do_is_a_capability_it_lacks(world_of_one, kind):
+    """join_uneven_inputs and clip_grad_value_ are capabilities a strategy has or lacks, not
+    members it overrides only to raise; `capability` refuses in one line naming the strategy and
+    the fix."""
     strategy = make_strategy(kind, world_of_one)
     joins, clips = kind in ("single", "ddp"), not kind.startswith("zero")
-    assert (isinstance(strategy, Joinable), isinstance(strategy, ValueClipping)) == (joins, clips)
+    assert isinstance(strategy, Joinable) is joins and isinstance(strategy, ValueClipping) is clips
     name = "FSDP" if kind.startswith("fsdp") else "DeepSpeed"
     if not joins:
-        with pytest.raises(HfBackendError, match=rf"^join_uneven_inputs is supported with DDP only: under {name} a "
-                                                 r"process that runs out of data would hang the others; use "
-                                                 r"even_batches=True \(the default\) instead$"):
+        with pytest.raises(HfBackendError, match=(
+                rf"^join_uneven_inputs is supported with DDP only: under {name} a process that "
+                r"runs out of data would hang the others; use even_batches=True \(the default\) "
+                r"instead$")):
             capability(strategy, Joinable)
     if not clips:
-        with pytest.raises(HfBackendError, match=r"^clip_grad_value_ is not available with DeepSpeed; clip by norm "
-                                                 r"instead \(clip_grad_norm_; DeepSpeed: set gradient_clipping in "
-                                                 r"its config\)$"):
+        with pytest.raises(HfBackendError, match=(
+                r"^clip_grad_value_ is not available with DeepSpeed; clip by norm instead "
+                r"\(clip_grad_norm_; DeepSpeed: set gradient_clipping in its config\)$")):
             capability(strategy, ValueClipping)
 
 

@@ -1,11 +1,14 @@
 """`FsdpOptions`: the FSDP options as one frozen value, the only shape the FSDP strategy runs from.
 
-Three ways in, each converted into it once, where it enters: a `FullyShardedDataParallelPlugin` (ours or
-Accelerate's: `plugins.fsdp_options`), a config file's `fsdp_config:` section (`FsdpOptions.from_section`) and
-TrainingArguments' `fsdp` / `fsdp_config` (config/training_arguments.py). Fields carry Accelerate's plugin names and
-the config schema's canonical values (schema.FsdpSection: each field names its key there, which gives its default
-and, for a plugin's values, its checks). `accelerator.state.fsdp_plugin` and `TrainingArguments.fsdp_plugin` show
-this value itself: nothing is converted back.
+Three ways in, each converted into it once, where it enters:
+- a `FullyShardedDataParallelPlugin`, ours or Accelerate's (`plugins.fsdp_options`);
+- a config file's `fsdp_config:` section (`FsdpOptions.from_section`);
+- TrainingArguments' `fsdp` / `fsdp_config` (config/training_arguments.py).
+
+Fields carry Accelerate's plugin names and the config schema's canonical values: each names its
+key in schema.FsdpSection, which gives its default and, for a plugin's values, its checks.
+`accelerator.state.fsdp_plugin` and `TrainingArguments.fsdp_plugin` show this value itself:
+nothing is converted back.
 """
 
 from __future__ import annotations
@@ -19,11 +22,10 @@ from ..log import note
 from .schema import FsdpSection, default_of, fields_of
 
 _SECTION = fields_of(FsdpSection)
-_RESHARDING = ("FULL_SHARD", "HYBRID_SHARD")  # the FSDP1 strategies that free gathered parameters after forward
-_NO_ORIG_PARAMS = ("fsdp use_orig_params=False has no FSDP2 meaning: parameters stay as they are (sharded as "
-                   "DTensors)")
-
-
+# the FSDP1 strategies that free gathered parameters after forward
+_RESHARDING = ("FULL_SHARD", "HYBRID_SHARD")
+_NO_ORIG_PARAMS = ("fsdp use_orig_params=False has no FSDP2 meaning: parameters stay as they are "
+                   "(sharded as DTensors)")
 _SCHEMAS = object()
 
 
@@ -35,10 +37,11 @@ def _keyed(key: str, default: Any = _SCHEMAS) -> Any:
 
 @dataclass(frozen=True)
 class FsdpOptions:
-    """What the FSDP strategy runs from; made only where the options enter (see the module's docstring)."""
+    """What the FSDP strategy runs from; made only where the options enter (see above)."""
 
     sharding_strategy: str = _keyed("fsdp_sharding_strategy")
-    reshard_after_forward: bool = _keyed("fsdp_reshard_after_forward", None)  # None: as the strategy says
+    # None: as the sharding strategy says (see _RESHARDING)
+    reshard_after_forward: bool = _keyed("fsdp_reshard_after_forward", None)
     cpu_offload: bool = _keyed("fsdp_offload_params")
     auto_wrap_policy: str = _keyed("fsdp_auto_wrap_policy")
     # comma-separated block class names; None: the model's _no_split_modules
@@ -51,11 +54,14 @@ class FsdpOptions:
     sync_module_states: bool = _keyed("fsdp_sync_module_states")
     use_orig_params: bool = _keyed("fsdp_use_orig_params")
     activation_checkpointing: bool = _keyed("fsdp_activation_checkpointing")
-    mixed_precision_policy: Any = None  # a MixedPrecisionPolicy (or its dtypes); None: autocast, as elsewhere
-    fsdp_version: int = dataclasses.field(default=2, init=False)  # FSDP2 (fully_shard), the only implementation
+    # a MixedPrecisionPolicy (or its dtypes); None: autocast, as in the other strategies
+    mixed_precision_policy: Any = None
+    # FSDP2 (fully_shard), the only implementation
+    fsdp_version: int = dataclasses.field(default=2, init=False)
 
-    # Accelerate's plugin attributes that FSDP2 has no use for, for code that reads this value as Accelerate's
-    # plugin (TRL's prepare_fsdp reads ignored_modules); a plugin that sets them gets a note or an error.
+    # Accelerate's plugin attributes that FSDP2 has no use for, for code that reads this value as
+    # Accelerate's plugin (TRL's prepare_fsdp reads ignored_modules); a plugin that sets them gets
+    # a note or an error.
     ignored_modules: ClassVar[Any] = None
     param_init_fn: ClassVar[Any] = None
     limit_all_gathers: ClassVar[bool] = True
@@ -65,28 +71,31 @@ class FsdpOptions:
 
     def __post_init__(self) -> None:
         if self.reshard_after_forward is None:
-            object.__setattr__(self, "reshard_after_forward", self.sharding_strategy in _RESHARDING)
+            resharding = self.sharding_strategy in _RESHARDING
+            object.__setattr__(self, "reshard_after_forward", resharding)
         if not self.use_orig_params:
             note(_NO_ORIG_PARAMS)
 
     @classmethod
     def from_section(cls, keys: Mapping[str, Any]) -> FsdpOptions:
-        """A validated `fsdp_config:` section: the keys it gives (FsdpSection's names, canonical values); the
-        others keep their defaults."""
+        """A validated `fsdp_config:` section: the keys it gives (FsdpSection's names, canonical
+        values); the others keep their defaults."""
         return cls(**given_in_section(keys))
 
     def to_dict(self) -> dict[str, Any]:
-        """The options as plain values under their own names (`TrainingArguments.fsdp_config`, which is
-        serialized, and read back as a section): the mixed precision policy, a torch object, is left out."""
+        """The options as plain values under their own names (`TrainingArguments.fsdp_config`,
+        which is serialized and reads back as a section); the mixed precision policy, a torch
+        object, is left out."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                 if f.name != "mixed_precision_policy"}
 
 
 def given_in_section(keys: Mapping[str, Any]) -> dict[str, Any]:
-    """The options a section gives (its keys: FsdpSection's names), under the options' field names."""
+    """The options a section gives (its keys: FsdpSection's names), under the options' names."""
     return {name: keys[f.name] for name, f in section_fields().items() if f.name in keys}
 
 
 def section_fields() -> dict[str, dataclasses.Field]:
     """Each option a config key sets, with that key's schema field (its checks and choices)."""
-    return {f.name: _SECTION[f.metadata["key"]] for f in dataclasses.fields(FsdpOptions) if "key" in f.metadata}
+    return {f.name: _SECTION[f.metadata["key"]]
+            for f in dataclasses.fields(FsdpOptions) if "key" in f.metadata}

@@ -1,9 +1,9 @@
 """`FullyShardedDataParallelPlugin` and `DeepSpeedPlugin`: options with the field names users know from Accelerate.
 
-Each FSDP field may be given as Accelerate and transformers spell it (strings, 1-5 for sharding strategies, torch
-enums, FSDP1 config objects); `resolved()` converts a plugin, once, into `FsdpOptions` (config/fsdp.py), the frozen
-value the FSDP strategy runs from. A plugin object from `accelerate` is read by its fields (`from_object`), never
-imported.
+Each FSDP field may be given as Accelerate and transformers spell it (strings, 1-5 for sharding
+strategies, torch enums, FSDP1 config objects); `resolved()` converts a plugin, once, into
+`FsdpOptions` (config/fsdp.py), the frozen value the FSDP strategy runs from. A plugin object from
+`accelerate` is read by its fields (`from_object`), never imported.
 """
 
 from __future__ import annotations
@@ -22,12 +22,13 @@ from .fsdp import FsdpOptions, section_fields
 from .loader import ConfigError, coerce, read_mapping
 from .schema import DeepSpeedSection, FsdpSection, fields_of
 
-_POLICY_FUNCTION = ("FullyShardedDataParallelPlugin(auto_wrap_policy=<function>): give the policy by name "
-                    "(TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP, NO_WRAP)")
-_NO_PARAM_INIT = ("FullyShardedDataParallelPlugin.param_init_fn is not called: FSDP2 materializes meta-device "
-                  "modules with to_empty() and receives rank 0's weights")
-_NO_IGNORED_MODULES = ("FullyShardedDataParallelPlugin.ignored_modules is not supported by hf_backend's FSDP2 "
-                       "strategy; freeze those parameters (requires_grad=False) instead")
+_POLICY_FUNCTION = ("FullyShardedDataParallelPlugin(auto_wrap_policy=<function>): give the policy "
+                    "by name (TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP, NO_WRAP)")
+_NO_PARAM_INIT = ("FullyShardedDataParallelPlugin.param_init_fn is not called: FSDP2 materializes "
+                  "meta-device modules with to_empty() and receives rank 0's weights")
+_NO_IGNORED_MODULES = ("FullyShardedDataParallelPlugin.ignored_modules is not supported by "
+                       "hf_backend's FSDP2 strategy; freeze those parameters (requires_grad=False) "
+                       "instead")
 
 
 @dataclass
@@ -55,8 +56,8 @@ class FullyShardedDataParallelPlugin:
     min_num_params: int | None = None
 
     def given_options(self) -> dict[str, Any]:
-        """The options this plugin sets, by FsdpOptions' field names, checked and in canonical form; raises
-        ConfigError naming a bad field. Fields FSDP2 has no use for get a note or an error."""
+        """The options this plugin sets, by FsdpOptions' field names, checked and in canonical
+        form; raises ConfigError naming a bad field. FSDP1 fields get a note or an error."""
         given: dict[str, Any] = {}
         for name, field in section_fields().items():
             value = _plain(getattr(self, name))
@@ -74,8 +75,8 @@ class FullyShardedDataParallelPlugin:
         return given
 
     def resolved(self) -> FsdpOptions:
-        """The options this plugin asks for, converted once where it enters; changing the plugin afterwards
-        changes nothing resolved."""
+        """The options this plugin asks for, converted once where it enters; changing the plugin
+        afterwards changes nothing resolved."""
         return FsdpOptions(**self.given_options())
 
     @classmethod
@@ -135,8 +136,8 @@ class FullyShardedDataParallelPlugin:
 
 
 def fsdp_options(source: Any) -> FsdpOptions:
-    """What `Accelerator(fsdp_plugin=...)` was given, as options: FsdpOptions as they are (TrainingArguments made
-    them), a plugin (ours or Accelerate's) converted once."""
+    """What `Accelerator(fsdp_plugin=...)` was given, as options: FsdpOptions as they are
+    (TrainingArguments made them), a plugin (ours or Accelerate's) converted once."""
     if isinstance(source, FsdpOptions):
         return source
     return FullyShardedDataParallelPlugin.from_object(source).resolved()
@@ -154,12 +155,13 @@ def _check_fsdp1_fields(plugin: FullyShardedDataParallelPlugin) -> None:
     for name in ("state_dict_config", "optim_state_dict_config"):
         config = getattr(plugin, name)
         if config is not None and getattr(config, "rank0_only", False):
-            note(f"FullyShardedDataParallelPlugin.{name}(rank0_only=True): full states are gathered to rank 0 "
-                 "for saving in any case")
+            note(f"FullyShardedDataParallelPlugin.{name}(rank0_only=True): full states are "
+                 "gathered to rank 0 for saving in any case")
 
 
 def note_limit_all_gathers(where: str) -> None:
-    """limit_all_gathers=False (a plugin field, and a key of transformers' flat options) has nothing to turn off."""
+    """limit_all_gathers=False (a plugin field, and a key of transformers' flat options) has
+    nothing to turn off."""
     note(f"{where}: limit_all_gathers=False: FSDP2 always limits in-flight all-gathers")
 
 

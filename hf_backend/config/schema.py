@@ -33,8 +33,8 @@ def key(default: Any, help: str, *, choices: tuple | None = None, minimum: float
 
 @dataclass
 class FsdpSection:
-    """`fsdp_config:`, read into the FSDP strategy's options (config/fsdp.py). Keys may be written with or without
-    the `fsdp_` prefix."""
+    """`fsdp_config:`, read into the FSDP strategy's options (config/fsdp.py). Keys may be written
+    with or without the `fsdp_` prefix."""
 
     fsdp_version: int = key(2, "1 is accepted and mapped onto FSDP2 (fully_shard), the only implementation used",
                             choices=(1, 2))
@@ -50,7 +50,7 @@ class FsdpSection:
                                      question="Auto wrap policy")
     fsdp_transformer_layer_cls_to_wrap: str | None = key(
         None, "comma-separated block class names to wrap (default: the model's _no_split_modules)",
-        aliases=("transformer_cls_names_to_wrap",),  # Accelerate's plugin field (TrainingArguments.fsdp_config)
+        aliases=("transformer_cls_names_to_wrap",),  # Accelerate's plugin field name
         question="Transformer layer class names to wrap (empty: the model's own)")
     fsdp_min_num_params: int = key(100_000_000, "smallest module size wrapped by SIZE_BASED_WRAP", minimum=0,
                                    maximum=10**15)

@@ -34,8 +34,8 @@ _XLA_KEYS = ("xla", "xla_fsdp_v2", "xla_fsdp_grad_ckpt", "xla_fsdp_settings")
 
 
 def fsdp_options_from_arguments(fsdp: Any, fsdp_config: Any) -> FsdpOptions | None:
-    """The FSDP options TrainingArguments(fsdp=..., fsdp_config=...) ask for, converted once; None when FSDP is
-    off."""
+    """The FSDP options TrainingArguments(fsdp=..., fsdp_config=...) ask for, converted once; None
+    when FSDP is off."""
     if not fsdp and fsdp_config in (None, {}):
         return None
     source = str(fsdp_config) if isinstance(fsdp_config, (str, os.PathLike)) else "fsdp_config"
@@ -51,12 +51,13 @@ def _given_options(fsdp_config: Any, source: str) -> dict[str, Any]:
         return _given_in_mapping(read_mapping(fsdp_config), source)
     if isinstance(fsdp_config, dict):
         return _given_in_mapping(fsdp_config, source)
-    plugin = FullyShardedDataParallelPlugin.from_object(fsdp_config)  # ours, or Accelerate's read by its fields
+    plugin = FullyShardedDataParallelPlugin.from_object(fsdp_config)  # ours, or Accelerate's
     return plugin.given_options()
 
 
 def _given_in_mapping(raw: Any, source: str) -> dict[str, Any]:
-    """A launch config's FSDP section (`hf-backend config`, `accelerate config`), or transformers' flat options."""
+    """The options a launch config's FSDP section gives (`hf-backend config`, `accelerate
+    config`), or transformers' flat options."""
     if isinstance(raw, dict) and ("fsdp_config" in raw or "distributed_type" in raw):
         section = _launch_config_section(raw, source)
     else:
@@ -73,7 +74,8 @@ def _fsdp_words(fsdp: Any) -> list[str]:
 
 
 def _word_options(fsdp: Any, given: dict[str, Any], source: str) -> dict[str, Any]:
-    """transformers' option words as options: they fill what `given` leaves out; contradicting it is an error."""
+    """transformers' option words as options: they fill what `given` leaves out; contradicting it
+    is an error."""
     options = {}
     for word in _fsdp_words(fsdp):
         if word not in _FSDP_WORDS:
@@ -81,7 +83,8 @@ def _word_options(fsdp: Any, given: dict[str, Any], source: str) -> dict[str, An
                               f"{', '.join(_FSDP_WORDS)}")
         field, value = _FSDP_WORDS[word]
         if given.get(field, value) != value:
-            raise ConfigError(f"fsdp={word!r} contradicts {source}'s {field}={given[field]!r}; keep one")
+            raise ConfigError(f"fsdp={word!r} contradicts {source}'s {field}={given[field]!r}; "
+                              "keep one")
         options[field] = value
     return options
 
@@ -106,7 +109,7 @@ def _split_flat(raw: Any, source: str) -> dict[str, Any]:
 
 
 def _launch_config_section(raw: dict[str, Any], source: str) -> dict[str, Any]:
-    """The keys the FSDP section of a launch config file gives (the others keep their derived defaults)."""
+    """The keys the FSDP section of a launch config file gives (the others keep their defaults)."""
     config = validate(raw, source=source)
     if config.distributed_type != "FSDP":
         raise ConfigError(f"{source} sets distributed_type: {config.distributed_type}, not FSDP; pass an FSDP config "

@@ -3,8 +3,10 @@
 The Accelerator picks a strategy once and routes every model-touching call through it; it never asks which one it
 has. `setup` prepares what one `prepare` call was given, jointly (as a Lightning Fabric strategy does): the native
 strategies build it from `setup_model` / `setup_optimizer` / `setup_scheduler`; DeepSpeed builds one engine from all
-of it and hands back optimizers it steps itself (optim.EngineStepped). What only some strategies can do
-(`join_uneven_inputs`, `clip_grad_value_`) is an optional capability (capabilities.py), not a member here.
+of it and hands back optimizers it steps itself (optim.EngineStepped).
+
+What only some strategies can do (`join_uneven_inputs`, `clip_grad_value_`) is an optional
+capability (capabilities.py), not a member here.
 """
 
 from __future__ import annotations
@@ -37,8 +39,8 @@ class Strategy:
     """Defaults are those of a plain, unwrapped model on one device; subclasses override what they change."""
 
     distributed_type = DistributedType.NO
-    # Ranks other than 0 may build the model without its weights (on the meta device): preparing it gives them
-    # rank 0's (FSDP's cpu_ram_efficient_loading).
+    # Ranks other than 0 may build the model without its weights (on the meta device): preparing
+    # it gives them rank 0's (FSDP's cpu_ram_efficient_loading).
     receives_rank0_weights = False
 
     def __init__(self, process: ProcessState, precision: Precision, handlers: Handlers) -> None:

@@ -1,8 +1,9 @@
-"""What some strategies can do and others cannot, as small interfaces a strategy has or lacks (Lightning Fabric's
-`_Sharded`, `_BackwardSyncControl`), instead of methods a strategy overrides only to raise.
+"""What some strategies can do and others cannot, as small interfaces a strategy has or lacks
+(Lightning Fabric's `_Sharded`, `_BackwardSyncControl`), instead of methods a strategy overrides
+only to raise.
 
-`capability(strategy, Joinable)` hands the strategy back as that interface, or refuses in one line naming the call
-and the fix: the one place such refusals are written.
+`capability(strategy, Joinable)` hands the strategy back as that interface, or refuses in one line
+naming the call and the fix: the one place such refusals are written.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from ..errors import HfBackendError
 
 
 class Joinable(ABC):
-    """Processes whose loaders run out at different steps keep training until all are done (`join_uneven_inputs`,
-    torch's Join); a sharded strategy cannot, since a process out of data would leave the others' collectives
-    waiting."""
+    """Processes whose loaders run out at different steps keep training until all are done
+    (`join_uneven_inputs`, torch's Join). A sharded strategy cannot: a process out of data would
+    leave the others waiting in their collectives."""
 
     @abstractmethod
     def join(self, joinables: list) -> contextlib.AbstractContextManager:
@@ -28,20 +29,20 @@ class Joinable(ABC):
 
 
 class ValueClipping:
-    """Gradients clipped element-wise (`clip_grad_value_`), by default with torch's function; an engine that clips
-    by norm itself has no such step."""
+    """Gradients clipped element-wise (`clip_grad_value_`), by default with torch's function; an
+    engine that clips by norm itself has no such step."""
 
     def clip_grad_value_(self, parameters: Iterable[torch.nn.Parameter], clip_value: float) -> None:
         torch.nn.utils.clip_grad_value_(list(parameters), clip_value)
 
 
 _REFUSALS = {
-    Joinable: "join_uneven_inputs is supported with DDP only: under {name} a process that runs out of data would "
-              "hang the others; use even_batches=True (the default) instead",
-    ValueClipping: "clip_grad_value_ is not available with {name}; clip by norm instead (clip_grad_norm_; "
-                   "DeepSpeed: set gradient_clipping in its config)",
+    Joinable: "join_uneven_inputs is supported with DDP only: under {name} a process that runs "
+              "out of data would hang the others; use even_batches=True (the default) instead",
+    ValueClipping: "clip_grad_value_ is not available with {name}; clip by norm instead "
+                   "(clip_grad_norm_; DeepSpeed: set gradient_clipping in its config)",
 }
-_NAMES = {"DEEPSPEED": "DeepSpeed"}  # as a strategy is called in messages, by its distributed type
+_NAMES = {"DEEPSPEED": "DeepSpeed"}  # a strategy in messages, by its distributed type
 
 Capability = TypeVar("Capability")
 

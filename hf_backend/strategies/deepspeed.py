@@ -228,8 +228,8 @@ class DeepSpeedStrategy(Strategy):
 
     # -- training step -----------------------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, accumulation_steps: int, sync: bool, **kwargs: Any) -> None:
-        # The engine divides by its gradient_accumulation_steps itself: the loss is divided exactly once; it
-        # reduces gradients only at the window's end, so `no_sync` has nothing to do (the base's null context).
+        # The engine divides by its gradient_accumulation_steps itself: the loss is divided exactly
+        # once. It reduces gradients only at the window's end: `no_sync` is the base's null context.
         self.engine.set_gradient_accumulation_boundary(sync)
         self.engine.backward(loss, **kwargs)
         self.engine.step()

@@ -40,8 +40,8 @@ from .tensor_parallel import apply_tensor_parallel, is_tensor_parallel
 class FSDPStrategy(Strategy, ValueClipping):
     distributed_type = DistributedType.FSDP
 
-    def __init__(self, process: ProcessState, precision: Precision, handlers: Handlers, options: FsdpOptions,
-                 shape: MeshShape | None = None) -> None:
+    def __init__(self, process: ProcessState, precision: Precision, handlers: Handlers,
+                 options: FsdpOptions, shape: MeshShape | None = None) -> None:
         """`options`: what `config.backend.choose_backend` resolved; `shape`: the process grid a
         ParallelismConfig asked for (else the sharding strategy's)."""
         super().__init__(process, precision, handlers)
@@ -209,7 +209,7 @@ class FSDPStrategy(Strategy, ValueClipping):
         return clip_grad_norm(parameters, max_norm, norm_type)
 
     def state_plugins(self) -> dict[str, Any]:
-        return {"fsdp_plugin": self.options}  # Accelerate's plugin attribute names, read as they are
+        return {"fsdp_plugin": self.options}  # with Accelerate's plugin attribute names
 
     def clip_grad_value_(self, parameters: Iterable[torch.nn.Parameter], clip_value: float) -> None:
         """Each process clamps its own shards: element-wise clipping needs no communication."""

@@ -44,7 +44,7 @@ class TrainingArguments(engine_named(transformers.TrainingArguments)):
     async_save: bool = dataclasses.field(default=False, metadata={"help": (
         "hf_backend: a checkpoint's large files are copied to host memory and written in the background while "
         "training goes on; the checkpoint counts (trainer_state.json, rotation) once every file is written")})
-    fsdp_options = None  # the FSDP options resolved once (config.fsdp.FsdpOptions), set by _process_fsdp_args
+    fsdp_options = None  # config.fsdp.FsdpOptions, resolved once by _process_fsdp_args
 
     def __post_init__(self) -> None:
         for name in ("gradient_accumulation_steps", "per_device_train_batch_size", "per_device_eval_batch_size"):
@@ -95,14 +95,16 @@ class TrainingArguments(engine_named(transformers.TrainingArguments)):
 
     @property
     def fsdp_plugin(self) -> FsdpOptions | None:
-        """The FSDP options under Accelerate's name (as `accelerator.state.fsdp_plugin` shows them)."""
+        """The FSDP options under Accelerate's name (`accelerator.state.fsdp_plugin` shows them)."""
         return self.fsdp_options
 
     def _process_fsdp_args(self) -> None:
-        """Called by transformers' __post_init__: the options (the launcher's, or these arguments' read now, once),
-        which the Trainer hands to the Accelerator, shown as `fsdp_plugin` and, as a plain dict, `fsdp_config`;
-        transformers' own plugin arguments stay None (its Accelerate path is unused)."""
-        self.fsdp_options = options = self._backend.fsdp or fsdp_options_from_arguments(self.fsdp, self.fsdp_config)
+        """Called by transformers' __post_init__: the options (the launcher's, or these arguments'
+        read now, once), which the Trainer hands to the Accelerator, shown as `fsdp_plugin` and, as
+        a plain dict, `fsdp_config`; transformers' own plugin arguments stay None (its Accelerate
+        path is unused)."""
+        options = self._backend.fsdp or fsdp_options_from_arguments(self.fsdp, self.fsdp_config)
+        self.fsdp_options = options
         if options is None:
             return None
         self.fsdp_config = options.to_dict()

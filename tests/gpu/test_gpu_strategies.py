@@ -107,7 +107,8 @@ def test_fsdp2_bf16_mixed_precision_policy_on_the_gpu(nccl_of_one):
     strategy.reset()
 
 
-def test_fsdp2_cpu_ram_efficient_loading_and_sharded_state_read_mapped_on_the_gpu(nccl_of_one, tmp_path):
+def test_fsdp2_cpu_ram_efficient_loading_and_sharded_state_read_mapped_on_the_gpu(nccl_of_one,
+                                                                                   tmp_path):
     """bf16 weights on the CPU become fp32 master shards on the GPU through cpu_ram_efficient_loading (rank 0 shards
     an empty model and receives its own weights, strategies/fsdp.py), equal to the weights; a DCP save of the shards
     then loads back into them through the mapped reader (checkpoint/mapped_dcp.py: CPU mapping -> GPU shard)."""
