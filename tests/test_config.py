@@ -208,3 +208,19 @@ def test_a_launch_configs_dynamo_backend_compiles_unless_the_script_says_otherwi
     monkeypatch.delenv(DYNAMO_BACKEND)
     config, _ = effective_config(_launch_args("--dynamo_backend", "INDUCTOR"))
     assert to_environment(config)[DYNAMO_BACKEND] == "INDUCTOR"
+
+
+def test_the_options_in_effect_take_transformers_docs_full_state_dict_call():
+    """transformers' FSDP docs call `accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")` before
+    `save_model`: on the frozen options in effect it changes nothing (save_model writes full weights anyway); asking
+    for another type than the one in effect is one line."""
+    from hf_backend.config.fsdp import FsdpOptions
+    from hf_backend.errors import HfBackendError
+
+    options = FsdpOptions(state_dict_type="SHARDED_STATE_DICT")
+    options.set_state_dict_type("FULL_STATE_DICT")
+    options.set_state_dict_type("SHARDED_STATE_DICT")
+    options.set_state_dict_type()
+    assert options.state_dict_type == "SHARDED_STATE_DICT"
+    with pytest.raises(HfBackendError, match=r"set_state_dict_type\('LOCAL_STATE_DICT'\): the options in effect"):
+        options.set_state_dict_type("LOCAL_STATE_DICT")

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from ..errors import HfBackendError
 from ..log import note
 from .schema import FsdpSection, default_of, fields_of
 
@@ -27,6 +28,9 @@ _RESHARDING = ("FULL_SHARD", "HYBRID_SHARD")
 _NO_ORIG_PARAMS = ("fsdp use_orig_params=False has no FSDP2 meaning: parameters stay as they are "
                    "(sharded as DTensors)")
 _SCHEMAS = object()
+_FIXED_TYPE = ("fsdp_plugin.set_state_dict_type({asked!r}): the options in effect are fixed when the "
+               "Accelerator is built (state dict type {current}); pass fsdp_state_dict_type={asked!r} to "
+               "the plugin or the config instead")
 
 
 def _keyed(key: str, default: Any = _SCHEMAS) -> Any:
@@ -75,6 +79,14 @@ class FsdpOptions:
             object.__setattr__(self, "reshard_after_forward", resharding)
         if not self.use_orig_params:
             note(_NO_ORIG_PARAMS)
+
+    def set_state_dict_type(self, state_dict_type: Any = None) -> None:
+        """Accelerate's plugin method, which transformers' FSDP docs call before `save_model` to
+        get full weights. `save_model` writes full weights whatever the state dict type, so asking
+        for FULL_STATE_DICT, or for the type in effect, changes nothing; another is one line."""
+        asked = getattr(state_dict_type, "name", state_dict_type)
+        if asked not in (None, "FULL_STATE_DICT", self.state_dict_type):
+            raise HfBackendError(_FIXED_TYPE.format(asked=asked, current=self.state_dict_type))
 
     @classmethod
     def from_section(cls, keys: Mapping[str, Any]) -> FsdpOptions:
