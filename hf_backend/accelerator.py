@@ -24,8 +24,8 @@ from .config.backend import choose_backend
 from .data import PreparedDataLoader, prepare_dataloader, skip_first_batches
 from .errors import HfBackendError
 from .gradient_state import GradientState
-from .log import note
 from .memory import release_memory
+from .notes import note
 from .optim import (
     AcceleratedOptimizer,
     AcceleratedScheduler,

@@ -19,7 +19,7 @@ import torch
 from .config import environment as env
 from .enums import DistributedType, FP8BackendType
 from .errors import HfBackendError
-from .log import note
+from .notes import note
 from .options import DataLoaderConfiguration, Handlers, TorchDynamoPlugin
 
 # Accelerator(...) arguments with nothing to do here, and why.

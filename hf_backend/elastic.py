@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import checkpoint
 from .errors import HfBackendError
-from .log import note
+from .notes import note
 
 if TYPE_CHECKING:
     from .checkpoint import CheckpointIO

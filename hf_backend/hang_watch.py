@@ -109,7 +109,7 @@ def _start(watch: HangWatch, group_timeout: datetime.timedelta | None) -> None:
         return
     seconds = watch.timeout
     _install_excepthook(watch.reported_by_launcher)
-    from .log import warn
+    from .notes import warn
 
     limit = (group_timeout or dist.constants.default_pg_timeout).total_seconds()
     if seconds >= limit:

@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .enums import DistributedType
 from .errors import HfBackendError
-from .log import note
+from .notes import note
 
 
 class LocalSGD:

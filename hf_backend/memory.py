@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from .errors import HfBackendError
-from .log import note
+from .notes import note
 
 # What torch's allocators say when they run out (CUDA, cuDNN's workspace, the CPU allocator).
 _OOM_MESSAGES = ("out of memory", "CUDNN_STATUS_NOT_SUPPORTED", "DefaultCPUAllocator: can't allocate memory")

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from .errors import HfBackendError
-from .log import note
 from .nested import recursively_apply
+from .notes import note
 from .options import AutocastKwargs, GradScalerKwargs
 
 PRECISIONS = ("no", "fp16", "bf16")

@@ -15,7 +15,7 @@ from typing import Any
 
 from . import rank
 from .errors import HfBackendError
-from .log import warn
+from .notes import warn
 
 
 def on_main_process(function: Callable) -> Callable:

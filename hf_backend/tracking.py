@@ -19,7 +19,7 @@ from typing import Any
 from . import checks
 from .enums import LoggerType
 from .errors import HfBackendError
-from .log import note
+from .notes import note
 from .trackers import (
     AimTracker,
     ClearMLTracker,

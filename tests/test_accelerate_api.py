@@ -478,7 +478,7 @@ def test_which_process_has_one_answer_before_the_process_state(monkeypatch, caps
     Accelerate-style logging and trackers take the group's rank, so rank 1 stays quiet."""
     import types
 
-    from hf_backend import log, rank
+    from hf_backend import notes, rank
     from hf_backend.logging import get_logger
 
     monkeypatch.delenv("RANK", raising=False)
@@ -487,7 +487,7 @@ def test_which_process_has_one_answer_before_the_process_state(monkeypatch, caps
     monkeypatch.setitem(sys.modules, "torch.distributed", group)
     monkeypatch.setattr("hf_backend.state._STATE", None)
     assert (rank.process_index(), rank.num_processes(), rank.is_main_process()) == (1, 2, False)
-    log.note("a note only rank 0 prints")
+    notes.note("a note only rank 0 prints")
     get_logger("which_process").warning("a warning only rank 0 prints")
     assert capsys.readouterr().err == ""
     monkeypatch.setattr(group, "is_initialized", lambda: False)

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from helpers import run_script
 
-import hf_backend.log
+import hf_backend.notes
 from hf_backend.checkpoint.inspect import describe, inspect_checkpoint
 from hf_backend.cli.main import main
 from hf_backend.config.plugins import FullyShardedDataParallelPlugin
@@ -54,10 +54,10 @@ def notes():
     heard: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: heard.append(record.getMessage())  # type: ignore[method-assign]
-    hf_backend.log._said.clear()
-    hf_backend.log.logger.addHandler(handler)
+    hf_backend.notes._said.clear()
+    hf_backend.notes.logger.addHandler(handler)
     yield heard
-    hf_backend.log.logger.removeHandler(handler)
+    hf_backend.notes.logger.removeHandler(handler)
 
 
 # -- every strategy, trained ------------------------------------------------------------------------------------------

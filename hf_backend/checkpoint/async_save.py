@@ -33,8 +33,8 @@ from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
 from ..collectives import gather_object
 from ..errors import HfBackendError
-from ..log import note
 from ..nested import recursively_apply
+from ..notes import note
 from . import durable
 from .directories import Staging
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ..errors import HfBackendError
-from ..log import note
+from ..notes import note
 
 _ALLOWED = (  # module, name: what DeepSpeed 0.19's ZeRO-1/2/3 and bf16 checkpoint files hold besides tensors
     ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..collectives import gather_object
 from ..errors import HfBackendError
-from ..log import note
+from ..notes import note
 from ..state import ProcessState
 from . import durable, layout, manifest
 from .index import CheckpointIndex, read_index

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import HfBackendError
-from ..log import note
+from ..notes import note
 from . import layout, manifest
 
 

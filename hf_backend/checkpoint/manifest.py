@@ -32,7 +32,7 @@ from typing import Any
 import xxhash
 
 from ..errors import HfBackendError
-from ..log import note
+from ..notes import note
 from ..rank import group_size, process_index
 from . import layout
 

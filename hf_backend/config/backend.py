@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from ..log import note
+from ..notes import note
 from .environment import read_launch_config
 from .fsdp import FsdpOptions
 from .loader import ConfigError

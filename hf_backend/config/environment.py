@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import HfBackendError
-from ..log import warn
+from ..notes import warn
 
 PREFIX = "HF_BACKEND_"
 MIXED_PRECISION = PREFIX + "MIXED_PRECISION"

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ..errors import HfBackendError
-from ..log import note
+from ..notes import note
 from .schema import FsdpSection, default_of, fields_of
 
 _SECTION = fields_of(FsdpSection)

@@ -29,7 +29,7 @@ from yaml.scanner import Scanner
 
 from ..checks import show
 from ..errors import HfBackendError
-from ..log import note
+from ..notes import note
 from .schema import SECTIONS, LaunchConfig, default_of, fields_of
 
 

@@ -15,7 +15,7 @@ import os
 from typing import Any
 
 from ..checks import show, whole
-from ..log import note
+from ..notes import note
 from .loader import ConfigError
 
 ENV_PREFIX = "PARALLELISM_CONFIG_"

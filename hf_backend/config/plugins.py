@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..log import note
+from ..notes import note
 from .fsdp import FsdpOptions, section_fields
 from .loader import ConfigError, coerce, read_mapping
 from .schema import DeepSpeedSection, FsdpSection, fields_of

@@ -15,7 +15,7 @@ import json
 import os
 from typing import Any
 
-from ..log import note
+from ..notes import note
 from .fsdp import FsdpOptions, given_in_section
 from .loader import ConfigError, read_mapping, validate, validate_section
 from .plugins import DeepSpeedPlugin, FullyShardedDataParallelPlugin, note_limit_all_gathers

@@ -7,7 +7,7 @@ from ..config.fsdp import FsdpOptions
 from ..config.parallelism import MeshShape
 from ..errors import HfBackendError
 from ..gradient_state import GradientState
-from ..log import note
+from ..notes import note
 from ..options import Handlers
 from ..precision import Precision
 from ..state import ProcessState

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 from ..config.plugins import DeepSpeedPlugin
 from ..errors import HfBackendError
 from ..gradient_state import GradientState
-from ..log import note
+from ..notes import note
 from ..optim import DummyOptim, DummyScheduler, EngineStepped, EngineSteppedScheduler
 from ..options import Handlers
 from ..precision import Precision

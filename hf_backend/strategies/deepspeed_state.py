@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..errors import HfBackendError
-from ..log import note
+from ..notes import note
 
 
 class LoadResult(NamedTuple):

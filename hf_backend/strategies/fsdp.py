@@ -25,7 +25,7 @@ from ..config.fsdp import FsdpOptions
 from ..config.parallelism import MeshShape
 from ..device_mesh import build_mesh
 from ..errors import HfBackendError
-from ..log import note
+from ..notes import note
 from ..options import Handlers
 from ..precision import Precision, dtype_of
 from ..state import DistributedType, ProcessState

@@ -22,7 +22,7 @@ from typing import Any
 
 from transformers.trainer_jit_checkpoint import CheckpointManager, JITCheckpointCallback
 
-from ..log import note
+from ..notes import note
 from ..trigger import Trigger
 
 

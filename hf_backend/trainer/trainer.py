@@ -43,7 +43,7 @@ from ..accelerator import Accelerator
 from ..config.loader import ConfigError
 from ..config.parallelism import MeshShape, loaded_shape
 from ..errors import HfBackendError
-from ..log import note
+from ..notes import note
 from ..options import (
     DataLoaderConfiguration,
     DistributedDataParallelKwargs,

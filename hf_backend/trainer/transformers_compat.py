@@ -38,7 +38,7 @@ from typing import Any
 import transformers
 from packaging.version import Version
 
-from ..log import warn
+from ..notes import warn
 
 OLDEST, NEWEST = (5, 17), (5, 24)
 _RELEASE = Version(transformers.__version__).release[:2]
