@@ -1,11 +1,13 @@
 """hf_backend: a training backend for Hugging Face Transformers.
 
-`from hf_backend import Accelerator` is the engine; it imports without transformers. Every public name is imported on
-first use, so the command line (`hf-backend config`, `--version`) starts without importing torch, and `Trainer` /
-`TrainingArguments` (transformers' classes on the engine) only import transformers when asked for.
+`from hf_backend import Accelerator` is the engine; it imports without transformers. Every public
+name is imported on first use, so the command line (`hf-backend config`, `--version`) starts without
+importing torch, and `Trainer` / `TrainingArguments` (transformers' classes on the engine) only
+import transformers when asked for.
 
-The public names are the imports under `if TYPE_CHECKING:` below, the one list: type checkers read them there, and at
-run time `_WHERE` is read from the same lines (each name, the module it is imported from on first use).
+The public names are the imports under `if TYPE_CHECKING:` below, the one list: type checkers read
+them there, and at run time `_WHERE` is read from the same lines (each name, the module it is
+imported from on first use).
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ if TYPE_CHECKING:  # the public names (redundant aliases: explicit re-exports)
 
 
 def _public_names() -> dict[str, str]:
-    """Each public name and its module (".accelerator"), from this file's `if TYPE_CHECKING:` imports."""
+    """Each public name and its module (".accelerator"), from this file's `if TYPE_CHECKING:` imports.
+    """
     tree = ast.parse(Path(__file__).read_text())
     block = next(node for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING")
     return {alias.asname or alias.name: "." * node.level + (node.module or "")
@@ -61,8 +64,9 @@ __all__ = list(_WHERE)
 
 
 def __getattr__(name: str) -> Any:
-    """A public name, imported on first use; an Accelerate name hf_backend refuses (`init_empty_weights`, the module
-    `big_modeling`, ...: hf_backend.compat lists them) is its one line. `import hf_backend.big_modeling` is Python's
+    """A public name, imported on first use; an Accelerate name hf_backend refuses
+    (`init_empty_weights`, the module `big_modeling`, ...: hf_backend.compat lists them) is its one
+    line. `import hf_backend.big_modeling` is Python's
     ModuleNotFoundError: answering that form too would take an import hook on the whole process."""
     if name in _WHERE:
         value = getattr(importlib.import_module(_WHERE[name], __name__), name)

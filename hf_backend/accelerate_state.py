@@ -1,17 +1,19 @@
 """Accelerate's own state objects, told the engine's facts, for the code that still asks them.
 
-Libraries and scripts ported by their `Accelerator` import alone call into the accelerate package: TRL's trainers
-(`set_seed(seed, device_specific=True)`, `gather_object`, its `PartialState()` calls), `accelerate.logging`'s
-loggers, `accelerate.utils` functions. Those ask Accelerate's `PartialState`, `AcceleratorState` and `GradientState`,
-which raise until an Accelerate `Accelerator` exists, and on a CPU under torchrun count one process per rank.
+Libraries and scripts ported by their `Accelerator` import alone call into the accelerate package:
+TRL's trainers (`set_seed(seed, device_specific=True)`, `gather_object`, its `PartialState()`
+calls), `accelerate.logging`'s loggers, `accelerate.utils` functions. Those ask Accelerate's
+`PartialState`, `AcceleratorState` and `GradientState`, which raise until an Accelerate
+`Accelerator` exists, and on a CPU under torchrun count one process per rank.
 
-When the accelerate package is loaded (by that code; hf_backend never imports it), the engine fills those three
-shared states with its own answers, through their shared dicts (Accelerate's Borg pattern, which its own `Accelerator`
-fills the same way): the process facts when the process state is set up (`tell_process`), and the distributed type,
-mixed precision, plugins, mesh and gradient-accumulation state of the newest Accelerator when it is built
-(`tell_accelerator`). Accelerate's `GradientState` then follows the engine's: `sync_gradients` and the loader being
-iterated are written there as they change, and the accumulation options are the engine's own dict. Nothing else of
-accelerate is touched.
+When the accelerate package is loaded (by that code; hf_backend never imports it), the engine fills
+those three shared states with its own answers, through their shared dicts (Accelerate's Borg
+pattern, which its own `Accelerator` fills the same way): the process facts when the process state
+is set up (`tell_process`), and the distributed type, mixed precision, plugins, mesh and
+gradient-accumulation state of the newest Accelerator when it is built (`tell_accelerator`).
+Accelerate's `GradientState` then follows the engine's: `sync_gradients` and the loader being
+iterated are written there as they change, and the accumulation options are the engine's own dict.
+Nothing else of accelerate is touched.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import sys
 import weakref
 from typing import Any
 
-_GRADIENT_MIRROR: Any = None  # the engine GradientState whose changes Accelerate's GradientState follows
+# the engine GradientState whose changes Accelerate's GradientState follows
+_GRADIENT_MIRROR: Any = None
 
 
 def _module() -> Any:
@@ -28,8 +31,8 @@ def _module() -> Any:
 
 
 def tell_process(process: Any) -> None:
-    """Fill Accelerate's PartialState with this process's facts (when accelerate is loaded), unless it holds them
-    already (an Accelerator's distributed type, FSDP say, is kept)."""
+    """Fill Accelerate's PartialState with this process's facts (when accelerate is loaded), unless it
+    holds them already (an Accelerator's distributed type, FSDP say, is kept)."""
     module = _module()
     if module is None:
         return
@@ -44,8 +47,9 @@ def tell_process(process: Any) -> None:
 
 
 def tell_accelerator(accelerator: Any) -> None:
-    """Fill Accelerate's PartialState, AcceleratorState and GradientState from an engine Accelerator (when accelerate
-    is loaded); the newest Accelerator is the one they describe, as in Accelerate."""
+    """Fill Accelerate's PartialState, AcceleratorState and GradientState from an engine Accelerator
+    (when accelerate is loaded); the newest Accelerator is the one they describe, as in Accelerate.
+    """
     module = _module()
     if module is None:
         return
@@ -76,8 +80,8 @@ def _mirror_gradient_state(module: Any, gradient_state: Any) -> None:
 
 
 def write_gradient_state(gradient_state: Any) -> None:
-    """Copy what changes of an engine GradientState into Accelerate's (the one it mirrors, unless Accelerate's state
-    was reset since)."""
+    """Copy what changes of an engine GradientState into Accelerate's (the one it mirrors, unless
+    Accelerate's state was reset since)."""
     shared = gradient_state.mirror
     if not shared:
         return

@@ -1,7 +1,8 @@
 """`Accelerator`: the facade a training script talks to, with Accelerate's public API.
 
-It holds one process state, one strategy (chosen once), one precision policy and the gradient-accumulation state,
-and routes every call to the piece that owns it. It never branches on the kind of strategy.
+It holds one process state, one strategy (chosen once), one precision policy and the
+gradient-accumulation state, and routes every call to the piece that owns it. It never branches on
+the kind of strategy.
 """
 
 from __future__ import annotations
@@ -81,11 +82,12 @@ class Accelerator(ProcessView, compat.AccelerateMembers, elastic.ElasticMembers)
         parallelism_config: Any = None,
         **other: Any,
     ) -> None:
-        """Accelerate's arguments. Those that name features hf_backend does not run (Megatron-LM, sequence
-        parallelism) are refused in one line; those with nothing to do here are accepted with a note
-        (hf_backend.compat lists both). `parallelism_config` (ours or Accelerate's, or from the launcher's
-        PARALLELISM_CONFIG_* variables) lays the processes out on one DeviceMesh: tensor parallelism from the
-        model's tp_plan, FSDP / HSDP over the data-parallel dimensions (docs/parallelism.md)."""
+        """Accelerate's arguments. Those that name features hf_backend does not run (Megatron-LM,
+        sequence parallelism) are refused in one line; those with nothing to do here are accepted
+        with a note (hf_backend.compat lists both). `parallelism_config` (ours or Accelerate's, or
+        from the launcher's PARALLELISM_CONFIG_* variables) lays the processes out on one
+        DeviceMesh: tensor parallelism from the model's tp_plan, FSDP / HSDP over the data-parallel
+        dimensions (docs/parallelism.md)."""
         self.dynamo_plugin = compat.dynamo_plugin(other.pop("dynamo_backend", None), other.pop("dynamo_plugin", None))
         deepspeed_plugin = compat.check_accelerator_arguments(other, deepspeed_plugin)
         loader_options = {k: other.pop(k) for k in ("dispatch_batches", "use_seedable_sampler") if k in other}
@@ -95,8 +97,8 @@ class Accelerator(ProcessView, compat.AccelerateMembers, elastic.ElasticMembers)
         checks.flag(device_placement, "device_placement")
         checks.flag(step_scheduler_with_optimizer, "step_scheduler_with_optimizer")
         if kwargs_handlers is not None and not isinstance(kwargs_handlers, (list, tuple)):
-            raise HfBackendError(f"kwargs_handlers={checks.show(kwargs_handlers)} must be a list of handlers, e.g. "
-                                 "[DistributedDataParallelKwargs(...)]")
+            raise HfBackendError(f"kwargs_handlers={checks.show(kwargs_handlers)} must be a list "
+                                 "of handlers, e.g. [DistributedDataParallelKwargs(...)]")
         self.handlers = Handlers()
         for handler in kwargs_handlers or []:
             if isinstance(handler, ProcessGroupPlugin):  # hf_backend.hang_watch.HangWatch
@@ -104,21 +106,25 @@ class Accelerator(ProcessView, compat.AccelerateMembers, elastic.ElasticMembers)
                 continue
             slot = _HANDLER_SLOTS.get(type(handler))
             if slot is None:
-                raise HfBackendError(f"kwargs_handlers: {type(handler).__name__} is not supported; use one of "
-                                     f"{', '.join(c.__name__ for c in KWARGS_HANDLERS)}, or HangWatch")
+                raise HfBackendError(f"kwargs_handlers: {type(handler).__name__} is not supported; "
+                                     "use one of "
+                                     f"{', '.join(c.__name__ for c in KWARGS_HANDLERS)}, or "
+                                     "HangWatch")
             setattr(self.handlers, slot, handler)
 
         cpu = env.resolve("cpu", cpu)
         init = self.handlers.init
         self.process: ProcessState = get_process_state(cpu=cpu, timeout=init.timeout, backend=init.backend)
 
-        mixed_precision = getattr(mixed_precision, "value", mixed_precision)  # Accelerate's PrecisionType enum
+        # Accelerate's PrecisionType enum
+        mixed_precision = getattr(mixed_precision, "value", mixed_precision)
         mixed_precision = env.resolve("mixed_precision", mixed_precision)
         self.precision = Precision(str(mixed_precision), self.process.device, self.handlers.scaler,
                                    self.handlers.autocast)
 
         if gradient_accumulation_plugin is not None and gradient_accumulation_steps not in (None, 1):
-            raise HfBackendError("pass gradient_accumulation_steps or gradient_accumulation_plugin, not both")
+            raise HfBackendError("pass gradient_accumulation_steps or "
+                                 "gradient_accumulation_plugin, not both")
         if gradient_accumulation_plugin is None:
             steps = env.resolve("gradient_accumulation_steps", gradient_accumulation_steps)
             gradient_accumulation_plugin = GradientAccumulationPlugin(num_steps=steps)
@@ -139,14 +145,16 @@ class Accelerator(ProcessView, compat.AccelerateMembers, elastic.ElasticMembers)
 
         self.device_placement = device_placement
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
-        self.launch_config = env.read_launch_config()  # what `hf-backend launch` handed over, or None
+        # what `hf-backend launch` handed over, or None
+        self.launch_config = env.read_launch_config()
         backend = choose_backend(fsdp_plugin, deepspeed_plugin, self.launch_config)
         self._parallelism_shape = env.parallelism_shape(parallelism_config, self.process.num_processes)
         self.strategy = select_strategy(self.process, self.precision, self.handlers, backend, self.gradient_state,
                                         self.dataloader_config.split_batches, self._parallelism_shape)
         if self.strategy.receives_rank0_weights:  # from_pretrained may load on rank 0 only
             rank0_loading.tell_transformers()
-        self._config_mesh = compat.config_mesh(self)  # a grid of replicas only (DDP) still has Accelerate's mesh
+        # a grid of replicas only (DDP) still has Accelerate's mesh
+        self._config_mesh = compat.config_mesh(self)
         self._objects = PreparedObjects()
         self.checkpoint_io = checkpoint.CheckpointIO(self.process, self.strategy, self.precision, self._objects,
                                                      self._progress)
@@ -154,14 +162,16 @@ class Accelerator(ProcessView, compat.AccelerateMembers, elastic.ElasticMembers)
         self.trigger = Trigger(self.process)
         self._save_state_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
         self._load_state_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
-        _ = self.state  # built now: `AcceleratorState()` describes the newest Accelerator, as in Accelerate
-        accelerate_state.tell_accelerator(self)  # and so do Accelerate's own, when third-party code loaded it
+        # built now: `AcceleratorState()` describes the newest Accelerator, as in Accelerate
+        _ = self.state
+        # and so do Accelerate's own, when third-party code loaded it
+        accelerate_state.tell_accelerator(self)
 
-    # -- process state ---------------------------------------------------------------------------------------------
+    # -- process state -----------------------------------------------------------------------------
     @functools.cached_property
     def state(self) -> AcceleratorState:
-        """Accelerate's `accelerator.state`: process facts plus the distributed type, precision and plugin in use
-        (all fixed once the strategy is chosen)."""
+        """Accelerate's `accelerator.state`: process facts plus the distributed type, precision and
+        plugin in use (all fixed once the strategy is chosen)."""
         return AcceleratorState.of(self.process, self.distributed_type, self.mixed_precision,
                                    **self.strategy.state_plugins())
 
@@ -188,7 +198,8 @@ class Accelerator(ProcessView, compat.AccelerateMembers, elastic.ElasticMembers)
 
     @gradient_accumulation_steps.setter
     def gradient_accumulation_steps(self, steps: int) -> None:
-        """Scripts that pick the accumulation after `find_executable_batch_size` set it here, as in Accelerate."""
+        """Scripts that pick the accumulation after `find_executable_batch_size` set it here, as in
+        Accelerate."""
         self.gradient_state.num_steps = checks.whole(steps, "gradient_accumulation_steps", minimum=1)
 
     @property
@@ -219,17 +230,18 @@ class Accelerator(ProcessView, compat.AccelerateMembers, elastic.ElasticMembers)
     def optimizer_step_was_skipped(self) -> bool:
         return any(opt.step_was_skipped for opt in self._objects.optimizers)
 
-    # -- prepare ---------------------------------------------------------------------------------------------------
+    # -- prepare -----------------------------------------------------------------------------------
     def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
         """Prepare models, optimizers, dataloaders and schedulers; returns them in the order given.
 
-        What is not prepared yet goes to the strategy in one joint `setup` call (models first: optimizers may need the
-        wrapped parameters; DeepSpeed builds one engine from all of it). An object that is already prepared comes
-        back as it is.
+        What is not prepared yet goes to the strategy in one joint `setup` call (models first:
+        optimizers may need the wrapped parameters; DeepSpeed builds one engine from all of it). An
+        object that is already prepared comes back as it is.
         """
         placement = device_placement or [None] * len(args)
         if len(placement) != len(args):
-            raise HfBackendError(f"prepare(): device_placement has {len(placement)} entries for {len(args)} objects")
+            raise HfBackendError(f"prepare(): device_placement has {len(placement)} entries for "
+                                 f"{len(args)} objects")
         args = tuple(as_placeholder(obj) for obj in args)
         result = list(args)
         kinds = {"models": torch.nn.Module, "optimizers": (torch.optim.Optimizer, DummyOptim),
@@ -257,8 +269,8 @@ class Accelerator(ProcessView, compat.AccelerateMembers, elastic.ElasticMembers)
 
     def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None,
                       evaluation_mode: bool = False) -> torch.nn.Module:
-        """`evaluation_mode`: the model is only evaluated, so it is placed and autocast but not wrapped for training
-        (no DDP)."""
+        """`evaluation_mode`: the model is only evaluated, so it is placed and autocast but not wrapped
+        for training (no DDP)."""
         if self._is_prepared(model):
             return model
         placement = self.device_placement if device_placement is None else device_placement
@@ -267,7 +279,8 @@ class Accelerator(ProcessView, compat.AccelerateMembers, elastic.ElasticMembers)
 
     def _register_model(self, prepared: torch.nn.Module) -> torch.nn.Module:
         if self.dynamo_plugin.enabled and not is_compiled_module(prepared):
-            prepared = self.strategy.compile_model(prepared, self.dynamo_plugin)  # once, around the wrapper
+            # once, around the wrapper
+            prepared = self.strategy.compile_model(prepared, self.dynamo_plugin)
         self._objects.models.append(prepared)
         return prepared
 
@@ -289,7 +302,8 @@ class Accelerator(ProcessView, compat.AccelerateMembers, elastic.ElasticMembers)
         return self._register_scheduler(inner, steps=scheduler)
 
     def _register_scheduler(self, inner: Any, steps: Any) -> AcceleratedScheduler:
-        """`steps`: the scheduler as given, whose `optimizer` links it to the prepared optimizers it follows."""
+        """`steps`: the scheduler as given, whose `optimizer` links it to the prepared optimizers it
+        follows."""
         given = getattr(steps, "optimizer", None)
         linked = [opt for opt in self._objects.optimizers if opt.stands_for(given)] or list(self._objects.optimizers)
         wrapped = AcceleratedScheduler(inner, linked, self.gradient_state, self.step_scheduler_with_optimizer,
@@ -303,7 +317,8 @@ class Accelerator(ProcessView, compat.AccelerateMembers, elastic.ElasticMembers)
         placement = self.device_placement if device_placement is None else device_placement
         # Batches are built on the CPU: placing them on a CPU device would only cost time.
         device = self.device if placement and self.device.type != "cpu" else None
-        shard = self.strategy.data_shard  # tensor / context parallel neighbours read the same batches
+        # tensor / context parallel neighbours read the same batches
+        shard = self.strategy.data_shard
         prepared = prepare_dataloader(data_loader, num_processes=shard.count, process_index=shard.index,
                                       device=device, split_batches=self.split_batches, even_batches=self.even_batches,
                                       gradient_state=self.gradient_state, data_seed=self.dataloader_config.data_seed,
@@ -312,18 +327,19 @@ class Accelerator(ProcessView, compat.AccelerateMembers, elastic.ElasticMembers)
         return prepared
 
     def skip_first_batches(self, dataloader: DataLoader, num_batches: int = 0) -> PreparedDataLoader:
-        """Start the next pass of a prepared loader at batch `num_batches` (absolute: it replaces, never adds to, the
-        position `load_state` restored, so Accelerate scripts that skip by hand after resuming stay correct)."""
+        """Start the next pass of a prepared loader at batch `num_batches` (absolute: it replaces,
+        never adds to, the position `load_state` restored, so Accelerate scripts that skip by hand
+        after resuming stay correct)."""
         return skip_first_batches(dataloader, num_batches)
 
-    # -- training step ---------------------------------------------------------------------------------------------
+    # -- training step -----------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         if not self._objects.models:
-            raise HfBackendError("backward() before prepare(): call model, optimizer, ... = accelerator.prepare(...) "
-                                 "first")
+            raise HfBackendError("backward() before prepare(): call model, optimizer, ... = "
+                                 "accelerator.prepare(...) first")
         if not isinstance(loss, torch.Tensor):
-            raise HfBackendError(f"backward(loss={checks.show(loss)}): pass the loss tensor (e.g. outputs.loss), not "
-                                 f"a {type(loss).__name__}")
+            raise HfBackendError(f"backward(loss={checks.show(loss)}): pass the loss tensor (e.g. "
+                                 f"outputs.loss), not a {type(loss).__name__}")
         self.strategy.backward(loss, self.gradient_state.num_steps, self.sync_gradients, **kwargs)
 
     def _do_sync(self) -> None:
@@ -337,11 +353,13 @@ class Accelerator(ProcessView, compat.AccelerateMembers, elastic.ElasticMembers)
 
     @contextlib.contextmanager
     def accumulate(self, *models: torch.nn.Module) -> Iterator[None]:
-        """One micro step: optimizers step only every `gradient_accumulation_steps` micro steps and at the end of the
-        dataloader; in between, gradients are not all-reduced, unless `sync_each_batch` asks for it (it saves memory
-        under FSDP, at the cost of a reduction every micro step)."""
+        """One micro step: optimizers step only every `gradient_accumulation_steps` micro steps and at
+        the end of the dataloader; in between, gradients are not all-reduced, unless
+        `sync_each_batch` asks for it (it saves memory under FSDP, at the cost of a reduction every
+        micro step)."""
         if not all(isinstance(m, torch.nn.Module) for m in models):
-            raise HfBackendError(f"accumulate({', '.join(checks.show(m) for m in models)}): pass the prepared models")
+            raise HfBackendError(f"accumulate({', '.join(checks.show(m) for m in models)}): pass "
+                                 "the prepared models")
         self._do_sync()
         if self.sync_gradients or not models or (self.use_distributed and self.gradient_state.sync_each_batch):
             yield
@@ -365,8 +383,8 @@ class Accelerator(ProcessView, compat.AccelerateMembers, elastic.ElasticMembers)
 
     def clip_grad_norm_(self, parameters: Iterable[torch.nn.Parameter], max_norm: float,
                         norm_type: float = 2.0) -> torch.Tensor | None:
-        """Clip the synchronized gradients; returns their total norm. On a non-sync micro step it does nothing and
-        returns None: clipping a partial sum is never what accumulation means."""
+        """Clip the synchronized gradients; returns their total norm. On a non-sync micro step it does
+        nothing and returns None: clipping a partial sum is never what accumulation means."""
         checks.number(max_norm, "clip_grad_norm_ max_norm", positive=True)
         if not self.sync_gradients:
             return None
@@ -384,13 +402,13 @@ class Accelerator(ProcessView, compat.AccelerateMembers, elastic.ElasticMembers)
     def autocast(self, autocast_handler: Any = None) -> contextlib.AbstractContextManager:
         return self.precision.autocast(enabled=getattr(autocast_handler, "enabled", True))
 
-    # -- collectives -----------------------------------------------------------------------------------------------
+    # -- collectives -------------------------------------------------------------------------------
     def gather(self, tensor: Any) -> Any:
         return collectives.gather(tensor)
 
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
-        """Gather predictions or labels of an evaluation batch: exactly one row per dataset item over the whole loop
-        (the padding a short last batch got is dropped)."""
+        """Gather predictions or labels of an evaluation batch: exactly one row per dataset item over
+        the whole loop (the padding a short last batch got is dropped)."""
         return collectives.gather_for_metrics(input_data, self.gradient_state, use_gather_object,
                                               self.strategy.data_shard)
 
@@ -400,7 +418,7 @@ class Accelerator(ProcessView, compat.AccelerateMembers, elastic.ElasticMembers)
     def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
         return collectives.pad_across_processes(tensor, dim, pad_index, pad_first)
 
-    # -- models and saving -----------------------------------------------------------------------------------------
+    # -- models and saving -------------------------------------------------------------------------
     def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True,
                      keep_torch_compile: bool = False) -> torch.nn.Module:
         inner = self.strategy.unwrap_model(model, keep_torch_compile=keep_torch_compile)
@@ -419,19 +437,21 @@ class Accelerator(ProcessView, compat.AccelerateMembers, elastic.ElasticMembers)
 
     def save_model(self, model: torch.nn.Module, save_directory: str | os.PathLike,
                    max_shard_size: int | str = "10GB", safe_serialization: bool = True) -> None:
-        """Write the full weights in the layout `from_pretrained` reads (with config.json for transformers models)."""
+        """Write the full weights in the layout `from_pretrained` reads (with config.json for
+        transformers models)."""
         self.checkpoint_io.save_pretrained(model, save_directory, max_shard_size, safe_serialization)
 
     def register_save_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
-        """`hook(models, weights, output_dir)` runs before `save_state` writes; a model whose state dict it removes
-        from `weights` is not written (the hook saves it its own way). Returns a handle with `.remove()`."""
+        """`hook(models, weights, output_dir)` runs before `save_state` writes; a model whose state
+        dict it removes from `weights` is not written (the hook saves it its own way). Returns a
+        handle with `.remove()`."""
         handle = RemovableHandle(self._save_state_pre_hooks)
         self._save_state_pre_hooks[handle.id] = hook
         return handle
 
     def register_load_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
-        """`hook(models, input_dir)` runs before `load_state` reads; a model it removes from `models` is not loaded
-        (the hook loads it its own way)."""
+        """`hook(models, input_dir)` runs before `load_state` reads; a model it removes from `models`
+        is not loaded (the hook loads it its own way)."""
         handle = RemovableHandle(self._load_state_pre_hooks)
         self._load_state_pre_hooks[handle.id] = hook
         return handle
@@ -439,14 +459,15 @@ class Accelerator(ProcessView, compat.AccelerateMembers, elastic.ElasticMembers)
     def register_for_checkpointing(self, *objects: Any) -> None:
         bad = [type(o).__name__ for o in objects if not (hasattr(o, "state_dict") and hasattr(o, "load_state_dict"))]
         if bad:
-            raise HfBackendError(f"register_for_checkpointing: {', '.join(bad)} lack state_dict()/load_state_dict(); "
-                                 "give them both methods")
+            raise HfBackendError(f"register_for_checkpointing: {', '.join(bad)} lack "
+                                 "state_dict()/load_state_dict(); give them both methods")
         self._objects.custom.extend(objects)
 
     def save_state(self, output_dir: str | os.PathLike | None = None, safe_serialization: bool = True,
                    async_save: bool | None = None) -> str:
-        """Save everything needed to continue training exactly where it stands; returns the directory. `async_save`
-        (default ProjectConfiguration.async_save): return once it is in host memory, writing it in the background."""
+        """Save everything needed to continue training exactly where it stands; returns the directory.
+        `async_save` (default ProjectConfiguration.async_save): return once it is in host memory,
+        writing it in the background."""
         config, automatic = self.project_configuration, output_dir is None
         target = checkpoint.automatic_dir(config) if automatic else output_dir
         objects = checkpoint.apply_save_hooks(self._save_state_pre_hooks.values(), self._objects, target,
@@ -459,44 +480,49 @@ class Accelerator(ProcessView, compat.AccelerateMembers, elastic.ElasticMembers)
         self.checkpoint_io.wait()
 
     def _progress(self) -> dict[str, Any]:
-        """The counters a checkpoint keeps besides the objects' states (restored by `load_state`)."""
+        """The counters a checkpoint keeps besides the objects' states (restored by `load_state`).
+        """
         return {"accumulation_step": self.step, **self._elastic_progress()}
 
     def load_state(self, input_dir: str | os.PathLike | None = None) -> None:
-        """Restore what `save_state` wrote. The next pass over each prepared dataloader continues with the batch after
-        the last one seen, in the same order: no manual skipping."""
+        """Restore what `save_state` wrote. The next pass over each prepared dataloader continues with
+        the batch after the last one seen, in the same order: no manual skipping."""
         self.checkpoint_io.wait()  # a save under way is finished first
         config = self.project_configuration
         newest = input_dir is None  # the newest automatic checkpoint that verifies
-        sharing = checkpoint.manifest.machine_sharing()  # the processes of a machine divide the checksums
+        # the processes of a machine divide the checksums
+        sharing = checkpoint.manifest.machine_sharing()
         index = checkpoint.latest_automatic_checkpoint(config, sharing) if newest else \
             checkpoint.read_index(input_dir, sharing=sharing)
         objects = checkpoint.apply_load_hooks(self._load_state_pre_hooks.values(), self._objects, index.directory)
         index = self.checkpoint_io.read(index, objects,
                                         models_taken_by_hooks=len(objects.models) < len(self._objects.models))
         if index.meta["num_processes"] != self.num_processes:
-            note(f"load_state: {index.directory} was saved by {index.meta['num_processes']} processes and is resumed "
-                 f"by {self.num_processes}; random states of processes the checkpoint lacks start fresh")
+            note(f"load_state: {index.directory} was saved by {index.meta['num_processes']} "
+                 f"processes and is resumed by {self.num_processes}; random states of processes "
+                 "the checkpoint lacks start fresh")
         self.step = index.meta.get("accumulation_step", 0)
         if config.automatic_checkpoint_naming:  # continue the numbering after the checkpoint loaded
             config.iteration = max(config.iteration, index.meta.get("iteration", -1) + 1)
 
-    # -- coordination between processes -------------------------------------------------------------------------------
+    # -- coordination between processes ------------------------------------------------------------
     @contextlib.contextmanager
     def join_uneven_inputs(self, joinables: list, even_batches: bool | None = None) -> Iterator[None]:
-        """Train on loaders whose processes run out at different steps (torch's Join for DDP models); `even_batches`
-        overrides the prepared loaders' setting inside the block."""
+        """Train on loaders whose processes run out at different steps (torch's Join for DDP models);
+        `even_batches` overrides the prepared loaders' setting inside the block."""
         joinable = capability(self.strategy, Joinable)  # one line refuses FSDP and DeepSpeed
         with uneven_inputs(joinable, joinables, self._objects.dataloaders, even_batches):
             yield
 
     def trigger_sync_in_backward(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
-        """A block whose backward all-reduces gradients although it runs under `no_sync` (DDP; others need nothing)."""
+        """A block whose backward all-reduces gradients although it runs under `no_sync` (DDP; others
+        need nothing)."""
         return self.strategy.trigger_sync_in_backward(model)
 
-    # -- lifecycle -------------------------------------------------------------------------------------------------
+    # -- lifecycle ---------------------------------------------------------------------------------
     def free_memory(self, *objects: Any) -> list[None]:
-        """Drop every reference this Accelerator holds to prepared objects (and return `None` for each argument)."""
+        """Drop every reference this Accelerator holds to prepared objects (and return `None` for each
+        argument)."""
         self.checkpoint_io.wait()  # an async save's staged copy is memory too
         self._objects.clear()
         self.strategy.reset()
@@ -506,8 +532,8 @@ class Accelerator(ProcessView, compat.AccelerateMembers, elastic.ElasticMembers)
     clear = free_memory
 
     def end_training(self) -> None:
-        """Finish the trackers and an async save under way, then tear down the process group if this process created
-        it (a group given by Ray or the user stays)."""
+        """Finish the trackers and an async save under way, then tear down the process group if this
+        process created it (a group given by Ray or the user stays)."""
         self.tracking.finish()
         self.wait_for_checkpoint()
         self.wait_for_everyone()

@@ -1,7 +1,8 @@
-"""Accelerate's `is_*_available()` helpers, which scripts use as guards: what this machine has installed and can run.
+"""Accelerate's `is_*_available()` helpers, which scripts use as guards: what this machine has
+installed and can run.
 
-Hardware hf_backend does not drive (XLA/TPU, NPU, MLU, MUSA, SDAA, HPU, Neuron, XPU) answers False, so a guarded
-branch for it is skipped; packages answer whether they can be imported.
+Hardware hf_backend does not drive (XLA/TPU, NPU, MLU, MUSA, SDAA, HPU, Neuron, XPU) answers False,
+so a guarded branch for it is skipped; packages answer whether they can be imported.
 """
 
 from __future__ import annotations
@@ -84,11 +85,13 @@ def is_weights_only_available() -> bool:
 
 
 def compare_versions(library_or_version: str | Version, operation: str, requirement_version: str) -> bool:
-    """`compare_versions("torch", ">=", "2.4")`: the installed (or given) version against a requirement."""
+    """`compare_versions("torch", ">=", "2.4")`: the installed (or given) version against a
+    requirement."""
     ops = {">": Version.__gt__, ">=": Version.__ge__, "==": Version.__eq__, "!=": Version.__ne__,
            "<=": Version.__le__, "<": Version.__lt__}
     if operation not in ops:
-        raise HfBackendError(f"compare_versions: operation {operation!r} is not one of {', '.join(ops)}")
+        raise HfBackendError(f"compare_versions: operation {operation!r} is not one of "
+                             f"{', '.join(ops)}")
     if isinstance(library_or_version, str) and not library_or_version[:1].isdigit():
         library_or_version = importlib.metadata.version(library_or_version)
     return ops[operation](Version(str(library_or_version)), Version(requirement_version))

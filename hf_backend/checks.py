@@ -1,6 +1,6 @@
-"""Type and range checks for public arguments, each applied once, where the argument enters (an option object's
-constructor, `Accelerator(...)`, a method's first line), so a bad value is one line naming it and the fix rather
-than a traceback or a silently wrong run."""
+"""Type and range checks for public arguments, each applied once, where the argument enters (an option
+object's constructor, `Accelerator(...)`, a method's first line), so a bad value is one line naming
+it and the fix rather than a traceback or a silently wrong run."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ from .errors import HfBackendError
 
 
 class _BoundedRepr(reprlib.Repr):
-    """repr() that looks at a bounded part of a value: the first items of a container, 2 levels deep, the start of
-    a string, and the size (not the digits) of a huge integer, so no value makes an error message slow or long."""
+    """repr() that looks at a bounded part of a value: the first items of a container, 2 levels deep,
+    the start of a string, and the size (not the digits) of a huge integer, so no value makes an
+    error message slow or long."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -35,14 +36,15 @@ _REPR = _BoundedRepr()
 
 
 def show(value: Any) -> str:
-    """A value as an error message quotes it: a bounded repr, at most 60 characters (a huge value never makes a
-    message slow or long)."""
+    """A value as an error message quotes it: a bounded repr, at most 60 characters (a huge value never
+    makes a message slow or long)."""
     text = _REPR.repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
 
 def flag(value: Any, name: str, optional: bool = False) -> bool | None:
-    """True or False (or None when `optional`); strings such as "no" are truthy, so they are refused."""
+    """True or False (or None when `optional`); strings such as "no" are truthy, so they are refused.
+    """
     if value is None and optional:
         return None
     if not isinstance(value, bool):
@@ -52,18 +54,21 @@ def flag(value: Any, name: str, optional: bool = False) -> bool | None:
 
 def whole(value: Any, name: str, minimum: int = 0, maximum: int | None = None, optional: bool = False,
           fix: str = "") -> int | None:
-    """An integer in [minimum, maximum] (or None when `optional`); bools and floats such as 2.5 are refused."""
+    """An integer in [minimum, maximum] (or None when `optional`); bools and floats such as 2.5 are
+    refused."""
     if value is None and optional:
         return None
     if (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum
             or (maximum is not None and value > maximum)):
-        raise HfBackendError(f"{name}={show(value)} must be an integer{_range(minimum, maximum)}{fix}")
+        raise HfBackendError(f"{name}={show(value)} must be an "
+                             f"integer{_range(minimum, maximum)}{fix}")
     return int(value)
 
 
 def number(value: Any, name: str, positive: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or (positive and not value > 0):
-        raise HfBackendError(f"{name}={show(value)} must be a{' positive' if positive else ''} number")
+        raise HfBackendError(f"{name}={show(value)} must be a{' positive' if positive else ''} "
+                             "number")
     return float(value)
 
 

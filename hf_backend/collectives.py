@@ -1,6 +1,7 @@
 """Collectives on tensors and nested structures of them (dicts, lists, tuples, ModelOutput).
 
-Every function is a cheap identity in a single process, so training scripts call them unconditionally.
+Every function is a cheap identity in a single process, so training scripts call them
+unconditionally.
 """
 
 from __future__ import annotations
@@ -36,15 +37,17 @@ def gather(data: Any) -> Any:
     """
     for leaf in leaves(data):
         if not isinstance(leaf, torch.Tensor):
-            raise HfBackendError(f"gather: {type(leaf).__name__} {show(leaf)} is not a tensor; gather tensors (or "
-                                 "nested lists / dicts of them), and Python objects with gather_object")
+            raise HfBackendError(f"gather: {type(leaf).__name__} {show(leaf)} is not a tensor; "
+                                 "gather tensors (or nested lists / dicts of them), and Python "
+                                 "objects with gather_object")
     if world_size() == 1:
         return recursively_apply(lambda t: t[None] if t.ndim == 0 else t, data)
     return recursively_apply(_all_gather_cat, data)
 
 
 def gather_object(obj: Any) -> list:
-    """Gather a picklable object from every process; lists are concatenated, anything else becomes one item each."""
+    """Gather a picklable object from every process; lists are concatenated, anything else becomes one
+    item each."""
     if world_size() == 1:
         return list(obj) if isinstance(obj, list) else [obj]
     out: list = [None] * world_size()
@@ -58,8 +61,8 @@ _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.
 
 
 def reduce(data: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
-    """Reduce every tensor in `data` over the processes: "sum", "mean", "max", or "none" (this process's values,
-    copied). The result is multiplied by `scale`."""
+    """Reduce every tensor in `data` over the processes: "sum", "mean", "max", or "none" (this
+    process's values, copied). The result is multiplied by `scale`."""
     if reduction not in (*_REDUCE_OPS, "none"):
         raise HfBackendError(f"reduce(reduction={reduction!r}): use 'sum', 'mean', 'max' or 'none'")
     n = world_size()
@@ -95,7 +98,8 @@ def broadcast_object_list(objects: list, from_process: int = 0) -> list:
 
 
 def pad_across_processes(data: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
-    """Pad each tensor along `dim` to the largest size any process has, so that they can be gathered."""
+    """Pad each tensor along `dim` to the largest size any process has, so that they can be gathered.
+    """
     if world_size() == 1:
         return data
 
@@ -135,12 +139,14 @@ def gather_uneven(data: Any) -> Any:
 
 def gather_for_metrics(input_data: Any, gradient_state: Any, use_gather_object: bool = False,
                        shard: Any = None) -> Any:
-    """`gather`, then drop the rows a short last batch was padded with (the active loader knows how many are real).
-    `shard` (a strategies.mesh.DataShard): where tensor / context parallel neighbours share a batch, only the first
-    of them contributes its rows, so every item is counted once."""
+    """`gather`, then drop the rows a short last batch was padded with (the active loader knows how
+    many are real). `shard` (a strategies.mesh.DataShard): where tensor / context parallel
+    neighbours share a batch, only the first of them contributes its rows, so every item is counted
+    once."""
     if shard is not None and shard.sequence_slices > 1:
-        raise HfBackendError(f"gather_for_metrics under context parallelism (cp_size={shard.sequence_slices}): each "
-                             "rank holds a slice of every sequence; evaluate with cp_size=1")
+        raise HfBackendError("gather_for_metrics under context parallelism "
+                             f"(cp_size={shard.sequence_slices}): each rank holds a slice of every "
+                             "sequence; evaluate with cp_size=1")
     tensors_only = all(isinstance(t, torch.Tensor) for t in leaves(input_data))
     loader = gradient_state.active_dataloader
     uneven = loader is not None and not getattr(loader.source, "even_batches", True)

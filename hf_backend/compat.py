@@ -1,8 +1,8 @@
 """The parts of Accelerate's `Accelerator` API that have nothing to run here, in one place.
 
 Three kinds (docs/compat.md lists every public name with its kind):
-- arguments and members that are constants here (no tensor/context/pipeline parallelism, no fp8, no LOMO): they answer
-  as Accelerate answers when the feature is off;
+- arguments and members that are constants here (no tensor/context/pipeline parallelism, no fp8, no
+  LOMO): they answer as Accelerate answers when the feature is off;
 - arguments accepted as no-ops, with one note in the log saying why;
 - features refused with one line naming them and what to use instead.
 """
@@ -35,9 +35,10 @@ _REFUSED_ARGUMENTS = {
 
 
 def check_accelerator_arguments(other: dict[str, Any], deepspeed_plugin: Any) -> Any:
-    """Consume the Accelerate-only keyword arguments in `other` (notes for no-ops, one-line errors for refused
-    features); returns the DeepSpeed plugin in effect (Accelerate's `deepspeed_plugins` dict with one entry is
-    that plugin). Leaves the DataLoaderConfiguration fields Accelerate also takes here in `other`."""
+    """Consume the Accelerate-only keyword arguments in `other` (notes for no-ops, one-line errors for
+    refused features); returns the DeepSpeed plugin in effect (Accelerate's `deepspeed_plugins` dict
+    with one entry is that plugin). Leaves the DataLoaderConfiguration fields Accelerate also takes
+    here in `other`."""
     for key, why in _NOOP_ARGUMENTS.items():
         if other.pop(key, None) is not None:
             note(f"Accelerator({key}=...) is accepted and has nothing to do: {why}")
@@ -49,19 +50,22 @@ def check_accelerator_arguments(other: dict[str, Any], deepspeed_plugin: Any) ->
     if plugins is not None:
         plugins = list(plugins.values()) if isinstance(plugins, dict) else [plugins]
         if len(plugins) != 1 or deepspeed_plugin is not None:
-            raise HfBackendError("Accelerator(deepspeed_plugins=...): hf_backend runs one DeepSpeed plugin per "
-                                 "Accelerator; pass deepspeed_plugin=<the one to use>")
+            raise HfBackendError("Accelerator(deepspeed_plugins=...): hf_backend runs one "
+                                 "DeepSpeed plugin per Accelerator; pass deepspeed_plugin=<the one "
+                                 "to use>")
         deepspeed_plugin = plugins[0]
     unknown = sorted(set(other) - {"dispatch_batches", "use_seedable_sampler"})
     if unknown:
-        raise HfBackendError(f"Accelerator() does not support {', '.join(unknown)} in hf_backend; remove the "
-                             "argument (docs/compat.md lists every Accelerate argument and member)")
+        raise HfBackendError(f"Accelerator() does not support {', '.join(unknown)} in hf_backend; "
+                             "remove the argument (docs/compat.md lists every Accelerate argument "
+                             "and member)")
     return deepspeed_plugin
 
 
 def config_mesh(accelerator: Any) -> Any:
-    """The mesh Accelerate builds for a ParallelismConfig whose grid the engine runs without one (replicas only:
-    DDP), so `accelerator.torch_device_mesh["dp_cp"]` works as there; None otherwise. Built on every rank now."""
+    """The mesh Accelerate builds for a ParallelismConfig whose grid the engine runs without one
+    (replicas only: DDP), so `accelerator.torch_device_mesh["dp_cp"]` works as there; None
+    otherwise. Built on every rank now."""
     shape = accelerator._parallelism_shape
     if shape is None or accelerator.strategy.mesh is not None or shape.world == 1:
         return None
@@ -71,15 +75,17 @@ def config_mesh(accelerator: Any) -> Any:
 
 
 def dynamo_plugin(backend: Any, plugin: Any) -> TorchDynamoPlugin:
-    """Accelerate's `dynamo_backend` (a name) or `dynamo_plugin` (a TorchDynamoPlugin or a dict of its fields)."""
+    """Accelerate's `dynamo_backend` (a name) or `dynamo_plugin` (a TorchDynamoPlugin or a dict of its
+    fields)."""
     if backend is not None and plugin is not None:
         raise HfBackendError("pass dynamo_backend or dynamo_plugin, not both")
     if plugin is None:  # else the launcher's dynamo_backend (a launch config's), else off
         return TorchDynamoPlugin(backend=env.resolve("dynamo_backend", backend))
     plugin = checked(plugin, TorchDynamoPlugin, "dynamo_plugin")
     if plugin.use_regional_compilation:
-        raise HfBackendError("dynamo_plugin use_regional_compilation=True: regional compilation is not supported; "
-                             "compile the whole model (use_regional_compilation=False)")
+        raise HfBackendError("dynamo_plugin use_regional_compilation=True: regional compilation is "
+                             "not supported; compile the whole model "
+                             "(use_regional_compilation=False)")
     return plugin
 
 
@@ -101,13 +107,14 @@ def checked(value: Any, cls: type, argument: str) -> Any:
 
 
 def _not_configured(what: str) -> HfBackendError:
-    return HfBackendError(f"{what}: no parallelism_config is set (and hf_backend does not run pipeline parallelism); "
-                          "use accelerator.process_index for the data-parallel rank")
+    return HfBackendError(f"{what}: no parallelism_config is set (and hf_backend does not run "
+                          "pipeline parallelism); use accelerator.process_index for the "
+                          "data-parallel rank")
 
 
 class AccelerateMembers:
-    """Accelerator members for features that are off here (answering as Accelerate does when they are off), and
-    Accelerate's names for state the facade keeps under its own."""
+    """Accelerator members for features that are off here (answering as Accelerate does when they are
+    off), and Accelerate's names for state the facade keeps under its own."""
 
     has_lomo_optimizer = False
     fp8_enabled = False
@@ -121,7 +128,8 @@ class AccelerateMembers:
 
     rng_types = None
 
-    # What the Accelerator this is mixed into holds, which the members below answer from (declared, not set here).
+    # What the Accelerator this is mixed into holds, which the members below answer from (declared,
+    # not set here).
     handlers: Handlers
     process: Any  # ProcessState
     strategy: Any
@@ -133,7 +141,7 @@ class AccelerateMembers:
     is_local_main_process: bool
     mixed_precision: str
 
-    # -- forwarded to the pieces that own them: experiment tracking, the trigger -------------------------------------
+    # -- forwarded to the pieces that own them: experiment tracking, the trigger -------------------
     def init_trackers(self, project_name: str, config: dict | None = None, init_kwargs: dict | None = None) -> None:
         self.tracking.init_trackers(project_name, config, init_kwargs)
 
@@ -152,11 +160,13 @@ class AccelerateMembers:
         self.trigger.set()
 
     def check_trigger(self) -> bool:
-        """True on every process when any process called `set_trigger()` since the last check (collective)."""
+        """True on every process when any process called `set_trigger()` since the last check
+        (collective)."""
         return self.trigger.check()
 
     def profile(self, profile_handler: Any = None) -> contextlib.AbstractContextManager:
-        """A torch.profiler context (ProfileKwargs); each process writes its own Chrome trace when asked."""
+        """A torch.profiler context (ProfileKwargs); each process writes its own Chrome trace when
+        asked."""
         from .profiling import profile
 
         return profile(profile_handler or self.handlers.profile, self.process.process_index)
@@ -231,10 +241,10 @@ class AccelerateMembers:
 
     @functools.cached_property
     def parallelism_config(self) -> Any:
-        """The process grid as Accelerate's ParallelismConfig shows it, made once: the mesh strategy's shape, or the
-        grid a config asked for (all sizes 1 in N processes: N replicas, as Accelerate sets it); None when neither
-        exists (DDP, DeepSpeed, one process without a config). transformers' Trainer reads its tp / cp / sp sizes
-        at every step."""
+        """The process grid as Accelerate's ParallelismConfig shows it, made once: the mesh strategy's
+        shape, or the grid a config asked for (all sizes 1 in N processes: N replicas, as Accelerate
+        sets it); None when neither exists (DDP, DeepSpeed, one process without a config).
+        transformers' Trainer reads its tp / cp / sp sizes at every step."""
         shape = self.strategy.shape or self._parallelism_shape
         return shape.as_config() if shape is not None else None
 
@@ -276,20 +286,21 @@ class AccelerateMembers:
 
     def maybe_context_parallel(self, buffers: Any = None, buffer_seq_dims: Any = None,
                                no_restore_buffers: Any = None) -> contextlib.AbstractContextManager:
-        """With context parallelism (cp_size > 1), each rank keeps its slice of the buffers' sequences inside the
-        block, and the buffers not in `no_restore_buffers` are whole again after it; otherwise nothing happens."""
+        """With context parallelism (cp_size > 1), each rank keeps its slice of the buffers' sequences
+        inside the block, and the buffers not in `no_restore_buffers` are whole again after it;
+        otherwise nothing happens."""
         return self.strategy.context_parallel(list(buffers or []), list(buffer_seq_dims or []),
                                               list(no_restore_buffers or []))
 
     def verify_device_map(self, model: torch.nn.Module) -> bool:
-        """True when the model was loaded with a device map over several devices (big-model inference), which
-        training cannot prepare."""
+        """True when the model was loaded with a device map over several devices (big-model inference),
+        which training cannot prepare."""
         return any(len(getattr(m, "hf_device_map", None) or {}) > 1 for m in model.modules())
 
     def lomo_backward(self, loss: torch.Tensor, learning_rate: float) -> None:
-        raise HfBackendError("lomo_backward: LOMO optimizers are not supported by hf_backend; use a torch optimizer "
-                             "and accelerator.backward(loss)")
+        raise HfBackendError("lomo_backward: LOMO optimizers are not supported by hf_backend; use "
+                             "a torch optimizer and accelerator.backward(loss)")
 
     def deepspeed_ulysses_dl_adapter(self, *args: Any, **kwargs: Any) -> Any:
-        raise HfBackendError("deepspeed_ulysses_dl_adapter: DeepSpeed Ulysses sequence parallelism is not supported "
-                             "by hf_backend; train without sequence parallelism")
+        raise HfBackendError("deepspeed_ulysses_dl_adapter: DeepSpeed Ulysses sequence parallelism "
+                             "is not supported by hf_backend; train without sequence parallelism")

@@ -1,24 +1,29 @@
-"""Prepared dataloaders: sharded across processes in the user's sampler order, placed on the device, resumable.
+"""Prepared dataloaders: sharded across processes in the user's sampler order, placed on the device,
+resumable.
 
-Sharding keeps the user's order: step i of N processes covers the same samples as step i of one process whose batch
-is N times larger (with `split_batches`, the loader's batch is that global batch and each process takes a slice).
-When the last global batch is short and `even_batches` is set, it is padded with samples from the start of the epoch
-so every process takes the same number of equal batches; `gather_for_metrics` drops the padding again.
+Sharding keeps the user's order: step i of N processes covers the same samples as step i of one
+process whose batch is N times larger (with `split_batches`, the loader's batch is that global batch
+and each process takes a slice). When the last global batch is short and `even_batches` is set, it
+is padded with samples from the start of the epoch so every process takes the same number of equal
+batches; `gather_for_metrics` drops the padding again.
 
-Order: a RandomSampler without a generator of its own gets one, and epoch e is shuffled with seed `data_seed + e`
-(`data_seed` defaults to the process's torch seed, rank 0's): the order Accelerate's seedable sampler, and so
-transformers' Trainer, gives. A sampler with its own generator keeps it, with rank 0's state on every rank.
+Order: a RandomSampler without a generator of its own gets one, and epoch e is shuffled with seed
+`data_seed + e` (`data_seed` defaults to the process's torch seed, rank 0's): the order Accelerate's
+seedable sampler, and so transformers' Trainer, gives. A sampler with its own generator keeps it,
+with rank 0's state on every rank.
 
-Resuming: the loader records, for the epoch in progress, the state its sampler's random generator had when the epoch
-started and how many steps it has handed out. `load_state_dict` makes the next `iter()` replay that epoch's order and
-skip those steps (only indices are skipped; no sample is loaded twice).
+Resuming: the loader records, for the epoch in progress, the state its sampler's random generator
+had when the epoch started and how many steps it has handed out. `load_state_dict` makes the next
+`iter()` replay that epoch's order and skip those steps (only indices are skipped; no sample is
+loaded twice).
 
-What gets split: a DataLoader over a map-style dataset, through its batch sampler (one whose sampler is a
-DistributedSampler is already per process and is not split again). Data Ray has already split per worker is never
-split again: `prepare()` returns Ray Data's `iter_torch_batches(...)` iterable unchanged (it is not a DataLoader), and
-a DataLoader whose dataset is Ray's (what Ray's `prepare_trainer` builds) is only wrapped, not sharded. A DataLoader
-over any other IterableDataset is split in several processes by streaming.py (`stream`): the loader then iterates
-this process's part, which knows the global batch, the real rows of the last one, and where each step starts.
+What gets split: a DataLoader over a map-style dataset, through its batch sampler (one whose sampler
+is a DistributedSampler is already per process and is not split again). Data Ray has already split
+per worker is never split again: `prepare()` returns Ray Data's `iter_torch_batches(...)` iterable
+unchanged (it is not a DataLoader), and a DataLoader whose dataset is Ray's (what Ray's
+`prepare_trainer` builds) is only wrapped, not sharded. A DataLoader over any other IterableDataset
+is split in several processes by streaming.py (`stream`): the loader then iterates this process's
+part, which knows the global batch, the real rows of the last one, and where each step starts.
 """
 
 from __future__ import annotations
@@ -55,8 +60,8 @@ class ShardedBatchSampler:
         batch_size = getattr(batch_sampler, "batch_size", None)
         if split_batches and batch_size is not None and batch_size % num_processes:
             raise HfBackendError(
-                f"split_batches=True needs a batch size that divides by the {num_processes} processes, "
-                f"got {batch_size}; change the batch size or use split_batches=False"
+                f"split_batches=True needs a batch size that divides by the {num_processes} "
+                f"processes, got {batch_size}; change the batch size or use split_batches=False"
             )
         self.batch_sampler = batch_sampler
         self.num_processes = num_processes
@@ -67,14 +72,16 @@ class ShardedBatchSampler:
         self.drop_last = bool(getattr(batch_sampler, "drop_last", False))
         self.skip = 0  # steps to skip at the start of the next iteration (`begin`)
         self.remainder = 0  # real rows in the global batch last yielded, 0 when it was full
-        self.order_seed: int | None = None  # epoch e is shuffled with seed order_seed + e (None: the generator's own)
-        self._epoch_rng: torch.Tensor | None = None  # the order generator's state when the pass in progress began
+        # epoch e is shuffled with seed order_seed + e (None: the generator's own)
+        self.order_seed: int | None = None
+        # the order generator's state when the pass in progress began
+        self._epoch_rng: torch.Tensor | None = None
 
     @property
     def sampler(self) -> Any:
         return getattr(self.batch_sampler, "sampler", None)
 
-    # -- the loader's source interface (PreparedDataLoader) ------------------------------------------------------------
+    # -- the loader's source interface (PreparedDataLoader) ----------------------------------------
     restores_its_own_position = False
 
     @property
@@ -84,13 +91,14 @@ class ShardedBatchSampler:
         return self.batch_size // self.num_processes if self.split_batches else self.batch_size
 
     def begin(self, epoch: int, skip: int, mark: dict[str, Any] | None) -> None:
-        """The next pass is epoch `epoch` from step `skip`; `mark` (from `mark`) restores the order of a pass that
-        began in another run: its generator state, and the seed epochs derive from."""
+        """The next pass is epoch `epoch` from step `skip`; `mark` (from `mark`) restores the order of
+        a pass that began in another run: its generator state, and the seed epochs derive from."""
         gen = sampler_generator(self.batch_sampler)
         if mark is not None:
             self.order_seed = mark.get("order_seed", self.order_seed)
         if gen is not None and self.order_seed is not None:
-            gen.manual_seed((self.order_seed + epoch) % 2**64)  # the order follows from the seed and the epoch alone
+            # the order follows from the seed and the epoch alone
+            gen.manual_seed((self.order_seed + epoch) % 2**64)
         elif gen is not None and mark is not None and mark.get("rng_state") is not None:
             gen.set_state(mark["rng_state"])
         self._epoch_rng = gen.get_state() if gen is not None else None
@@ -100,8 +108,8 @@ class ShardedBatchSampler:
                 obj.set_epoch(epoch)
 
     def mark(self, steps: int, started: bool) -> dict[str, Any]:
-        """What `begin` needs to replay a pass: the order generator's state when it began (or, for a pass not
-        begun, now) and the order seed."""
+        """What `begin` needs to replay a pass: the order generator's state when it began (or, for a
+        pass not begun, now) and the order seed."""
         gen = sampler_generator(self.batch_sampler)
         rng = self._epoch_rng if started else gen.get_state() if gen is not None else None
         return {"rng_state": rng, "order_seed": self.order_seed}
@@ -110,7 +118,8 @@ class ShardedBatchSampler:
         return steps >= len(self)
 
     def resumed(self, batches: Iterator[Any]) -> Iterator[Any]:
-        return batches  # the skipped steps' indices are passed over in __iter__, no sample is loaded
+        # the skipped steps' indices are passed over in __iter__, no sample is loaded
+        return batches
 
     def remainder_of(self, batch: Any) -> int:
         return self.remainder
@@ -158,8 +167,9 @@ class ShardedBatchSampler:
         return out
 
     def _single_steps(self) -> Iterator[tuple[list, int]]:
-        """One process: the user's batches as they are; a short last batch still reports its real rows, for callers
-        that pad or repeat per-batch values to the nominal batch size (transformers' evaluation loop does)."""
+        """One process: the user's batches as they are; a short last batch still reports its real rows,
+        for callers that pad or repeat per-batch values to the nominal batch size (transformers'
+        evaluation loop does)."""
         for batch in self.batch_sampler:
             short = self.batch_size is not None and len(batch) < self.batch_size
             yield batch, len(batch) if short else 0
@@ -205,7 +215,8 @@ class ShardedBatchSampler:
                 yield group[rank], sum(len(b) for b in group)
 
     def _even_part(self, group: list[list], first: list) -> tuple[list, int]:
-        """This rank's equal share of a short last global batch, padded from the start of the epoch."""
+        """This rank's equal share of a short last global batch, padded from the start of the epoch.
+        """
         per_rank = self.batch_size or max(len(b) for b in group)
         real = [i for b in group for i in b]
         padded = self._padded(real, per_rank * self.num_processes, first)
@@ -214,9 +225,9 @@ class ShardedBatchSampler:
 
 
 class PlainBatches:
-    """The source of an iterable loader that is not split here (one process, or Ray's shards, one per worker
-    already): a resumed pass reads past its first steps; where this process's batches are the global ones
-    (`count_short_batch`), a short last batch reports its rows."""
+    """The source of an iterable loader that is not split here (one process, or Ray's shards, one per
+    worker already): a resumed pass reads past its first steps; where this process's batches are the
+    global ones (`count_short_batch`), a short last batch reports its rows."""
 
     restores_its_own_position = False
     num_processes = 1
@@ -242,7 +253,8 @@ class PlainBatches:
         return batches
 
     def remainder_of(self, batch: Any) -> int:
-        """The rows of a short last batch (no `__len__` needed: streaming datasets too); -1 when nothing is cut."""
+        """The rows of a short last batch (no `__len__` needed: streaming datasets too); -1 when
+        nothing is cut."""
         size = self.global_batch_size
         if not self.count_short_batch or not size:
             return -1
@@ -251,10 +263,11 @@ class PlainBatches:
 
 
 class Position(NamedTuple):
-    """Where a prepared loader stands: pass `epoch`, `steps` handed out of it, and the source's `mark` of where the
-    pass began (ShardedBatchSampler: its order; a stream: each process's place in it). `running`: the pass is being
-    iterated (`following`: the epoch of the pass after it, when `set_epoch` named one meanwhile); `restored`:
-    `load_state_dict` / `skip_first_batches` set it, and the next `iter()` continues it."""
+    """Where a prepared loader stands: pass `epoch`, `steps` handed out of it, and the source's `mark`
+    of where the pass began (ShardedBatchSampler: its order; a stream: each process's place in it).
+    `running`: the pass is being iterated (`following`: the epoch of the pass after it, when
+    `set_epoch` named one meanwhile); `restored`: `load_state_dict` / `skip_first_batches` set it,
+    and the next `iter()` continues it."""
 
     epoch: int = 0
     steps: int = 0
@@ -271,11 +284,11 @@ class Position(NamedTuple):
 class PreparedDataLoader(DataLoader):
     """A DataLoader over this process's shard that puts batches on the device and can resume mid-epoch.
 
-    Its `source` is what it iterates: a ShardedBatchSampler (map-style datasets), a split stream (streaming.py), or
-    PlainBatches (an iterable not split here); each begins a pass at a step, marks where a pass began, and says the
-    real rows of the last batch. Its `position` is one value (`Position`). `epoch` is the index of the pass the next
-    `iter()` serves (or the one in progress); `end_of_dataloader` is True while the last batch of a pass is being
-    processed.
+    Its `source` is what it iterates: a ShardedBatchSampler (map-style datasets), a split stream
+    (streaming.py), or PlainBatches (an iterable not split here); each begins a pass at a step,
+    marks where a pass began, and says the real rows of the last batch. Its `position` is one value
+    (`Position`). `epoch` is the index of the pass the next `iter()` serves (or the one in
+    progress); `end_of_dataloader` is True while the last batch of a pass is being processed.
     """
 
     def __init__(self, loader: DataLoader, source: Any, device: torch.device | None, gradient_state: GradientState,
@@ -285,7 +298,8 @@ class PreparedDataLoader(DataLoader):
             kwargs["prefetch_factor"] = loader.prefetch_factor
         self.source = source
         if isinstance(source, ShardedBatchSampler):
-            if loader.batch_sampler is None:  # the user's `sampler` yields index lists the dataset reads at once
+            # the user's `sampler` yields index lists the dataset reads at once
+            if loader.batch_sampler is None:
                 super().__init__(loader.dataset, sampler=source, batch_size=None, **kwargs)
             else:
                 super().__init__(loader.dataset, batch_sampler=source, **kwargs)
@@ -301,7 +315,7 @@ class PreparedDataLoader(DataLoader):
         self.remainder = -1
         self.position = Position()
 
-    # -- sizes (Accelerate's names) ----------------------------------------------------------------------------------
+    # -- sizes (Accelerate's names) ----------------------------------------------------------------
     @property
     def batch_size(self) -> int | None:  # type: ignore[override]
         """This process's batch size."""
@@ -323,9 +337,10 @@ class PreparedDataLoader(DataLoader):
         dataset = self.dataset
         return dataset.total_length if hasattr(dataset, "total_length") else len(dataset)
 
-    # -- position --------------------------------------------------------------------------------------------------
+    # -- position ----------------------------------------------------------------------------------
     def _now(self) -> Position:
-        """The position as a checkpoint records it: a pass whose last step was handed out counts as over."""
+        """The position as a checkpoint records it: a pass whose last step was handed out counts as
+        over."""
         position = self.position
         return position.after() if position.running and self.source.ended(position.steps) else position
 
@@ -339,7 +354,8 @@ class PreparedDataLoader(DataLoader):
         return self.position.restored
 
     def set_epoch(self, epoch: int) -> None:
-        """Serve pass `epoch` on the next `iter()` (for scripts that call `set_epoch` themselves, between passes)."""
+        """Serve pass `epoch` on the next `iter()` (for scripts that call `set_epoch` themselves,
+        between passes)."""
         now = self._now()
         if now.running:
             self.position = now._replace(following=epoch)
@@ -357,22 +373,24 @@ class PreparedDataLoader(DataLoader):
         if steps and state["num_processes"] != source.num_processes:
             if source.restores_its_own_position:
                 raise HfBackendError(
-                    f"the checkpoint stopped {steps} steps into a stream split across {state['num_processes']} "
-                    f"processes; each process's position in its part does not map to {source.num_processes} "
-                    f"processes: resume with {state['num_processes']} processes or from an epoch boundary")
+                    f"the checkpoint stopped {steps} steps into a stream split across "
+                    f"{state['num_processes']} processes; each process's position in its part does "
+                    f"not map to {source.num_processes} processes: resume with "
+                    f"{state['num_processes']} processes or from an epoch boundary")
             saved, now = state["global_batch_size"], source.global_batch_size
             if not saved or not now or (steps * saved) % now:
                 raise HfBackendError(
-                    f"the checkpoint stopped {steps} steps into an epoch with {state['num_processes']} processes "
-                    f"(global batch {saved}); that point is not a whole step with {source.num_processes} processes "
-                    f"(global batch {now}): resume with {state['num_processes']} processes or from an epoch boundary"
+                    f"the checkpoint stopped {steps} steps into an epoch with "
+                    f"{state['num_processes']} processes (global batch {saved}); that point is not "
+                    f"a whole step with {source.num_processes} processes (global batch {now}): "
+                    f"resume with {state['num_processes']} processes or from an epoch boundary"
                 )
             steps = steps * saved // now
         self.position = Position(int(state["epoch"]), steps, state.get("mark"), restored=True)
 
     def skip_first_batches(self, num_batches: int) -> PreparedDataLoader:
-        """Start the next pass at step `num_batches` (an absolute position: it replaces a position from load_state;
-        a stream then reads its epoch again from the start)."""
+        """Start the next pass at step `num_batches` (an absolute position: it replaces a position from
+        load_state; a stream then reads its epoch again from the start)."""
         now = self._now()
         now = now.after() if now.running else now
         if now.restored:
@@ -382,7 +400,7 @@ class PreparedDataLoader(DataLoader):
         self.position = Position(now.epoch, int(num_batches), mark, restored=True)
         return self
 
-    # -- iteration -------------------------------------------------------------------------------------------------
+    # -- iteration ---------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
         now = self._now()
         now = now.after() if now.running else now  # a pass left before its end: the next one
@@ -393,8 +411,9 @@ class PreparedDataLoader(DataLoader):
         self.remainder = -1
         self.gradient_state.enter_dataloader(self)
         try:
-            # Starting an iterator draws its workers' base seed from the global RNG. A pass resumed mid-way made that
-            # draw before the checkpoint was taken, so it must not draw again from the restored state.
+            # Starting an iterator draws its workers' base seed from the global RNG. A pass resumed
+            # mid-way made that draw before the checkpoint was taken, so it must not draw again from
+            # the restored state.
             rng = torch.get_rng_state() if skip else None
             it = super().__iter__()
             if rng is not None:
@@ -419,9 +438,11 @@ _END = object()
 
 
 def skip_first_batches(dataloader: DataLoader, num_batches: int = 0) -> PreparedDataLoader:
-    """Accelerate's `skip_first_batches`: the next pass of a prepared loader starts at batch `num_batches`."""
+    """Accelerate's `skip_first_batches`: the next pass of a prepared loader starts at batch
+    `num_batches`."""
     if not isinstance(dataloader, PreparedDataLoader):
-        raise HfBackendError("skip_first_batches() needs a dataloader returned by accelerator.prepare()")
+        raise HfBackendError("skip_first_batches() needs a dataloader returned by "
+                             "accelerator.prepare()")
     return dataloader.skip_first_batches(num_batches)
 
 
@@ -431,7 +452,8 @@ def prepare_dataloader(loader: DataLoader, *, num_processes: int, process_index:
     if isinstance(loader, PreparedDataLoader):
         return loader
     if isinstance(loader.dataset, IterableDataset):
-        # One process reads a datasets stream through NodeStream too when it can, to resume from its state_dict.
+        # One process reads a datasets stream through NodeStream too when it can, to resume from its
+        # state_dict.
         own_state = is_datasets_stream(loader.dataset) and loader.num_workers == 0 and loader.batch_size
         if (num_processes > 1 or own_state) and not _split_by_ray(loader.dataset):
             check_stream_loader(loader, num_processes)
@@ -441,10 +463,12 @@ def prepare_dataloader(loader: DataLoader, *, num_processes: int, process_index:
         return PreparedDataLoader(loader, plain, device, gradient_state, non_blocking)
     batch_sampler = loader.batch_sampler
     if batch_sampler is None and isinstance(loader.sampler, torch.utils.data.BatchSampler):
-        batch_sampler = loader.sampler  # batch_size=None with a BatchSampler as `sampler`: sharded the same way
+        # batch_size=None with a BatchSampler as `sampler`: sharded the same way
+        batch_sampler = loader.sampler
     if batch_sampler is None:
-        raise HfBackendError("prepare() needs a DataLoader that batches: give it batch_size=..., a batch_sampler, or "
-                             "a BatchSampler as its sampler (batch_size=None alone gives it nothing to shard)")
+        raise HfBackendError("prepare() needs a DataLoader that batches: give it batch_size=..., a "
+                             "batch_sampler, or a BatchSampler as its sampler (batch_size=None "
+                             "alone gives it nothing to shard)")
     if isinstance(getattr(batch_sampler, "sampler", None), torch.utils.data.DistributedSampler):
         num_processes, process_index = 1, 0  # the user's sampler shards already: do not split twice
     sharded = ShardedBatchSampler(batch_sampler, num_processes, process_index, split_batches, even_batches)
@@ -453,14 +477,15 @@ def prepare_dataloader(loader: DataLoader, *, num_processes: int, process_index:
 
 
 def _split_by_ray(dataset: IterableDataset) -> bool:
-    """Whether `dataset` is Ray's wrapper of a Ray Data shard (what Ray's `prepare_trainer` puts in a DataLoader):
-    Ray has already given each worker its own part, so it must not be split again."""
+    """Whether `dataset` is Ray's wrapper of a Ray Data shard (what Ray's `prepare_trainer` puts in a
+    DataLoader): Ray has already given each worker its own part, so it must not be split again."""
     return type(dataset).__module__.split(".")[0] == "ray"
 
 
 def _share_order_generator(batch_sampler: Any, data_seed: int | None) -> int | None:
-    """One epoch order on every rank. A random sampler without a generator gets one, and the seed its epochs derive
-    from (returned); one with its own generator gets rank 0's state of it (None is returned)."""
+    """One epoch order on every rank. A random sampler without a generator gets one, and the seed its
+    epochs derive from (returned); one with its own generator gets rank 0's state of it (None is
+    returned)."""
     sampler = getattr(batch_sampler, "sampler", None)
     if sampler is None or not hasattr(sampler, "generator"):
         return None

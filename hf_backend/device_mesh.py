@@ -1,11 +1,13 @@
-"""The process grid's DeviceMesh: built once per process and shape, and handed out under Accelerate's names.
+"""The process grid's DeviceMesh: built once per process and shape, and handed out under Accelerate's
+names.
 
-The engine's strategies apply their parallelisms over it (strategies/mesh.py), and Accelerate's API hands the same
-object out (`accelerator.torch_device_mesh`, `ParallelismConfig.build_device_mesh`), so a model sharded before
-`prepare` and the engine use the same process groups. Every dimension is present, size 1 or not (dp_replicate,
-dp_shard, cp, tp, outermost first), so each plan names the dimensions it uses whatever the shape; Accelerate's
-flattened dimensions are there too (`dp`, `dp_shard_cp`, `dp_cp`), made with the mesh on every rank, so that a
-script indexing one later (`mesh["dp_cp"].get_group()`) starts no collective.
+The engine's strategies apply their parallelisms over it (strategies/mesh.py), and Accelerate's API
+hands the same object out (`accelerator.torch_device_mesh`, `ParallelismConfig.build_device_mesh`),
+so a model sharded before `prepare` and the engine use the same process groups. Every dimension is
+present, size 1 or not (dp_replicate, dp_shard, cp, tp, outermost first), so each plan names the
+dimensions it uses whatever the shape; Accelerate's flattened dimensions are there too (`dp`,
+`dp_shard_cp`, `dp_cp`), made with the mesh on every rank, so that a script indexing one later
+(`mesh["dp_cp"].get_group()`) starts no collective.
 """
 
 from __future__ import annotations
@@ -19,12 +21,14 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"),
              "dp_cp": ("dp_replicate", "dp_shard", "cp")}
 
-_BUILT: tuple[tuple, Any, DeviceMesh] | None = None  # the last mesh: (sizes, device type), its default group, it
+# the last mesh: (sizes, device type), its default group, it
+_BUILT: tuple[tuple, Any, DeviceMesh] | None = None
 
 
 def build_mesh(shape: Any, device_type: str) -> DeviceMesh:
-    """The mesh of `shape` (a config.parallelism.MeshShape: its `sizes` along its `DIMS`; collective the first time:
-    every rank calls it), the same object on later calls while the process group lasts."""
+    """The mesh of `shape` (a config.parallelism.MeshShape: its `sizes` along its `DIMS`; collective
+    the first time: every rank calls it), the same object on later calls while the process group
+    lasts."""
     global _BUILT
     key = (shape.sizes, device_type)
     if _BUILT is not None and _BUILT[0] == key and _BUILT[1] is dist.group.WORLD:

@@ -1,8 +1,9 @@
-"""Accelerate's enums, with the same members and values, so scripts that compare against or import them port as is.
+"""Accelerate's enums, with the same members and values, so scripts that compare against or import them
+port as is.
 
-Members name hardware and features hf_backend cannot run (XLA, NPU, fp8, Megatron, ...): they exist so comparisons
-such as `accelerator.distributed_type == DistributedType.XLA` work (and are False here); asking for one of those
-features is refused where it is asked for, with one line.
+Members name hardware and features hf_backend cannot run (XLA, NPU, fp8, Megatron, ...): they exist
+so comparisons such as `accelerator.distributed_type == DistributedType.XLA` work (and are False
+here); asking for one of those features is refused where it is asked for, with one line.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ class BaseEnum(enum.Enum, metaclass=_ContainsValue):
 
 
 class DistributedType(str, enum.Enum):
-    """How the work is spread over processes. hf_backend runs NO, MULTI_CPU, MULTI_GPU, FSDP and DEEPSPEED."""
+    """How the work is spread over processes. hf_backend runs NO, MULTI_CPU, MULTI_GPU, FSDP and
+    DEEPSPEED."""
 
     NO = "NO"
     MULTI_CPU = "MULTI_CPU"
@@ -89,7 +91,8 @@ class DynamoBackend(str, BaseEnum):
 
 
 class LoggerType(BaseEnum):
-    """Experiment trackers `Accelerator(log_with=...)` takes (hf_backend.tracking); `JSONL` is hf_backend's own."""
+    """Experiment trackers `Accelerator(log_with=...)` takes (hf_backend.tracking); `JSONL` is
+    hf_backend's own."""
 
     ALL = "all"
     AIM = "aim"

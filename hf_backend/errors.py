@@ -1,4 +1,5 @@
-"""The one exception type users see from hf_backend: a one-line message that names the thing and the fix."""
+"""The one exception type users see from hf_backend: a one-line message that names the thing and the
+fix."""
 
 
 class HfBackendError(RuntimeError):

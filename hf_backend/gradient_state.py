@@ -13,17 +13,19 @@ from .options import GradientAccumulationPlugin
 
 
 class GradientState:
-    """`plugin_kwargs` holds the accumulation options as Accelerate keeps them: `num_steps` always (Accelerate's plugin
-    has no default for it, so the value given is kept, 1 included: transformers' Trainer reads
-    `plugin_kwargs["num_steps"]`), the others when they differ from their defaults. Scripts and libraries read and
-    change that dict (`plugin_kwargs["sync_each_batch"] = True`), and the properties below read it, so a change there
+    """`plugin_kwargs` holds the accumulation options as Accelerate keeps them: `num_steps` always
+    (Accelerate's plugin has no default for it, so the value given is kept, 1 included:
+    transformers' Trainer reads `plugin_kwargs["num_steps"]`), the others when they differ from
+    their defaults. Scripts and libraries read and change that dict
+    (`plugin_kwargs["sync_each_batch"] = True`), and the properties below read it, so a change there
     takes effect."""
 
     def __init__(self, plugin: GradientAccumulationPlugin) -> None:
         self.plugin_kwargs: dict[str, Any] = {
             f.name: getattr(plugin, f.name) for f in dataclasses.fields(plugin)
             if f.name == "num_steps" or getattr(plugin, f.name) != f.default}
-        self.mirror: dict | None = None  # Accelerate's GradientState, when it follows this one (accelerate_state.py)
+        # Accelerate's GradientState, when it follows this one (accelerate_state.py)
+        self.mirror: dict | None = None
         self._sync_gradients = True
         self._active: list[Any] = []  # prepared dataloaders being iterated, innermost last
 
@@ -62,11 +64,12 @@ class GradientState:
 
     @staticmethod
     def _reset_state() -> None:
-        """Accelerate's test scripts call it between runs; here each Accelerator has its own GradientState, so there is
-        no shared state to clear."""
+        """Accelerate's test scripts call it between runs; here each Accelerator has its own
+        GradientState, so there is no shared state to clear."""
 
     def _set_sync_gradients(self, sync_gradients: bool) -> None:
-        """Accelerate's name: transformers' Trainer decides the accumulation window itself and says so here."""
+        """Accelerate's name: transformers' Trainer decides the accumulation window itself and says so
+        here."""
         self.sync_gradients = sync_gradients
 
     @property
@@ -89,7 +92,8 @@ class GradientState:
 
     @property
     def remainder(self) -> int:
-        """Real rows in the last global batch of the active loader (-1 when unknown, 0 when it is full)."""
+        """Real rows in the last global batch of the active loader (-1 when unknown, 0 when it is
+        full)."""
         loader = self.active_dataloader
         return -1 if loader is None else loader.remainder
 

@@ -1,21 +1,23 @@
 """Hangs that name their rank.
 
-A process-group plugin (`HangWatch`), run only where it is installed: `hf-backend launch` and `notebook_launcher`
-install it in their workers (`HF_BACKEND_HANG_TIMEOUT` seconds, which `hf-backend launch` sets: 300 unless told
-otherwise); under plain `torchrun` a script passes it, `Accelerator(kwargs_handlers=[HangWatch(timeout=300)])` or
-`hf_backend.add_process_group_plugin(HangWatch(timeout=300))` (with a Trainer). Nothing else in hf_backend imports
-this module. A watchdog thread, started when the process group is set up, watches
-the thread that set it up: when its innermost Python frame has not moved for that long, the rank records in
-the process group's store where it waits. When every rank waits (or has exited), each prints the stacks of its
-threads, they all record one line naming every rank and where it waits, and exit: never a silent hang until the
-process group's timeout. Nothing is added to a collective: the thread samples a frame once a second and touches the
-store only while its rank stands still.
+A process-group plugin (`HangWatch`), run only where it is installed: `hf-backend launch` and
+`notebook_launcher` install it in their workers (`HF_BACKEND_HANG_TIMEOUT` seconds, which
+`hf-backend launch` sets: 300 unless told otherwise); under plain `torchrun` a script passes it,
+`Accelerator(kwargs_handlers=[HangWatch(timeout=300)])` or
+`hf_backend.add_process_group_plugin(HangWatch(timeout=300))` (with a Trainer). Nothing else in
+hf_backend imports this module. A watchdog thread, started when the process group is set up, watches
+the thread that set it up: when its innermost Python frame has not moved for that long, the rank
+records in the process group's store where it waits. When every rank waits (or has exited), each
+prints the stacks of its threads, they all record one line naming every rank and where it waits, and
+exit: never a silent hang until the process group's timeout. Nothing is added to a collective: the
+thread samples a frame once a second and touches the store only while its rank stands still.
 
-Under TORCH_DISTRIBUTED_DEBUG=DETAIL torch checks every collective's kind and shapes across ranks and raises on a
-mismatch; `explain` turns that error into one line naming each rank's operation and call site, which the ranks
-exchange through the store (torch's message has no Python call sites). torch does not always raise on every rank (a
-monitored barrier raises on the rank that waited; a check now and then only on one side): a rank that got no error
-is answered for by its watchdog, with where it stands still.
+Under TORCH_DISTRIBUTED_DEBUG=DETAIL torch checks every collective's kind and shapes across ranks
+and raises on a mismatch; `explain` turns that error into one line naming each rank's operation and
+call site, which the ranks exchange through the store (torch's message has no Python call sites).
+torch does not always raise on every rank (a monitored barrier raises on the rank that waited; a
+check now and then only on one side): a rank that got no error is answered for by its watchdog, with
+where it stands still.
 """
 
 from __future__ import annotations
@@ -41,9 +43,12 @@ from .worker_failures import record_failure
 TIMEOUT_VARIABLE = "HF_BACKEND_HANG_TIMEOUT"
 DEFAULT_TIMEOUT = 300.0  # what hf-backend launch sets
 EXCHANGE_SECONDS = 5.0  # how long a rank that hit a mismatch waits for its peers' call sites
-ANSWER_GRACE = 0.5  # how long a peer's watchdog answer waits for that peer's own mismatch record to win over it
-reporting = threading.Event()  # set while this rank reports a hang; the process then ends by the watchdog's hand
-_explaining = threading.Event()  # set while this rank exchanges its own mismatch record: its watchdog does not answer
+# how long a peer's watchdog answer waits for that peer's own mismatch record to win over it
+ANSWER_GRACE = 0.5
+# set while this rank reports a hang; the process then ends by the watchdog's hand
+reporting = threading.Event()
+# set while this rank exchanges its own mismatch record: its watchdog does not answer
+_explaining = threading.Event()
 _watchdog: _Watchdog | None = None
 
 
@@ -65,7 +70,8 @@ class HangWatch:
 
     @classmethod
     def install_from_environment(cls, reported_by_launcher: bool = False) -> None:
-        """What a launcher's worker does: run the watch `HF_BACKEND_HANG_TIMEOUT` asks for (none when it is unset or
+        """What a launcher's worker does: run the watch `HF_BACKEND_HANG_TIMEOUT` asks for (none when
+        it is unset or
         0) beside this process's group."""
         from .state import add_process_group_plugin
 
@@ -85,8 +91,8 @@ _BAD_TIMEOUT = "{name}={raw} is not a number of seconds >= 0; set e.g. 300, or 0
 
 
 def hang_timeout() -> float:
-    """Seconds without progress on every rank before the job is reported as hung; 0 (or unset) turns the watchdog
-    off."""
+    """Seconds without progress on every rank before the job is reported as hung; 0 (or unset) turns
+    the watchdog off."""
     raw = os.environ.get(TIMEOUT_VARIABLE, "").strip()
     if not raw:
         return 0.0
@@ -95,13 +101,14 @@ def hang_timeout() -> float:
     except ValueError:
         value = -1.0
     if not value >= 0:
-        raise HfBackendError(_BAD_TIMEOUT.format(name=f"environment variable {TIMEOUT_VARIABLE}", raw=repr(raw)))
+        raise HfBackendError(_BAD_TIMEOUT.format(name="environment variable "
+                                                      f"{TIMEOUT_VARIABLE}", raw=repr(raw)))
     return value
 
 
 def _start(watch: HangWatch, group_timeout: datetime.timedelta | None) -> None:
-    """Start the watchdog for this process's default process group (once), and the one-line account of collective
-    mismatches when TORCH_DISTRIBUTED_DEBUG=DETAIL."""
+    """Start the watchdog for this process's default process group (once), and the one-line account of
+    collective mismatches when TORCH_DISTRIBUTED_DEBUG=DETAIL."""
     global _watchdog
     import torch.distributed as dist
 
@@ -113,11 +120,13 @@ def _start(watch: HangWatch, group_timeout: datetime.timedelta | None) -> None:
 
     limit = (group_timeout or dist.constants.default_pg_timeout).total_seconds()
     if seconds >= limit:
-        warn(f"the hang timeout ({seconds:g} s) is not below the process group's timeout ({limit:g} s): a hung "
-             "collective times out first, without the ranks' stacks; lower it, or raise the group's timeout")
+        warn(f"the hang timeout ({seconds:g} s) is not below the process group's timeout "
+             f"({limit:g} s): a hung collective times out first, without the ranks' stacks; lower "
+             "it, or raise the group's timeout")
     try:
         store = _store()
-    except (RuntimeError, ValueError):  # a group set up without a store: nothing to share waits through
+    # a group set up without a store: nothing to share waits through
+    except (RuntimeError, ValueError):
         return
     _watchdog = _Watchdog(store, dist.get_rank(), dist.get_world_size(), seconds, threading.get_ident(),
                           watch.reported_by_launcher)
@@ -127,15 +136,16 @@ def _start(watch: HangWatch, group_timeout: datetime.timedelta | None) -> None:
 
 
 def stop(exited: bool = False) -> None:
-    """Stop the watchdog; `exited`: record that this rank has finished, so that peers left waiting say so."""
+    """Stop the watchdog; `exited`: record that this rank has finished, so that peers left waiting say
+    so."""
     global _watchdog
     watchdog, _watchdog = _watchdog, None
     if watchdog is not None:
         watchdog.stopped.set()
         if watchdog.thread is not None and watchdog.thread is not threading.current_thread():
-            # Ended before the group is destroyed and the interpreter finalizes: a daemon thread still running then
-            # can be stopped inside torch's C++ code, and the process aborts ("terminate called without an active
-            # exception"), failing a run that had finished.
+            # Ended before the group is destroyed and the interpreter finalizes: a daemon thread
+            # still running then can be stopped inside torch's C++ code, and the process aborts
+            # ("terminate called without an active exception"), failing a run that had finished.
             watchdog.thread.join(timeout=5)
         if exited:
             watchdog.publish({"state": "exited"})
@@ -161,16 +171,18 @@ class _Watchdog:
         self.published = False
         self.answered = False
         self.thread: threading.Thread | None = None
-        # Where the watched thread was: its innermost frame's identity, code and offset, and since when. The frame
-        # itself is held only once it has stood still for half the timeout: a frame held after its call returned
-        # keeps that call's locals (and its callers', through f_back) alive, and a model freed just then (its
-        # forward, free_memory's arguments) would outlive the gc.collect that should free it.
+        # Where the watched thread was: its innermost frame's identity, code and offset, and since
+        # when. The frame itself is held only once it has stood still for half the timeout: a frame
+        # held after its call returned keeps that call's locals (and its callers', through f_back)
+        # alive, and a model freed just then (its forward, free_memory's arguments) would outlive
+        # the gc.collect that should free it.
         self.spot: tuple | None = None
         self.held: FrameType | None = None
         self.since = time.monotonic()
 
     def publish(self, record: dict | None) -> None:
-        """This rank's record (None: it moves again). Store errors mean the job is going away: nothing to report."""
+        """This rank's record (None: it moves again). Store errors mean the job is going away: nothing
+        to report."""
         try:
             if record is None:
                 self.store.delete_key(_key("wait", self.rank))
@@ -192,13 +204,15 @@ class _Watchdog:
             self.held = None
 
     def look(self) -> bool:
-        """Sample the watched thread once (False: it ended); report a hang once every rank has stood still for the
-        timeout. Holds no frame when it returns, but one that has stood still for half the timeout."""
+        """Sample the watched thread once (False: it ended); report a hang once every rank has stood
+        still for the timeout. Holds no frame when it returns, but one that has stood still for half
+        the timeout."""
         frame = sys._current_frames().get(self.thread_id)
         if frame is None:
             return False
         spot = (id(frame), frame.f_code, frame.f_lasti)
-        # A new call can reuse a returned frame's address: the same spot is the same frame only while it is held.
+        # A new call can reuse a returned frame's address: the same spot is the same frame only
+        # while it is held.
         if spot != self.spot or (self.held is not None and frame is not self.held):
             self.spot, self.held, self.since = spot, None, time.monotonic()
             if self.published:
@@ -208,7 +222,8 @@ class _Watchdog:
         self._answer(frame)
         if self.held is None:
             if waited >= self.timeout / 2:
-                self.held = frame  # from here on, a call that returned and a new one at its address are told apart
+                # from here on, a call that returned and a new one at its address are told apart
+                self.held = frame
             return True
         if waited < self.timeout:
             return True
@@ -221,8 +236,9 @@ class _Watchdog:
         return True
 
     def _answer(self, frame: FrameType) -> None:
-        """A peer that hit a collective mismatch (or a monitored barrier that gave up on this rank) asks every rank
-        where it is; one that got no error itself answers once, with where it stands still."""
+        """A peer that hit a collective mismatch (or a monitored barrier that gave up on this rank)
+        asks every rank where it is; one that got no error itself answers once, with where it stands
+        still."""
         if self.answered or _explaining.is_set():
             return
         try:
@@ -235,8 +251,8 @@ class _Watchdog:
         self.answered = True
 
     def _stacks(self) -> str:
-        """Every thread's stack but this watchdog's, the watched thread first, each line prefixed as torch prefixes a
-        rank's traceback."""
+        """Every thread's stack but this watchdog's, the watched thread first, each line prefixed as
+        torch prefixes a rank's traceback."""
         names = {thread.ident: thread.name for thread in threading.enumerate()}
         frames = sys._current_frames()
         frames.pop(threading.get_ident(), None)
@@ -258,18 +274,20 @@ class _Watchdog:
             return None
 
     def _report(self, records: list[dict], frame: FrameType, waited: float) -> None:
-        reporting.set()  # from here, the main thread's error from a peer that already exited is not news
+        # from here, the main thread's error from a peer that already exited is not news
+        reporting.set()
         waiting = [rank for rank, record in enumerate(records) if record["state"] == "waiting"]
         summary = hang_summary(records, self.timeout)
         op, site = where(frame)
         sys.stdout.flush()
         sys.stderr.flush()
-        text = (f"hf_backend: rank {self.rank} has waited {waited:.0f} s in {op} at {site}; the stacks of its "
-                f"threads:\n{self._stacks()}")
+        text = (f"hf_backend: rank {self.rank} has waited {waited:.0f} s in {op} at {site}; the "
+                f"stacks of its threads:\n{self._stacks()}")
         data = text.encode(errors="replace")
         while data:  # whole writes: the ranks' stacks do not interleave line by line
             data = data[os.write(sys.stderr.fileno(), data):]
-        # No rank exits (and has the launcher stop the others) before every waiting rank has printed its stacks.
+        # No rank exits (and has the launcher stop the others) before every waiting rank has printed
+        # its stacks.
         done = [_key("stacks", rank) for rank in waiting]
         try:
             self.store.set(_key("stacks", self.rank), "1")
@@ -284,7 +302,8 @@ class _Watchdog:
                 print(f"hf_backend: {summary}", file=sys.stderr, flush=True)
             with contextlib.suppress(Exception):  # the store's host is gone
                 self.store.set(_key("summary", self.rank), "1")
-        else:  # the first rank to exit has the launcher stop the others: not before the summary is out
+        # the first rank to exit has the launcher stop the others: not before the summary is out
+        else:
             with contextlib.suppress(Exception):
                 deadline = time.monotonic() + 5
                 while not self.store.check([_key("summary", waiting[0])]) and time.monotonic() < deadline:
@@ -299,9 +318,10 @@ def hang_summary(records: list[dict], timeout: float) -> str:
     return f"hang: no rank made progress for {timeout:g} s: {'; '.join(parts)}"
 
 
-# -- where a rank is: its operation and its call site -----------------------------------------------------------------
+# -- where a rank is: its operation and its call site ----------------------------------------------
 def _library_roots() -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(every library root: torch, hf_backend, the standard library, installed packages; torch and hf_backend)."""
+    """(every library root: torch, hf_backend, the standard library, installed packages; torch and
+    hf_backend)."""
     import torch
 
     paths = sysconfig.get_paths()
@@ -320,9 +340,10 @@ def _frames(frame: FrameType | None) -> list[FrameType]:
 
 
 def where(frame: FrameType) -> tuple[str, str]:
-    """(operation, call site) of the stack whose innermost frame is `frame`: the outermost torch.distributed
-    collective on it (backward, for DDP's all-reduce inside autograd; else the innermost function), and the innermost
-    frame of the user's own code (not torch, hf_backend, the standard library or installed packages)."""
+    """(operation, call site) of the stack whose innermost frame is `frame`: the outermost
+    torch.distributed collective on it (backward, for DDP's all-reduce inside autograd; else the
+    innermost function), and the innermost frame of the user's own code (not torch, hf_backend, the
+    standard library or installed packages)."""
     frames = _frames(frame)
     files = [f.f_code.co_filename.replace(os.sep, "/") for f in frames]
     c10d = [f.f_code.co_name for f, name in zip(frames, files) if name.endswith("/distributed/distributed_c10d.py")]
@@ -349,16 +370,16 @@ def _format_stack(frame: FrameType) -> str:
     return "".join(traceback.format_stack(frame))
 
 
-# -- TORCH_DISTRIBUTED_DEBUG=DETAIL: one line for a collective mismatch --------------------------------------------
+# -- TORCH_DISTRIBUTED_DEBUG=DETAIL: one line for a collective mismatch ----------------------------
 _OWN = r"Rank {rank} is running collective: CollectiveFingerPrint\((?P<print>.*?)(?:\), but Rank|\)\.|\)$)"
 _PEER = re.compile(r"but Rank (\d+) is running collective")
 _MISSING = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
 
 
 def explain(error: BaseException) -> str | None:
-    """For torch's collective-mismatch error (TORCH_DISTRIBUTED_DEBUG=DETAIL): one line naming each rank involved,
-    its operation and its call site, exchanged with the peers through the store (each waits up to EXCHANGE_SECONDS);
-    None for any other error. Computed once per error."""
+    """For torch's collective-mismatch error (TORCH_DISTRIBUTED_DEBUG=DETAIL): one line naming each
+    rank involved, its operation and its call site, exchanged with the peers through the store (each
+    waits up to EXCHANGE_SECONDS); None for any other error. Computed once per error."""
     cached = getattr(error, "_hf_backend_summary", None)
     if cached is not None:
         return cached or None
@@ -406,8 +427,8 @@ def _explain(text: str, tb: TracebackType | None) -> str | None:
             if record is None:
                 record = _read(store, "wait", peer)
                 record = record if record and record["state"] == "exited" else None
-            # A watchdog's answer counts after ANSWER_GRACE: a peer that raised an instant after its watchdog answered
-            # has its own record win.
+            # A watchdog's answer counts after ANSWER_GRACE: a peer that raised an instant after its
+            # watchdog answered has its own record win.
             if record is None and store.check([_key("answer", peer)]) and (
                     now - answered.setdefault(peer, now) >= ANSWER_GRACE or now >= deadline):
                 record = _read(store, "answer", peer)
@@ -422,7 +443,8 @@ def _explain(text: str, tb: TracebackType | None) -> str | None:
     for peer in sorted(records.keys() | pending):
         record = records.get(peer)
         if record is None:
-            parts.append(f"rank {peer} in no collective (it did not answer in {EXCHANGE_SECONDS:g} s)")
+            parts.append(f"rank {peer} in no collective (it did not answer in {EXCHANGE_SECONDS:g} "
+                         "s)")
         elif record.get("state") == "exited":
             parts.append(f"rank {peer} exited")
         elif record.get("state") == "waiting":
@@ -439,8 +461,8 @@ def _read(store: Any, kind: str, rank: int) -> dict | None:
 
 
 def _fingerprint(raw: str) -> str:
-    """torch's 'SequenceNumber=2, OpType=ALLREDUCE, TensorShape=[3], TensorDtypes=Float, ...' as 'ALLREDUCE of
-    Float[3]'; a collective without tensors (a barrier) as its type alone."""
+    """torch's 'SequenceNumber=2, OpType=ALLREDUCE, TensorShape=[3], TensorDtypes=Float, ...' as
+    'ALLREDUCE of Float[3]'; a collective without tensors (a barrier) as its type alone."""
     kind, shape, dtype = (re.search(pattern, raw) for pattern in (r"OpType=(\w+)", r"TensorShape=(\[[^\]]*\])",
                                                                   r"TensorDtypes=(\w+)"))
     out = kind.group(1) if kind else ""
@@ -450,8 +472,9 @@ def _fingerprint(raw: str) -> str:
 
 
 def await_exit() -> None:
-    """Called with an error while this rank reports a hang: the error is only a peer that finished its report and
-    exited before this one; wait for the watchdog to end the process instead of printing it."""
+    """Called with an error while this rank reports a hang: the error is only a peer that finished its
+    report and exited before this one; wait for the watchdog to end the process instead of printing
+    it."""
     if reporting.is_set():
         time.sleep(60)
 
@@ -460,16 +483,18 @@ _HOOKED: list[bool] = []
 
 
 def printing_rank(line: str) -> int | None:
-    """Which rank prints a mismatch's line under plain torchrun: the lowest rank that torch raised on ("calls"), so
-    that a line is printed once even when the lowest rank named got no error ("waiting in", "did not answer")."""
+    """Which rank prints a mismatch's line under plain torchrun: the lowest rank that torch raised on
+    ("calls"), so that a line is printed once even when the lowest rank named got no error ("waiting
+    in", "did not answer")."""
     raised = [int(rank) for rank in re.findall(r"rank (\d+) calls ", line)]
     return min(raised) if raised else None
 
 
 def _install_excepthook(reported_by_launcher: bool) -> None:
-    """Plain torchrun: one rank (`printing_rank`) prints a mismatch's one line before the traceback. After a mismatch
-    the process exits at once: tearing down a group left with failed work takes gloo about 4 s, which only delays the
-    report. While a hang is reported, an error is not printed (`await_exit`)."""
+    """Plain torchrun: one rank (`printing_rank`) prints a mismatch's one line before the traceback.
+    After a mismatch the process exits at once: tearing down a group left with failed work takes
+    gloo about 4 s, which only delays the report. While a hang is reported, an error is not printed
+    (`await_exit`)."""
     if _HOOKED:
         return
     _HOOKED.append(True)

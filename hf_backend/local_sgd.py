@@ -1,4 +1,5 @@
-"""Local SGD: each process trains on its own for a few steps, then the processes average their parameters.
+"""Local SGD: each process trains on its own for a few steps, then the processes average their
+parameters.
 
 Same surface as Accelerate's `accelerate.local_sgd.LocalSGD`:
 
@@ -9,9 +10,9 @@ Same surface as Accelerate's `accelerate.local_sgd.LocalSGD`:
             optimizer.zero_grad()
             local_sgd.step()
 
-Inside the block DDP does not all-reduce gradients (the model is under `no_sync`), so each process's optimizer
-steps on its own gradients; every `local_sgd_steps` calls of `step()`, and once more when the block ends, every
-parameter is replaced by its mean over the processes.
+Inside the block DDP does not all-reduce gradients (the model is under `no_sync`), so each process's
+optimizer steps on its own gradients; every `local_sgd_steps` calls of `step()`, and once more when
+the block ends, every parameter is replaced by its mean over the processes.
 """
 
 from __future__ import annotations
@@ -29,17 +30,19 @@ from .notes import note
 
 
 class LocalSGD:
-    """Run `local_sgd_steps` optimizer steps per process between parameter averages (plain data parallelism only)."""
+    """Run `local_sgd_steps` optimizer steps per process between parameter averages (plain data
+    parallelism only)."""
 
     def __init__(self, accelerator: Any, model: torch.nn.Module, local_sgd_steps: int, enabled: bool = True) -> None:
         distributed_type = accelerator.distributed_type
         if distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
-            raise HfBackendError(f"LocalSGD averages whole parameters of a DDP model; under {distributed_type.value} "
-                                 "they are sharded: train without fsdp_plugin/deepspeed_plugin (plain DDP) to use it")
+            raise HfBackendError("LocalSGD averages whole parameters of a DDP model; under "
+                                 f"{distributed_type.value} they are sharded: train without "
+                                 "fsdp_plugin/deepspeed_plugin (plain DDP) to use it")
         if enabled and (isinstance(local_sgd_steps, bool) or not isinstance(local_sgd_steps, int)
                         or local_sgd_steps < 1):
-            raise HfBackendError(f"LocalSGD(local_sgd_steps={local_sgd_steps!r}): give the number of optimizer steps "
-                                 "between parameter averages, an int >= 1")
+            raise HfBackendError(f"LocalSGD(local_sgd_steps={local_sgd_steps!r}): give the number "
+                                 "of optimizer steps between parameter averages, an int >= 1")
         self.accelerator = accelerator
         self.model = model
         self.local_sgd_steps = local_sgd_steps
@@ -48,8 +51,8 @@ class LocalSGD:
         if enabled and not self.enabled:
             note("LocalSGD in a single process: nothing to average, it does nothing")
         if self.enabled and not isinstance(model, DistributedDataParallel):
-            raise HfBackendError("LocalSGD(model=...): pass the model accelerator.prepare() returned (a DDP model), "
-                                 f"not a {type(model).__name__}")
+            raise HfBackendError("LocalSGD(model=...): pass the model accelerator.prepare() "
+                                 f"returned (a DDP model), not a {type(model).__name__}")
         self._no_sync: contextlib.ExitStack | None = None
 
     def __enter__(self) -> LocalSGD:
@@ -63,7 +66,8 @@ class LocalSGD:
         if not self.enabled or self._no_sync is None:
             return
         try:
-            # After an error, another process may never reach the collective: averaging could hang, so skip it.
+            # After an error, another process may never reach the collective: averaging could hang,
+            # so skip it.
             if exc_type is None:
                 self._average()
         finally:
@@ -78,7 +82,8 @@ class LocalSGD:
 
     @torch.no_grad()
     def _average(self) -> None:
-        """Replace each floating-point parameter by its mean over the processes: one all-reduce per dtype."""
+        """Replace each floating-point parameter by its mean over the processes: one all-reduce per
+        dtype."""
         self.accelerator.wait_for_everyone()
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for param in self.model.parameters():

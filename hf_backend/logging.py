@@ -1,7 +1,9 @@
-"""`get_logger(name)`: a standard logger that knows about processes, as Accelerate's `accelerate.logging`.
+"""`get_logger(name)`: a standard logger that knows about processes, as Accelerate's
+`accelerate.logging`.
 
-Each call takes `main_process_only=` (default True: only the main process emits it) and `in_order=` (every process
-emits it, one process after the other, rank 0 first; collective, so call it on every process).
+Each call takes `main_process_only=` (default True: only the main process emits it) and `in_order=`
+(every process emits it, one process after the other, rank 0 first; collective, so call it on every
+process).
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from .rank import is_main_process
 
 
 def _process() -> state.ProcessState | None:
-    return state._STATE  # the state Accelerator() / PartialState() set up; None before either exists
+    # the state Accelerator() / PartialState() set up; None before either exists
+    return state._STATE
 
 
 class MultiProcessAdapter(logging.LoggerAdapter):
@@ -30,8 +33,8 @@ class MultiProcessAdapter(logging.LoggerAdapter):
         process = _process()
         if in_order:
             if process is None:
-                raise HfBackendError("logging with in_order=True needs the processes set up: build Accelerator() or "
-                                     "PartialState() first")
+                raise HfBackendError("logging with in_order=True needs the processes set up: build "
+                                     "Accelerator() or PartialState() first")
             for rank in range(process.num_processes):
                 if rank == process.process_index:
                     self._emit(level, msg, args, kwargs)
@@ -59,8 +62,8 @@ class MultiProcessAdapter(logging.LoggerAdapter):
 
 
 def get_logger(name: str, log_level: str | None = None) -> MultiProcessAdapter:
-    """The logger `name`, wrapped so calls take `main_process_only` / `in_order`. `log_level` (or the environment's
-    ACCELERATE_LOG_LEVEL) sets its level."""
+    """The logger `name`, wrapped so calls take `main_process_only` / `in_order`. `log_level` (or the
+    environment's ACCELERATE_LOG_LEVEL) sets its level."""
     level = log_level or os.environ.get("ACCELERATE_LOG_LEVEL")
     logger = logging.getLogger(name)
     if level is not None:

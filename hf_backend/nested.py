@@ -1,5 +1,6 @@
-"""Nested structures of tensors (dicts, lists, tuples, namedtuples, ModelOutput): apply a function to every tensor,
-send them to a device, list the leaves, split them between processes. Nothing here communicates."""
+"""Nested structures of tensors (dicts, lists, tuples, namedtuples, ModelOutput): apply a function to
+every tensor, send them to a device, list the leaves, split them between processes. Nothing here
+communicates."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import torch
 
 def recursively_apply(fn: Callable[[torch.Tensor], Any], data: Any,
                       leaf: Callable[[Any], Any] | None = None) -> Any:
-    """Apply `fn` to every tensor inside `data`, rebuilding the containers (mappings, lists, tuples, namedtuples,
-    ModelOutput) around the results; `leaf` to everything else (default: kept as it is)."""
+    """Apply `fn` to every tensor inside `data`, rebuilding the containers (mappings, lists, tuples,
+    namedtuples, ModelOutput) around the results; `leaf` to everything else (default: kept as it
+    is)."""
     if isinstance(data, torch.Tensor):
         return fn(data)
     if isinstance(data, Mapping):
@@ -30,7 +32,8 @@ def recursively_apply(fn: Callable[[torch.Tensor], Any], data: Any,
 
 
 def send_to_device(data: Any, device: torch.device | str, non_blocking: bool = False) -> Any:
-    """Move every tensor in `data` to `device`; objects with their own `.to` (BatchEncoding) are moved as a whole."""
+    """Move every tensor in `data` to `device`; objects with their own `.to` (BatchEncoding) are moved
+    as a whole."""
     if isinstance(data, torch.Tensor):
         return data.to(device, non_blocking=non_blocking)
     if hasattr(data, "to") and not isinstance(data, (Mapping, list, tuple)):
@@ -42,7 +45,8 @@ def send_to_device(data: Any, device: torch.device | str, non_blocking: bool = F
 
 
 def split_between(inputs: Any, num_processes: int, process_index: int, apply_padding: bool = False) -> Any:
-    """This process's contiguous part of a list, tuple, tensor or dict of them (the first parts are one longer)."""
+    """This process's contiguous part of a list, tuple, tensor or dict of them (the first parts are one
+    longer)."""
     if isinstance(inputs, Mapping):
         return type(inputs)({k: split_between(v, num_processes, process_index, apply_padding)
                              for k, v in inputs.items()})

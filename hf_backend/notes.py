@@ -1,4 +1,5 @@
-"""hf_backend's one-line notes and warnings, printed by the main process only (N ranks would repeat them N times)."""
+"""hf_backend's one-line notes and warnings, printed by the main process only (N ranks would repeat
+them N times)."""
 
 from __future__ import annotations
 

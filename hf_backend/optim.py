@@ -1,4 +1,5 @@
-"""Optimizer and scheduler wrappers that know about gradient accumulation, grad scaling and skipped steps."""
+"""Optimizer and scheduler wrappers that know about gradient accumulation, grad scaling and skipped
+steps."""
 
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self.optimizer.add_param_group(param_group)
 
     def stands_for(self, optimizer: Any) -> bool:
-        """Whether this is `optimizer` prepared (directly, or through the EngineStepped stand-in of an engine)."""
+        """Whether this is `optimizer` prepared (directly, or through the EngineStepped stand-in of an
+        engine)."""
         inner = self.optimizer
         return optimizer is inner or (isinstance(inner, EngineStepped) and optimizer is inner.stepped)
 
@@ -84,9 +86,9 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
 class AcceleratedScheduler:
     """Advances only when its optimizers really stepped.
 
-    A schedule is usually sized from `len(dataloader)` before `prepare`; each process then sees 1/N of the batches,
-    so unless `split_batches` the scheduler advances N times per optimizer step, spanning the run as planned
-    (N: the data-parallel processes, which read different batches).
+    A schedule is usually sized from `len(dataloader)` before `prepare`; each process then sees 1/N
+    of the batches, so unless `split_batches` the scheduler advances N times per optimizer step,
+    spanning the run as planned (N: the data-parallel processes, which read different batches).
     """
 
     def __init__(self, scheduler: Any, optimizers: list[AcceleratedOptimizer], gradient_state: GradientState,
@@ -128,19 +130,20 @@ class AcceleratedScheduler:
         self.scheduler.load_state_dict(state_dict)
 
     def __getattr__(self, name: str) -> Any:
-        # Only reached for attributes not found on the wrapper: forward to the scheduler (last_epoch, base_lrs, ...).
+        # Only reached for attributes not found on the wrapper: forward to the scheduler
+        # (last_epoch, base_lrs, ...).
         if name == "scheduler":
             raise AttributeError(name)
         return getattr(self.scheduler, name)
 
 
 class EngineStepped(torch.optim.Optimizer):
-    """An optimizer that a training engine steps and zeroes itself, inside backward (DeepSpeed's engine does, at the
-    end of each accumulation window): what a strategy's `setup` hands back in its place, so that the script's
-    `step()` and `zero_grad()` calls do nothing. param_groups and state are those of the optimizer it stands for
-    (a scheduler sets its learning rates there); `model` is the engine, whose optimizer steps partitions of the
-    parameters rather than the parameters the param groups show; `state_dict()` is empty (checkpoints take the
-    state from the engine)."""
+    """An optimizer that a training engine steps and zeroes itself, inside backward (DeepSpeed's engine
+    does, at the end of each accumulation window): what a strategy's `setup` hands back in its
+    place, so that the script's `step()` and `zero_grad()` calls do nothing. param_groups and state
+    are those of the optimizer it stands for (a scheduler sets its learning rates there); `model` is
+    the engine, whose optimizer steps partitions of the parameters rather than the parameters the
+    param groups show; `state_dict()` is empty (checkpoints take the state from the engine)."""
 
     def __init__(self, stepped: Any, model: torch.nn.Module) -> None:
         # Deliberately not calling Optimizer.__init__: this object only forwards to `stepped`.
@@ -181,7 +184,8 @@ class EngineStepped(torch.optim.Optimizer):
 
 
 class EngineSteppedScheduler:
-    """A scheduler the engine steps at each optimizer step: `step()` does nothing, the rest is the scheduler's."""
+    """A scheduler the engine steps at each optimizer step: `step()` does nothing, the rest is the
+    scheduler's."""
 
     def __init__(self, scheduler: Any) -> None:
         self.scheduler = scheduler
@@ -196,9 +200,9 @@ class EngineSteppedScheduler:
 
 
 class DummyOptim:
-    """Stands in for the optimizer a DeepSpeed config's "optimizer" section defines (Accelerate's name and fields):
-    `prepare` hands DeepSpeed the parameters, and fills "auto" values in that section from `lr`, `weight_decay` and
-    keyword arguments such as `betas` and `eps`."""
+    """Stands in for the optimizer a DeepSpeed config's "optimizer" section defines (Accelerate's name
+    and fields): `prepare` hands DeepSpeed the parameters, and fills "auto" values in that section
+    from `lr`, `weight_decay` and keyword arguments such as `betas` and `eps`."""
 
     def __init__(self, params: Any, lr: float = 0.001, weight_decay: float = 0.0, **kwargs: Any) -> None:
         self.params = list(params)
@@ -221,8 +225,8 @@ class DummyScheduler:
 
 
 def as_placeholder(obj: Any) -> Any:
-    """Accelerate's DummyOptim / DummyScheduler (transformers' DeepSpeed integration creates those) as ours, read by
-    their fields; anything else comes back as it is."""
+    """Accelerate's DummyOptim / DummyScheduler (transformers' DeepSpeed integration creates those) as
+    ours, read by their fields; anything else comes back as it is."""
     if not type(obj).__module__.startswith("accelerate."):
         return obj
     name = type(obj).__name__

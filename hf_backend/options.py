@@ -1,4 +1,5 @@
-"""Small option objects that `Accelerator(...)` accepts; names and fields match Accelerate's so scripts port as is."""
+"""Small option objects that `Accelerator(...)` accepts; names and fields match Accelerate's so scripts
+port as is."""
 
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ from .errors import HfBackendError
 class ProjectConfiguration:
     """Where `save_state` writes, and how automatic checkpoint names rotate.
 
-    With `automatic_checkpoint_naming`, checkpoints go to `project_dir/checkpoints/checkpoint_{iteration}` and only the
-    newest `total_limit` are kept. `async_save`: `save_state` returns once the state is copied to host memory and
-    writes it in the background (the default of its `async_save` argument).
+    With `automatic_checkpoint_naming`, checkpoints go to
+    `project_dir/checkpoints/checkpoint_{iteration}` and only the newest `total_limit` are kept.
+    `async_save`: `save_state` returns once the state is copied to host memory and writes it in the
+    background (the default of its `async_save` argument).
     """
 
     project_dir: str | None = None
@@ -49,16 +51,21 @@ class ProjectConfiguration:
 class DataLoaderConfiguration:
     """How prepared dataloaders are sharded.
 
-    split_batches: the loader's batch is the global batch and is split across processes (its size must divide by the
+    split_batches: the loader's batch is the global batch and is split across processes (its size
+    must divide by the
         number of processes); otherwise each process gets whole batches and the global batch is N times larger.
-    even_batches: pad the last global batch with samples from the start of the epoch so that every process gets the
+    even_batches: pad the last global batch with samples from the start of the epoch so that every
+    process gets the
         same number of equally sized batches (`gather_for_metrics` drops the padding again).
-    data_seed: the seed epoch orders of shuffling loaders derive from (epoch e: data_seed + e); by default the
+    data_seed: the seed epoch orders of shuffling loaders derive from (epoch e: data_seed + e); by
+    default the
         process's torch seed (rank 0's).
 
-    dispatch_batches / use_seedable_sampler: accepted for Accelerate scripts; every process reads its own shard (no
+    dispatch_batches / use_seedable_sampler: accepted for Accelerate scripts; every process reads
+    its own shard (no
         dispatching from rank 0) and the order is always seedable, so neither changes anything here.
-    use_stateful_dataloader: accepted; every prepared loader already has `state_dict()` / `load_state_dict()` and
+    use_stateful_dataloader: accepted; every prepared loader already has `state_dict()` /
+    `load_state_dict()` and
         resumes mid-epoch (with `num_workers > 0` too).
     """
 
@@ -101,10 +108,11 @@ class KwargsHandler:
 
 @dataclass
 class DistributedDataParallelKwargs(KwargsHandler):
-    """DDP's constructor arguments, plus a gradient communication hook (`comm_hook`: fp16 / bf16 compression or
-    PowerSGD; `comm_wrapper`: fp16 / bf16 compression around PowerSGD; `comm_state_option`: PowerSGD's options).
-    `find_unused_parameters=None` (hf_backend's, hf_backend.Trainer's default): find them once, on the first
-    synchronized step, and search again on every step only if that one left some parameter without a gradient."""
+    """DDP's constructor arguments, plus a gradient communication hook (`comm_hook`: fp16 / bf16
+    compression or PowerSGD; `comm_wrapper`: fp16 / bf16 compression around PowerSGD;
+    `comm_state_option`: PowerSGD's options). `find_unused_parameters=None` (hf_backend's,
+    hf_backend.Trainer's default): find them once, on the first synchronized step, and search again
+    on every step only if that one left some parameter without a gradient."""
 
     dim: int = 0
     broadcast_buffers: bool = True
@@ -118,7 +126,8 @@ class DistributedDataParallelKwargs(KwargsHandler):
     comm_state_option: dict = field(default_factory=dict)
 
     def ddp_kwargs(self) -> dict[str, Any]:
-        """What `DistributedDataParallel(...)` takes (the hook fields are registered after wrapping)."""
+        """What `DistributedDataParallel(...)` takes (the hook fields are registered after wrapping).
+        """
         return {k: v for k, v in self.to_kwargs().items() if not k.startswith("comm_")}
 
 
@@ -139,9 +148,10 @@ class InitProcessGroupKwargs(KwargsHandler):
 
     def __post_init__(self) -> None:
         if self.init_method not in (None, "env://"):
-            raise HfBackendError(f"InitProcessGroupKwargs(init_method={self.init_method!r}): hf_backend joins the "
-                                 "process group from the launcher's environment (env://); remove init_method and set "
-                                 "MASTER_ADDR / MASTER_PORT (hf-backend launch and torchrun do)")
+            raise HfBackendError(f"InitProcessGroupKwargs(init_method={self.init_method!r}): "
+                                 "hf_backend joins the process group from the launcher's "
+                                 "environment (env://); remove init_method and set MASTER_ADDR / "
+                                 "MASTER_PORT (hf-backend launch and torchrun do)")
 
 
 @dataclass
@@ -152,9 +162,9 @@ class AutocastKwargs(KwargsHandler):
 
 @dataclass
 class ProfileKwargs(KwargsHandler):
-    """`accelerator.profile()`'s torch.profiler options. `activities`: names ("cpu", "cuda"); `schedule_option`: the
-    keys of `torch.profiler.schedule` (wait, warmup, active, repeat, skip_first); `output_trace_dir`: each process
-    writes its Chrome trace there."""
+    """`accelerator.profile()`'s torch.profiler options. `activities`: names ("cpu", "cuda");
+    `schedule_option`: the keys of `torch.profiler.schedule` (wait, warmup, active, repeat,
+    skip_first); `output_trace_dir`: each process writes its Chrome trace there."""
 
     activities: list[str] | None = None
     schedule_option: dict[str, int] | None = None
@@ -169,7 +179,8 @@ class ProfileKwargs(KwargsHandler):
 
 @dataclass
 class TorchDynamoPlugin(KwargsHandler):
-    """`torch.compile` of every prepared model, after the strategy wrapped it (Accelerate's fields and defaults).
+    """`torch.compile` of every prepared model, after the strategy wrapped it (Accelerate's fields and
+    defaults).
     `backend`: a `DynamoBackend` or its name ("inductor", "eager", "aot_eager", ...; "no": off)."""
 
     backend: Any = "no"

@@ -1,9 +1,11 @@
-"""Mixed precision: the autocast context, for fp16 the gradient scaler, and the dtype the optimizer steps.
+"""Mixed precision: the autocast context, for fp16 the gradient scaler, and the dtype the optimizer
+steps.
 
-**choice** (docs/precision.md): under mixed precision the optimizer steps fp32 master weights whatever dtype the model
-was loaded in, as DeepSpeed's bf16 does. A model loaded in bf16 or fp16 has its trainable parameters upcast to fp32 when
-a strategy prepares it for training (one note, naming the bytes); autocast still computes in the 16-bit dtype. With
-mixed precision "no" a 16-bit model trains in its own dtype, master weights and optimizer state included (one note).
+**choice** (docs/precision.md): under mixed precision the optimizer steps fp32 master weights
+whatever dtype the model was loaded in, as DeepSpeed's bf16 does. A model loaded in bf16 or fp16 has
+its trainable parameters upcast to fp32 when a strategy prepares it for training (one note, naming
+the bytes); autocast still computes in the 16-bit dtype. With mixed precision "no" a 16-bit model
+trains in its own dtype, master weights and optimizer state included (one note).
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def dtype_of(value: Any, what: str) -> torch.dtype | None:
-    """torch's dtype for fp16 / bf16 / fp32 (or torch's own names, or a dtype); None stays None; any other value is
-    one line naming `what`."""
+    """torch's dtype for fp16 / bf16 / fp32 (or torch's own names, or a dtype); None stays None; any
+    other value is one line naming `what`."""
     if value is None or isinstance(value, torch.dtype):
         return value
     if str(value) not in _DTYPES:
@@ -50,12 +52,14 @@ def _size(n: float) -> str:
 
 
 def _to_fp32(value: Any) -> Any:
-    """Model outputs with their fp16 / bf16 tensors in fp32 (containers, ModelOutput included, rebuilt)."""
+    """Model outputs with their fp16 / bf16 tensors in fp32 (containers, ModelOutput included,
+    rebuilt)."""
     return recursively_apply(lambda t: t.float() if t.dtype in (torch.float16, torch.bfloat16) else t, value)
 
 
 class Precision:
-    """One per Accelerator: knows the compute dtype, wraps forwards in autocast and owns the fp16 GradScaler."""
+    """One per Accelerator: knows the compute dtype, wraps forwards in autocast and owns the fp16
+    GradScaler."""
 
     def __init__(self, mode: str, device: torch.device, scaler_kwargs: GradScalerKwargs | None = None,
                  autocast_kwargs: AutocastKwargs | None = None) -> None:
@@ -83,7 +87,8 @@ class Precision:
             yield
 
     def wrap_forward(self, module: torch.nn.Module) -> None:
-        """Run `module.forward` under autocast and hand back fp32 outputs; a no-op without mixed precision."""
+        """Run `module.forward` under autocast and hand back fp32 outputs; a no-op without mixed
+        precision."""
         if self.mode == "no" or hasattr(module, "_hf_backend_original_forward"):
             return
         original: Callable = module.forward
@@ -109,14 +114,16 @@ class Precision:
 
     def keep_fp32_masters(self, model: torch.nn.Module, sharded: bool = False,
                           param_dtype: torch.dtype | None = None) -> int:
-        """What a strategy calls on a model it prepares for training, after placing it and before wrapping or
-        sharding it (DDP's buckets and FSDP2's shards take the dtype they see). Under mixed precision (this policy's
-        fp16 / bf16, or `param_dtype`: the 16-bit dtype an FSDP2 MixedPrecisionPolicy all-gathers in) the trainable
-        fp16 / bf16 parameters become fp32 in place, through `param.data`: an optimizer built over them before
-        `prepare` keeps the same Parameter objects and now steps fp32 master weights with fp32 state, while the
-        forward still computes in 16 bits. Frozen parameters keep their dtype (nothing steps them), and so do
-        buffers. Returns how many elements were upcast. Without mixed precision nothing changes, and one note says
-        the model trains in its own dtype. `sharded`: the note counts bytes over all ranks, not per process."""
+        """What a strategy calls on a model it prepares for training, after placing it and before
+        wrapping or sharding it (DDP's buckets and FSDP2's shards take the dtype they see). Under
+        mixed precision (this policy's fp16 / bf16, or `param_dtype`: the 16-bit dtype an FSDP2
+        MixedPrecisionPolicy all-gathers in) the trainable fp16 / bf16 parameters become fp32 in
+        place, through `param.data`: an optimizer built over them before `prepare` keeps the same
+        Parameter objects and now steps fp32 master weights with fp32 state, while the forward still
+        computes in 16 bits. Frozen parameters keep their dtype (nothing steps them), and so do
+        buffers. Returns how many elements were upcast. Without mixed precision nothing changes, and
+        one note says the model trains in its own dtype. `sharded`: the note counts bytes over all
+        ranks, not per process."""
         low: dict[int, torch.nn.Parameter] = {}
         for param in model.parameters():  # shared (tied) parameters once
             if param.requires_grad and param.dtype in (torch.float16, torch.bfloat16):
@@ -127,22 +134,25 @@ class Precision:
         numel = sum(p.numel() for p in low.values())
         policy = param_dtype if param_dtype in (torch.float16, torch.bfloat16) else None
         if self.mode == "no" and policy is None:
-            note(f"the model's {numel:,} trainable parameters are {loaded} and mixed_precision is 'no': they train in "
-                 f"{loaded}, master weights and optimizer state included (mixed_precision='bf16' keeps fp32 masters)")
+            note(f"the model's {numel:,} trainable parameters are {loaded} and mixed_precision is "
+                 f"'no': they train in {loaded}, master weights and optimizer state included "
+                 "(mixed_precision='bf16' keeps fp32 masters)")
             return 0
         with torch.no_grad():
             for param in low.values():
                 param.data = param.data.float()
-                if param.grad is not None:  # a gradient from before prepare: accumulated in the master's dtype
+                # a gradient from before prepare: accumulated in the master's dtype
+                if param.grad is not None:
                     param.grad = param.grad.float()
         why = f"mixed_precision={self.mode}" if self.mode != "no" else \
             f"the FSDP mixed_precision_policy (param_dtype={dtype_name(policy)})"
         compute = self.mode if self.mode != "no" else dtype_name(policy)
         instead = "mixed_precision='no'" if self.mode != "no" else "the policy without param_dtype"
         where = "in all, sharded over the ranks" if sharded else "per process"
-        note(f"{why}: {numel:,} trainable {loaded} parameters upcast to fp32 master weights, as DeepSpeed keeps them "
-             f"(+{_size(2 * numel)} {where}, +{_size(2 * numel)} of gradients, +{_size(4 * numel)} of Adam state); "
-             f"the forward still computes in {compute} ({instead} would train them in {loaded})")
+        note(f"{why}: {numel:,} trainable {loaded} parameters upcast to fp32 master weights, as "
+             f"DeepSpeed keeps them (+{_size(2 * numel)} {where}, +{_size(2 * numel)} of "
+             f"gradients, +{_size(4 * numel)} of Adam state); the forward still computes in "
+             f"{compute} ({instead} would train them in {loaded})")
         return numel
 
     def scale_and_backward(self, loss: torch.Tensor, **kwargs) -> None:

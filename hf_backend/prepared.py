@@ -1,4 +1,5 @@
-"""The registry of what an Accelerator prepared or registered: what `save_state` writes and `free_memory` drops."""
+"""The registry of what an Accelerator prepared or registered: what `save_state` writes and
+`free_memory` drops."""
 
 from __future__ import annotations
 

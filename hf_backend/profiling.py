@@ -1,4 +1,5 @@
-"""`accelerator.profile()`: a torch.profiler context built from `ProfileKwargs`, with one Chrome trace per process."""
+"""`accelerator.profile()`: a torch.profiler context built from `ProfileKwargs`, with one Chrome trace
+per process."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import torch.distributed as dist
 from .errors import HfBackendError
 from .options import ProfileKwargs
 
-# Accelerate's file name for each process's trace (accelerate.utils.constants.PROFILE_PATTERN_NAME), so tools that
-# collect `profile_{rank}.json` from an Accelerate run find ours too.
+# Accelerate's file name for each process's trace (accelerate.utils.constants.PROFILE_PATTERN_NAME),
+# so tools that collect `profile_{rank}.json` from an Accelerate run find ours too.
 TRACE_FILE = "profile_{rank}.json"
 
 
@@ -26,17 +27,18 @@ def _activities(names: list[str] | None) -> list[torch.profiler.ProfilerActivity
     for name in names:
         key = str(name).lower()
         if key not in known:
-            raise HfBackendError(f"ProfileKwargs(activities=[..., {name!r}]): not an activity hf_backend profiles; use "
-                                 "'cpu' and/or 'cuda'")
+            raise HfBackendError(f"ProfileKwargs(activities=[..., {name!r}]): not an activity "
+                                 "hf_backend profiles; use 'cpu' and/or 'cuda'")
         if key == "cuda" and not torch.cuda.is_available():
-            raise HfBackendError("ProfileKwargs(activities=[..., 'cuda']): this machine has no CUDA device; profile "
-                                 "with activities=['cpu']")
+            raise HfBackendError("ProfileKwargs(activities=[..., 'cuda']): this machine has no "
+                                 "CUDA device; profile with activities=['cpu']")
         activities.append(known[key])
     return activities
 
 
 def _schedule(option: dict[str, int] | None) -> torch.profiler.schedule | None:
-    """torch.profiler.schedule from the option dict; `wait` and `warmup` default to 0 (torch requires both)."""
+    """torch.profiler.schedule from the option dict; `wait` and `warmup` default to 0 (torch requires
+    both)."""
     if option is None:
         return None
     allowed = list(inspect.signature(torch.profiler.schedule).parameters)
@@ -45,7 +47,8 @@ def _schedule(option: dict[str, int] | None) -> torch.profiler.schedule | None:
         raise HfBackendError(f"ProfileKwargs(schedule_option=...): unknown key {unknown[0]!r}; use "
                              f"{', '.join(allowed)}")
     if "active" not in option:
-        raise HfBackendError("ProfileKwargs(schedule_option=...): 'active' (the number of steps recorded) is missing")
+        raise HfBackendError("ProfileKwargs(schedule_option=...): 'active' (the number of steps "
+                             "recorded) is missing")
     try:
         return torch.profiler.schedule(**{"wait": 0, "warmup": 0, **option})
     except (AssertionError, TypeError, ValueError) as err:
@@ -68,10 +71,12 @@ def build_profiler(handler: ProfileKwargs) -> torch.profiler.profile:
 
 @contextlib.contextmanager
 def profile(handler: ProfileKwargs | None, process_index: int) -> Iterator[torch.profiler.profile]:
-    """Profile the block; yields the running profiler (call its `step()` per iteration when a schedule is set).
+    """Profile the block; yields the running profiler (call its `step()` per iteration when a schedule
+    is set).
 
-    On a normal exit with `output_trace_dir` set, every process writes `output_trace_dir/profile_{process_index}.json`
-    (Chrome trace format), then the processes wait for each other so that all files exist when the block is left.
+    On a normal exit with `output_trace_dir` set, every process writes
+    `output_trace_dir/profile_{process_index}.json` (Chrome trace format), then the processes wait
+    for each other so that all files exist when the block is left.
     """
     handler = handler or ProfileKwargs()
     profiler = build_profiler(handler)

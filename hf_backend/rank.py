@@ -1,9 +1,11 @@
-"""Which process this is, before (or without) the process state: the one answer the rest of hf_backend asks.
+"""Which process this is, before (or without) the process state: the one answer the rest of hf_backend
+asks.
 
-Once `Accelerator()` / `PartialState()` has set up the process state, `ProcessState` (state.py) holds the answer; this
-module answers the same way without it: the default process group's rank and size when one is set up (by anyone: the
-engine, Ray, the user), else torchrun's `RANK` / `WORLD_SIZE`, else a single process. It never imports torch itself,
-so the command line and the one-line notes stay light.
+Once `Accelerator()` / `PartialState()` has set up the process state, `ProcessState` (state.py)
+holds the answer; this module answers the same way without it: the default process group's rank and
+size when one is set up (by anyone: the engine, Ray, the user), else torchrun's `RANK` /
+`WORLD_SIZE`, else a single process. It never imports torch itself, so the command line and the
+one-line notes stay light.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import sys
 
 
 def _group() -> object | None:
-    dist = sys.modules.get("torch.distributed")  # nothing to ask when torch.distributed was never imported
+    # nothing to ask when torch.distributed was never imported
+    dist = sys.modules.get("torch.distributed")
     return dist if dist is not None and dist.is_available() and dist.is_initialized() else None
 
 
@@ -28,7 +31,8 @@ def num_processes() -> int:
 
 
 def group_size() -> int:
-    """The processes a collective spans: the default group's (1 when there is none, whatever torchrun's environment
+    """The processes a collective spans: the default group's (1 when there is none, whatever torchrun's
+    environment
     says: there is nothing to communicate with)."""
     dist = _group()
     return dist.get_world_size() if dist is not None else 1

@@ -1,13 +1,14 @@
-"""The Accelerate names (of `accelerate` and `accelerate.utils`) that hf_backend refuses, grouped by why, and their
-one-line error. Plain data, importing nothing heavy: `hf_backend`'s own `__getattr__` asks here."""
+"""The Accelerate names (of `accelerate` and `accelerate.utils`) that hf_backend refuses, grouped by
+why, and their one-line error. Plain data, importing nothing heavy: `hf_backend`'s own `__getattr__`
+asks here."""
 
 from __future__ import annotations
 
 from .errors import HfBackendError
 
 _REFUSED_GROUPS: dict[str, tuple[str, ...]] = {
-    "big-model inference and offloading (device maps, meta-device init, CPU/disk offload) is not part of hf_backend; "
-    "for inference load with transformers' from_pretrained(device_map=...)": (
+    "big-model inference and offloading (device maps, meta-device init, CPU/disk offload) is not "
+    "part of hf_backend; for inference load with transformers' from_pretrained(device_map=...)": (
         "init_empty_weights", "init_on_device", "cpu_offload", "cpu_offload_with_hook", "disk_offload",
         "dispatch_model", "infer_auto_device_map", "load_checkpoint_and_dispatch", "load_checkpoint_in_model",
         "get_balanced_memory", "get_max_memory", "check_device_map", "compute_module_sizes", "calculate_maximum_sizes",
@@ -22,20 +23,21 @@ _REFUSED_GROUPS: dict[str, tuple[str, ...]] = {
         "MegatronLMPlugin", "MegatronLMDummyDataLoader", "MegatronLMDummyScheduler", "AbstractTrainStep",
         "BertTrainStep", "GPTTrainStep", "T5TrainStep", "avg_losses_across_data_parallel_group",
         "add_model_config_to_megatron_parser"),
-    "fp8 training and quantization (TransformerEngine, MS-AMP, torchao, bitsandbytes) are not supported; use "
-    "mixed_precision='bf16' or 'fp16'": (
+    "fp8 training and quantization (TransformerEngine, MS-AMP, torchao, bitsandbytes) are not "
+    "supported; use mixed_precision='bf16' or 'fp16'": (
         "AORecipeKwargs", "FP8RecipeKwargs", "MSAMPRecipeKwargs", "TERecipeKwargs", "apply_fp8_autowrap",
         "contextual_fp8_autocast", "convert_model", "convert_model_to_fp8_ao", "filter_first_and_last_linear_layers",
         "has_ao_layers", "has_transformer_engine_layers", "check_cuda_fp8_capability", "BnbQuantizationConfig",
         "load_and_quantize_model", "has_4bit_bnb_layers", "torchao_required"),
     "TPUs (torch_xla) are not supported; hf_backend runs on CPUs and CUDA GPUs": ("install_xla", "prepare_tpu"),
-    "pipeline and sequence parallelism and regional compilation are not supported; use ParallelismConfig(tp_size=..., "
-    "cp_size=..., dp_shard_size=...) or DeepSpeed ZeRO-3 (TorchDynamoPlugin compiles whole models)": (
+    "pipeline and sequence parallelism and regional compilation are not supported; use "
+    "ParallelismConfig(tp_size=..., cp_size=..., dp_shard_size=...) or DeepSpeed ZeRO-3 "
+    "(TorchDynamoPlugin compiles whole models)": (
         "TorchTensorParallelPlugin", "DeepSpeedSequenceParallelConfig",
         "get_model_tp_size", "compile_regions", "compile_regions_deepspeed", "compile_regions_fsdp2",
         "has_compiled_regions"),
-    "an Accelerate internal of its DeepSpeed/FSDP integration; in hf_backend the strategy does this inside "
-    "accelerator.prepare / save_state / load_state / save_model / get_state_dict": (
+    "an Accelerate internal of its DeepSpeed/FSDP integration; in hf_backend the strategy does "
+    "this inside accelerator.prepare / save_state / load_state / save_model / get_state_dict": (
         "DeepSpeedEngineWrapper", "DeepSpeedOptimizerWrapper", "DeepSpeedSchedulerWrapper", "HfDeepSpeedConfig",
         "GatheredParameters", "deepspeed_required", "get_active_deepspeed_plugin", "map_pytorch_optim_to_deepspeed",
         "fsdp2_apply_ac", "fsdp2_canonicalize_names", "fsdp2_load_full_state_dict", "fsdp2_prepare_model",
@@ -50,13 +52,14 @@ _REFUSED_GROUPS: dict[str, tuple[str, ...]] = {
         "purge_accelerate_environment", "get_cpu_distributed_information", "set_numa_affinity",
         "check_cuda_p2p_ib_support", "check_os_kernel", "get_gpu_info", "write_basic_config",
         "get_current_device_type", "are_libraries_initialized", "commands", "test_utils"),
-    "Accelerate's checkpoint file names; hf_backend's checkpoints have their own layout (docs/engine.md): read them "
-    "with accelerator.load_state": (
+    "Accelerate's checkpoint file names; hf_backend's checkpoints have their own layout "
+    "(docs/engine.md): read them with accelerator.load_state": (
         "MODEL_NAME", "OPTIMIZER_NAME", "SCHEDULER_NAME", "SAMPLER_NAME", "SCALER_NAME", "RNG_STATE_NAME",
         "SAFE_MODEL_NAME", "SAFE_WEIGHTS_NAME", "SAFE_WEIGHTS_INDEX_NAME", "SAFE_WEIGHTS_PATTERN_NAME", "WEIGHTS_NAME",
         "WEIGHTS_INDEX_NAME", "WEIGHTS_PATTERN_NAME", "PROFILE_PATTERN_NAME", "TORCH_DISTRIBUTED_OPERATION_TYPES",
         "MITA_PROFILING_AVAILABLE_PYTORCH_VERSION", "XPU_PROFILING_AVAILABLE_PYTORCH_VERSION"),
-    "an internal helper of Accelerate's with no counterpart in hf_backend; use torch or the standard library": (
+    "an internal helper of Accelerate's with no counterpart in hf_backend; use torch or the "
+    "standard library": (
         "CannotPadNestedTensorWarning", "TensorInformation", "is_tensor_information", "initialize_tensors",
         "get_data_structure", "copy_tensor_to_devices", "pad_input_tensors", "slice_tensors",
         "convert_outputs_to_fp32", "convert_to_fp32", "find_device", "ignorant_find_batch_size", "honor_type",

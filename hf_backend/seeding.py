@@ -1,4 +1,5 @@
-"""Seeding and random-state synchronization across processes (Accelerate's `set_seed`, `synchronize_rng_states`)."""
+"""Seeding and random-state synchronization across processes (Accelerate's `set_seed`,
+`synchronize_rng_states`)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ from .errors import HfBackendError
 
 
 def set_seed(seed: int, device_specific: bool = False, deterministic: bool = False) -> None:
-    """Seed python, numpy and torch (all devices); `device_specific` adds the process index to the seed."""
+    """Seed python, numpy and torch (all devices); `device_specific` adds the process index to the
+    seed."""
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-        raise HfBackendError(f"set_seed: seed must be an integer, got {type(seed).__name__} {seed!r}")
+        raise HfBackendError(f"set_seed: seed must be an integer, got {type(seed).__name__} "
+                             f"{seed!r}")
     seed = int(seed)
     if device_specific:
         from .state import get_process_state
@@ -32,8 +35,8 @@ def set_seed(seed: int, device_specific: bool = False, deterministic: bool = Fal
 
 
 def synchronize_rng_state(rng_type: str | None = None, generator: torch.Generator | None = None) -> None:
-    """Give every process rank 0's state of one generator: "torch" (the CPU default), "cuda" (this process's
-    device), or "generator" (the one passed)."""
+    """Give every process rank 0's state of one generator: "torch" (the CPU default), "cuda" (this
+    process's device), or "generator" (the one passed)."""
     rng_type = str(getattr(rng_type, "value", rng_type) or "torch")
     if rng_type == "torch":
         get, put = torch.get_rng_state, torch.set_rng_state
@@ -43,10 +46,12 @@ def synchronize_rng_state(rng_type: str | None = None, generator: torch.Generato
         get, put = torch.cuda.get_rng_state, torch.cuda.set_rng_state
     elif rng_type == "generator":
         if generator is None:
-            raise HfBackendError("synchronize_rng_state('generator') needs generator=<the torch.Generator to share>")
+            raise HfBackendError("synchronize_rng_state('generator') needs generator=<the "
+                                 "torch.Generator to share>")
         get, put = generator.get_state, generator.set_state
     else:
-        raise HfBackendError(f"synchronize_rng_state: rng type {rng_type!r} is not one of torch, cuda, generator")
+        raise HfBackendError(f"synchronize_rng_state: rng type {rng_type!r} is not one of torch, "
+                             "cuda, generator")
     if world_size() > 1:
         put(broadcast_object_list([get()])[0])
 

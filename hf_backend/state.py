@@ -1,13 +1,15 @@
 """Process state: which process this is, how many there are, and which device it computes on.
 
 Detection order (set up once per process, shared by every `Accelerator`):
-1. a process group someone else already initialized (Ray Train, the user's own `init_process_group`): used as is;
-2. a torchrun-style environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT): we initialize the group,
-   NCCL when the process has a CUDA device, gloo otherwise;
+1. a process group someone else already initialized (Ray Train, the user's own
+   `init_process_group`): used as is;
+2. a torchrun-style environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT): we
+   initialize the group, NCCL when the process has a CUDA device, gloo otherwise;
 3. otherwise a single process.
 
-Process-group plugins (`add_process_group_plugin`: the hang watch, hf_backend/hang_watch.py, which `hf-backend launch`
-installs and a user may pass) start once the group is set up and stop before it is destroyed; none runs unless added.
+Process-group plugins (`add_process_group_plugin`: the hang watch, hf_backend/hang_watch.py, which
+`hf-backend launch` installs and a user may pass) start once the group is set up and stop before it
+is destroyed; none runs unless added.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch.distributed as dist
 from . import accelerate_state
 from .enums import DistributedType
 from .errors import HfBackendError
-from .gradient_state import GradientState as GradientState  # Accelerate scripts import it from here (accelerate.state)
+from .gradient_state import GradientState as GradientState  # as accelerate.state has it
 
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -49,7 +51,8 @@ class ProcessState:
 
     @property
     def distributed_type(self) -> DistributedType:
-        """Plain data parallelism or none; an Accelerator's strategy may refine it (FSDP, DEEPSPEED)."""
+        """Plain data parallelism or none; an Accelerator's strategy may refine it (FSDP, DEEPSPEED).
+        """
         if not self.distributed:
             return DistributedType.NO
         return DistributedType.MULTI_GPU if self.device.type == "cuda" else DistributedType.MULTI_CPU
@@ -72,8 +75,9 @@ class ProcessState:
 
 
 class ProcessView:
-    """Accelerate's process members (ranks, `print`, `wait_for_everyone`, `main_process_first`, `on_main_process`,
-    ...), read from `self.process`. `PartialState`, `AcceleratorState` and the `Accelerator` share them."""
+    """Accelerate's process members (ranks, `print`, `wait_for_everyone`, `main_process_first`,
+    `on_main_process`, ...), read from `self.process`. `PartialState`, `AcceleratorState` and the
+    `Accelerator` share them."""
 
     process: ProcessState
 
@@ -151,7 +155,8 @@ class ProcessView:
         return self._only_if(function, lambda: self.is_last_process)
 
     def on_process(self, function: Callable | None = None, process_index: int | None = None) -> Callable:
-        """Run `function` on process `process_index` only (also usable as `@on_process(process_index=i)`)."""
+        """Run `function` on process `process_index` only (also usable as
+        `@on_process(process_index=i)`)."""
         if function is None:
             return functools.partial(self.on_process, process_index=process_index)
         return self._only_if(function, lambda: self.process_index == process_index)
@@ -171,12 +176,14 @@ class ProcessView:
 
 
 class PartialState(ProcessView):
-    """Accelerate's `PartialState()`: this process's place among the processes, set up on first use and shared."""
+    """Accelerate's `PartialState()`: this process's place among the processes, set up on first use and
+    shared."""
 
     def __init__(self, cpu: bool = False, **kwargs: Any) -> None:
         unknown = sorted(set(kwargs) - {"backend", "timeout"})
         if unknown:
-            raise HfBackendError(f"PartialState() does not take {', '.join(unknown)}; pass cpu=, backend= or timeout=")
+            raise HfBackendError(f"PartialState() does not take {', '.join(unknown)}; pass cpu=, "
+                                 "backend= or timeout=")
         self.process = get_process_state(cpu=cpu, **kwargs)
 
     initialized = True  # built on construction, as Accelerate's shared state is once it exists
@@ -213,10 +220,11 @@ class PartialState(ProcessView):
 
     @staticmethod
     def _reset_state() -> None:
-        """Accelerate's `PartialState._reset_state()`: forget this process's state, so that the next `PartialState()`
-        or `Accelerator()` sets it up again (with other arguments, `cpu=True` say) and `use_configured_state=True`
-        finds none. The process group is kept, as in Accelerate: the next state is built on it. Objects that exist
-        keep the state they were built with (Accelerate's would raise AttributeError on their next use)."""
+        """Accelerate's `PartialState._reset_state()`: forget this process's state, so that the next
+        `PartialState()` or `Accelerator()` sets it up again (with other arguments, `cpu=True` say)
+        and `use_configured_state=True` finds none. The process group is kept, as in Accelerate: the
+        next state is built on it. Objects that exist keep the state they were built with
+        (Accelerate's would raise AttributeError on their next use)."""
         forget_process_state()
 
     def destroy_process_group(self, group: Any = None) -> None:
@@ -228,9 +236,9 @@ class PartialState(ProcessView):
 
 
 class AcceleratorState(PartialState):
-    """Accelerate's `AcceleratorState`: the process state plus the distributed type, precision and plugin of the
-    newest `Accelerator` (`accelerator.state` is the one of that accelerator). Before any Accelerator exists it
-    describes plain data parallelism in full precision."""
+    """Accelerate's `AcceleratorState`: the process state plus the distributed type, precision and
+    plugin of the newest `Accelerator` (`accelerator.state` is the one of that accelerator). Before
+    any Accelerator exists it describes plain data parallelism in full precision."""
 
     def __init__(self, cpu: bool = False, **kwargs: Any) -> None:
         super().__init__(cpu=cpu, **kwargs)
@@ -260,10 +268,10 @@ class AcceleratorState(PartialState):
 
     @staticmethod
     def _reset_state(reset_partial_state: bool = False) -> None:  # type: ignore[override]
-        """Accelerate's `AcceleratorState._reset_state()`, which its test scripts call between runs (also as
-        `accelerator.state._reset_state()`): `AcceleratorState()` describes no Accelerator again (plain data
-        parallelism, full precision, no plugin) until the next one is built. With `reset_partial_state` the process
-        state is forgotten too (`PartialState._reset_state()`)."""
+        """Accelerate's `AcceleratorState._reset_state()`, which its test scripts call between runs
+        (also as `accelerator.state._reset_state()`): `AcceleratorState()` describes no Accelerator
+        again (plain data parallelism, full precision, no plugin) until the next one is built. With
+        `reset_partial_state` the process state is forgotten too (`PartialState._reset_state()`)."""
         global _CURRENT_ACCELERATOR_STATE
         _CURRENT_ACCELERATOR_STATE = None
         if reset_partial_state:
@@ -276,20 +284,22 @@ class AcceleratorState(PartialState):
 
     def get_deepspeed_plugin(self, name: str | None = None) -> Any:
         if name is not None:
-            raise HfBackendError(f"get_deepspeed_plugin({name!r}): hf_backend holds one DeepSpeed plugin; call it "
-                                 "without a name")
+            raise HfBackendError(f"get_deepspeed_plugin({name!r}): hf_backend holds one DeepSpeed "
+                                 "plugin; call it without a name")
         return self.deepspeed_plugin
 
     def select_deepspeed_plugin(self, name: str | None = None) -> None:
-        raise HfBackendError("select_deepspeed_plugin: hf_backend holds one DeepSpeed plugin per Accelerator; "
-                             "build one Accelerator per configuration")
+        raise HfBackendError("select_deepspeed_plugin: hf_backend holds one DeepSpeed plugin per "
+                             "Accelerator; build one Accelerator per configuration")
 
 
 _CURRENT_ACCELERATOR_STATE: AcceleratorState | None = None
 
 _STATE: ProcessState | None = None
-_OUR_GROUP: Any = None  # the default process group when we called init_process_group for it: kept when the state is
-                       # forgotten (_reset_state), so a state built again on that group still tears it down at exit
+# the default process group when we called init_process_group for it: kept when the state is
+_OUR_GROUP: Any = None
+                       # forgotten (_reset_state), so a state built again on that group still tears
+                       # it down at exit
 
 
 _PLUGINS: list[ProcessGroupPlugin] = []
@@ -297,8 +307,9 @@ _PLUGINS: list[ProcessGroupPlugin] = []
 
 @runtime_checkable
 class ProcessGroupPlugin(Protocol):
-    """Something that runs beside a process group of two or more processes: started once the group is set up
-    (`group_timeout`: its timeout, when this process set it up), stopped before it is destroyed."""
+    """Something that runs beside a process group of two or more processes: started once the group is
+    set up (`group_timeout`: its timeout, when this process set it up), stopped before it is
+    destroyed."""
 
     def start(self, group_timeout: datetime.timedelta | None) -> None: ...
 
@@ -306,11 +317,12 @@ class ProcessGroupPlugin(Protocol):
 
 
 def add_process_group_plugin(plugin: ProcessGroupPlugin) -> None:
-    """Run `plugin` beside this process's group: from its set-up, or at once when it is already set up. Adding the
-    same plugin again does nothing."""
+    """Run `plugin` beside this process's group: from its set-up, or at once when it is already set up.
+    Adding the same plugin again does nothing."""
     if not isinstance(plugin, ProcessGroupPlugin):
-        raise HfBackendError(f"{type(plugin).__name__} is not a process-group plugin: it needs start(group_timeout) "
-                             "and stop() methods, e.g. hf_backend.HangWatch(timeout=300)")
+        raise HfBackendError(f"{type(plugin).__name__} is not a process-group plugin: it needs "
+                             "start(group_timeout) and stop() methods, e.g. "
+                             "hf_backend.HangWatch(timeout=300)")
     if plugin in _PLUGINS:
         return
     _PLUGINS.append(plugin)
@@ -335,19 +347,20 @@ def _env_int(name: str, default: int) -> int:
     try:
         return int(value)
     except ValueError:
-        raise HfBackendError(f"environment variable {name}={value!r} is not an integer; unset it or fix it") from None
+        raise HfBackendError(f"environment variable {name}={value!r} is not an integer; unset it "
+                             "or fix it") from None
 
 
 def _pick_device(cpu: bool, local_rank: int) -> torch.device:
-    """The CPU when asked; else the device a launcher named (Ray Train sets ACCELERATE_TORCH_DEVICE for each worker,
-    as Accelerate reads it); else the local rank's GPU when there is one."""
+    """The CPU when asked; else the device a launcher named (Ray Train sets ACCELERATE_TORCH_DEVICE for
+    each worker, as Accelerate reads it); else the local rank's GPU when there is one."""
     named = os.environ.get("ACCELERATE_TORCH_DEVICE")
     if not cpu and named:
         try:
             return torch.device(named)
         except RuntimeError:
-            raise HfBackendError(f"ACCELERATE_TORCH_DEVICE={named!r} is not a torch device; unset it or name one "
-                                 "such as cpu or cuda:0") from None
+            raise HfBackendError(f"ACCELERATE_TORCH_DEVICE={named!r} is not a torch device; unset "
+                                 "it or name one such as cpu or cuda:0") from None
     if not cpu and torch.cuda.is_available():
         return torch.device("cuda", local_rank % torch.cuda.device_count())
     return torch.device("cpu")
@@ -365,7 +378,8 @@ def get_process_state(cpu: bool = False, timeout: datetime.timedelta | None = No
     if _STATE is not None:
         if cpu and _STATE.device.type != "cpu":
             raise HfBackendError(
-                "the process state was already set up on a GPU; pass cpu=True to the first Accelerator of the process"
+                "the process state was already set up on a GPU; pass cpu=True to the first "
+                "Accelerator of the process"
             )
         return _STATE
 
@@ -416,8 +430,8 @@ def _from_group(device: torch.device, local_rank: int, owns_group: bool = False)
 
 
 def reset_process_state() -> None:
-    """Forget this process's state without touching any process group: for a process forked from one that had
-    already set its state up (`notebook_launcher`'s workers), which must set up its own."""
+    """Forget this process's state without touching any process group: for a process forked from one
+    that had already set its state up (`notebook_launcher`'s workers), which must set up its own."""
     global _STATE, _CURRENT_ACCELERATOR_STATE, _OUR_GROUP
     _STATE = None
     _CURRENT_ACCELERATOR_STATE = None
@@ -425,8 +439,9 @@ def reset_process_state() -> None:
 
 
 def forget_process_state() -> None:
-    """`PartialState._reset_state()`: the next `get_process_state` sets the state up again, on the process group when
-    there is one (which stays ours to tear down at exit if we created it); the watchdog keeps running."""
+    """`PartialState._reset_state()`: the next `get_process_state` sets the state up again, on the
+    process group when there is one (which stays ours to tear down at exit if we created it); the
+    watchdog keeps running."""
     global _STATE
     _STATE = None
 
@@ -434,13 +449,15 @@ def forget_process_state() -> None:
 def shutdown_process_group(force: bool = False) -> None:
     """Destroy the process group we created, before the interpreter starts finalizing.
 
-    Left to interpreter exit, a gloo worker thread can still be releasing Python objects of the last collectives
-    when Python stops handing out the GIL; the thread is then killed inside C++ and the process aborts
-    ("terminate called without an active exception"), failing a run that had finished. Collecting garbage around
-    the destroy releases those objects while the threads can still run.
+    Left to interpreter exit, a gloo worker thread can still be releasing Python objects of the last
+    collectives when Python stops handing out the GIL; the thread is then killed inside C++ and the
+    process aborts ("terminate called without an active exception"), failing a run that had
+    finished. Collecting garbage around the destroy releases those objects while the threads can
+    still run.
     """
     global _STATE, _OUR_GROUP
-    # the group we created (also when _reset_state forgot the state), or the state's group when forced
+    # the group we created (also when _reset_state forgot the state), or the state's group when
+    # forced
     if not (_group_is_ours() or (_STATE is not None and (_STATE.owns_group or force))):
         return
     for plugin in _PLUGINS:

@@ -1,24 +1,28 @@
-"""Streams (DataLoaders over an IterableDataset) in several processes: each process's part of every global batch.
+"""Streams (DataLoaders over an IterableDataset) in several processes: each process's part of every
+global batch.
 
-Two ways to split a stream, both yielding this process's examples `per_rank` at a time, the same number of steps on
-every process, and recording what `gather_for_metrics` and resuming need:
+Two ways to split a stream, both yielding this process's examples `per_rank` at a time, the same
+number of steps on every process, and recording what `gather_for_metrics` and resuming need:
 
-* `GlobalBatchShard`, any torch IterableDataset (Accelerate's `IterableDatasetShard`): every process reads the whole
-  stream, groups it into global batches (`per_rank * num_processes` examples) and keeps its slice. The last, short
-  global batch is completed by cycling the first global batch; `remainder` holds its real rows. Resuming skips the
-  steps already taken by reading them again (a plain IterableDataset has no position to restore).
-* `NodeStream`, a `datasets.IterableDataset`: `split_dataset_by_node` gives each process its own part (whole files
-  when their number divides by the number of processes, else every Nth example), so no process reads another's part.
-  After reading each step's examples the processes exchange how many they got and their dataset's `state_dict()`
-  (one small `all_gather_object` per step): every process then knows every position, so rank 0's loader state (the
-  one checkpoints write) resumes every process without re-reading. When a process's part runs out first, the
-  remaining examples of all parts are exchanged as they are read and dealt out as global batches in rank order,
-  the last one completed by cycling the first of these: every process runs the same number of steps and the padding
-  is at the end of the gathered global batch, where `gather_for_metrics` cuts it. In one process (where it is used
-  to resume from the dataset's state) the last batch is left short, as a DataLoader leaves it.
+* `GlobalBatchShard`, any torch IterableDataset (Accelerate's `IterableDatasetShard`): every process
+  reads the whole stream, groups it into global batches (`per_rank * num_processes` examples) and
+  keeps its slice. The last, short global batch is completed by cycling the first global batch;
+  `remainder` holds its real rows. Resuming skips the steps already taken by reading them again (a
+  plain IterableDataset has no position to restore).
+* `NodeStream`, a `datasets.IterableDataset`: `split_dataset_by_node` gives each process its own
+  part (whole files when their number divides by the number of processes, else every Nth example),
+  so no process reads another's part. After reading each step's examples the processes exchange how
+  many they got and their dataset's `state_dict()` (one small `all_gather_object` per step): every
+  process then knows every position, so rank 0's loader state (the one checkpoints write) resumes
+  every process without re-reading. When a process's part runs out first, the remaining examples of
+  all parts are exchanged as they are read and dealt out as global batches in rank order, the last
+  one completed by cycling the first of these: every process runs the same number of steps and the
+  padding is at the end of the gathered global batch, where `gather_for_metrics` cuts it. In one
+  process (where it is used to resume from the dataset's state) the last batch is left short, as a
+  DataLoader leaves it.
 
-Both run in the main process (the DataLoader's `num_workers` must be 0): the split, and the collectives of
-`NodeStream`, are per process, not per worker.
+Both run in the main process (the DataLoader's `num_workers` must be 0): the split, and the
+collectives of `NodeStream`, are per process, not per worker.
 """
 
 from __future__ import annotations
@@ -33,11 +37,13 @@ from torch.utils.data import IterableDataset
 from .collectives import gather_object
 from .errors import HfBackendError
 
-Position = dict[str, Any]  # NodeStream's resume point: every process's dataset state, and steps to skip after it
+# NodeStream's resume point: every process's dataset state, and steps to skip after it
+Position = dict[str, Any]
 
 
 def is_datasets_stream(dataset: Any) -> bool:
-    """Whether `dataset` is a `datasets.IterableDataset` (without importing datasets when the script has not)."""
+    """Whether `dataset` is a `datasets.IterableDataset` (without importing datasets when the script
+    has not)."""
     import sys
 
     module = sys.modules.get("datasets")
@@ -47,13 +53,14 @@ def is_datasets_stream(dataset: Any) -> bool:
 def check_stream_loader(loader: Any, num_processes: int) -> None:
     if loader.num_workers > 0:
         raise HfBackendError(
-            f"a DataLoader over an IterableDataset in {num_processes} processes reads its stream in the main process: "
-            f"set num_workers=0 (got {loader.num_workers}); with a datasets IterableDataset, `.map()` runs lazily as "
-            "it streams")
+            f"a DataLoader over an IterableDataset in {num_processes} processes reads its stream "
+            f"in the main process: set num_workers=0 (got {loader.num_workers}); with a datasets "
+            "IterableDataset, `.map()` runs lazily as it streams")
 
 
 class _Stream(IterableDataset):
-    """What both splits share: the step a pass starts at and the real rows of the step last produced."""
+    """What both splits share: the step a pass starts at and the real rows of the step last produced.
+    """
 
     def __init__(self, dataset: Any, num_processes: int, process_index: int, per_rank: int,
                  drop_last: bool) -> None:
@@ -66,8 +73,9 @@ class _Stream(IterableDataset):
         self._epoch = 0
         self._start: tuple[int, Position | None] = (0, None)
 
-    # -- the loader's source interface (data.PreparedDataLoader) ------------------------------------------------------
-    restores_its_own_position = True  # its mark holds each process's place in its part: it is kept on resume
+    # -- the loader's source interface (data.PreparedDataLoader) -----------------------------------
+    # its mark holds each process's place in its part: it is kept on resume
+    restores_its_own_position = True
 
     @property
     def global_batch_size(self) -> int:
@@ -78,11 +86,13 @@ class _Stream(IterableDataset):
         return self.per_rank
 
     def begin(self, epoch: int, skip: int, position: Position | None = None) -> None:
-        """The next pass is epoch `epoch` starting at step `skip` (from `position` when there is one)."""
+        """The next pass is epoch `epoch` starting at step `skip` (from `position` when there is one).
+        """
         self._epoch = epoch
         self._start = (skip, position)
         if hasattr(self.dataset, "set_epoch"):
-            self.dataset.set_epoch(epoch)  # datasets: the shuffle buffer's and the shards' order of this epoch
+            # datasets: the shuffle buffer's and the shards' order of this epoch
+            self.dataset.set_epoch(epoch)
 
     def position(self, step: int) -> Position | None:
         """Where step `step` of the pass in progress starts (None: the step count alone says it)."""
@@ -131,7 +141,8 @@ class GlobalBatchShard(_Stream):
 
 
 class NodeStream(_Stream):
-    """This process's part of a `datasets.IterableDataset` split by node; positions restored through its state."""
+    """This process's part of a `datasets.IterableDataset` split by node; positions restored through
+    its state."""
 
     def __init__(self, dataset: Any, num_processes: int, process_index: int, per_rank: int,
                  drop_last: bool) -> None:
@@ -147,7 +158,8 @@ class NodeStream(_Stream):
 
     def _record(self, step: int, position: Position) -> None:
         self._positions[step] = position
-        for old in [s for s in self._positions if s < step - 4]:  # the loader looks one step ahead at most
+        # the loader looks one step ahead at most
+        for old in [s for s in self._positions if s < step - 4]:
             del self._positions[old]
 
     def __iter__(self) -> Iterator[Any]:
@@ -175,8 +187,8 @@ class NodeStream(_Stream):
 
     def _tail(self, examples: Iterator[Any], group: list, done: list[bool], states: list | None, step: int,
               skip: int) -> Iterator[Any]:
-        """The end of the pass, once some part has run out: every part's remaining examples, exchanged as they are
-        read, dealt out in rank order as global batches."""
+        """The end of the pass, once some part has run out: every part's remaining examples, exchanged
+        as they are read, dealt out in rank order as global batches."""
         size, tail_start, first = self.global_batch_size, step, []
         pool = [example for part in gather_object((group,)) for example in part[0]]
         while pool or not all(done):
@@ -200,11 +212,12 @@ def make_stream(loader: Any, num_processes: int, process_index: int, split_batch
     """The split of `loader`'s IterableDataset for this process."""
     batch_size = loader.batch_size
     if not batch_size:
-        raise HfBackendError("prepare() needs a DataLoader over an IterableDataset with a batch_size to split it "
-                             "across processes; pass batch_size=...")
+        raise HfBackendError("prepare() needs a DataLoader over an IterableDataset with a "
+                             "batch_size to split it across processes; pass batch_size=...")
     if split_batches and batch_size % num_processes:
-        raise HfBackendError(f"split_batches=True needs a batch size that divides by the {num_processes} processes, "
-                             f"got {batch_size}; change the batch size or use split_batches=False")
+        raise HfBackendError("split_batches=True needs a batch size that divides by the "
+                             f"{num_processes} processes, got {batch_size}; change the batch size "
+                             "or use split_batches=False")
     per_rank = batch_size // num_processes if split_batches else batch_size
     kind = NodeStream if is_datasets_stream(loader.dataset) else GlobalBatchShard
     return kind(loader.dataset, num_processes, process_index, per_rank, loader.drop_last)

@@ -1,6 +1,7 @@
-"""Experiment trackers: Accelerate's `GeneralTracker` and `on_main_process`, the built-in JSONL and TensorBoard
-trackers, and those of third-party packages (wandb, trackio, swanlab, comet_ml, aim, mlflow, clearml, dvclive), each
-importing its package only when built. `hf_backend.tracking` chooses and runs them for an Accelerator."""
+"""Experiment trackers: Accelerate's `GeneralTracker` and `on_main_process`, the built-in JSONL and
+TensorBoard trackers, and those of third-party packages (wandb, trackio, swanlab, comet_ml, aim,
+mlflow, clearml, dvclive), each importing its package only when built. `hf_backend.tracking` chooses
+and runs them for an Accelerator."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from .notes import warn
 
 
 def on_main_process(function: Callable) -> Callable:
-    """Decorate a custom tracker's method: it runs only on the main process when the tracker has `main_process_only`."""
+    """Decorate a custom tracker's method: it runs only on the main process when the tracker has
+    `main_process_only`."""
 
     @functools.wraps(function)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -31,7 +33,8 @@ def on_main_process(function: Callable) -> Callable:
 
 
 def _plain(value: Any) -> Any:
-    """Tensors and numpy values -> Python numbers (nested lists when not scalars), inside dicts and lists too."""
+    """Tensors and numpy values -> Python numbers (nested lists when not scalars), inside dicts and
+    lists too."""
     if isinstance(value, dict):
         return {str(k): _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -46,7 +49,8 @@ def _numeric(value: Any) -> bool:
 
 
 def _numbers(values: dict, tracker: str) -> dict:
-    """The numeric values (what most libraries take as metrics); a warning names each one left out."""
+    """The numeric values (what most libraries take as metrics); a warning names each one left out.
+    """
     kept = {}
     for key, value in _plain(values).items():
         if _numeric(value):
@@ -59,9 +63,10 @@ def _numbers(values: dict, tracker: str) -> dict:
 class GeneralTracker:
     """Base class of every tracker; subclass it for a custom one.
 
-    A subclass sets the class attributes `name` and `requires_logging_directory`, defines the `tracker` property (the
-    library's object), `store_init_configuration` and `log`, and optionally `start` (called by `init_trackers`) and
-    `finish` (called by `end_training`). Its instance goes in `Accelerator(log_with=...)`.
+    A subclass sets the class attributes `name` and `requires_logging_directory`, defines the
+    `tracker` property (the library's object), `store_init_configuration` and `log`, and optionally
+    `start` (called by `init_trackers`) and `finish` (called by `end_training`). Its instance goes
+    in `Accelerator(log_with=...)`.
     """
 
     main_process_only = True
@@ -73,7 +78,8 @@ class GeneralTracker:
         if type(self).tracker is GeneralTracker.tracker:
             missing.append("tracker")
         if missing:
-            raise HfBackendError(f"{type(self).__name__} must define {', '.join(missing)} (see GeneralTracker)")
+            raise HfBackendError(f"{type(self).__name__} must define {', '.join(missing)} (see "
+                                 "GeneralTracker)")
 
     @property
     def tracker(self) -> Any:
@@ -94,7 +100,8 @@ class GeneralTracker:
 
 
 class _NoOpTracker(GeneralTracker):
-    """What `get_tracker` answers where the tracker does not run (other processes): every call does nothing."""
+    """What `get_tracker` answers where the tracker does not run (other processes): every call does
+    nothing."""
 
     requires_logging_directory = False
 
@@ -109,8 +116,9 @@ class _NoOpTracker(GeneralTracker):
 
 
 class _LibraryTracker(GeneralTracker):
-    """A built-in tracker: `start` imports `module` and opens the run (`init(project=run_name, **init_kwargs)` unless
-    `_open` says otherwise); `tracker` is the run. `pip` is the package to install for `module`."""
+    """A built-in tracker: `start` imports `module` and opens the run (`init(project=run_name,
+    **init_kwargs)` unless `_open` says otherwise); `tracker` is the run. `pip` is the package to
+    install for `module`."""
 
     requires_logging_directory = False
     module: str | None = None
@@ -142,16 +150,18 @@ class _LibraryTracker(GeneralTracker):
 
 
 class JSONLTracker(_LibraryTracker):
-    """hf_backend's own file tracker, no package needed: `logging_dir/<run_name>/metrics.jsonl` gets one line per
-    `log` call, `{"step": ..., "time": ..., "values": {...}}` (tensors and numpy values as numbers), and `config.json`
-    the configuration. `tracker` is the metrics file's path (pandas: `read_json(path, lines=True)`)."""
+    """hf_backend's own file tracker, no package needed: `logging_dir/<run_name>/metrics.jsonl` gets
+    one line per `log` call, `{"step": ..., "time": ..., "values": {...}}` (tensors and numpy values
+    as numbers), and `config.json` the configuration. `tracker` is the metrics file's path (pandas:
+    `read_json(path, lines=True)`)."""
 
     name = "jsonl"
     requires_logging_directory = True
 
     def __init__(self, run_name: str, logging_dir: str | os.PathLike, **kwargs: Any) -> None:
         if kwargs:
-            raise HfBackendError(f"the jsonl tracker takes no init_kwargs; got {', '.join(sorted(kwargs))}")
+            raise HfBackendError("the jsonl tracker takes no init_kwargs; got "
+                                 f"{', '.join(sorted(kwargs))}")
         super().__init__(run_name)
         self.logging_dir = Path(logging_dir) / run_name
         self.run = self.logging_dir / "metrics.jsonl"
@@ -159,7 +169,8 @@ class JSONLTracker(_LibraryTracker):
 
     def start(self) -> None:
         self.logging_dir.mkdir(parents=True, exist_ok=True)
-        self._file = self.run.open("a", encoding="utf-8")  # append: a resumed run continues its file
+        # append: a resumed run continues its file
+        self._file = self.run.open("a", encoding="utf-8")
 
     def store_init_configuration(self, values: dict) -> None:
         text = json.dumps(_plain(values), indent=2, default=str)
@@ -177,8 +188,9 @@ class JSONLTracker(_LibraryTracker):
 
 
 class TensorBoardTracker(_LibraryTracker):
-    """torch's SummaryWriter in `logging_dir/<run_name>` (init_kwargs go to it); the configuration as hparams in its
-    `hparams` sub-run. Numbers are scalars, strings text, dicts of numbers `add_scalars`."""
+    """torch's SummaryWriter in `logging_dir/<run_name>` (init_kwargs go to it); the configuration as
+    hparams in its `hparams` sub-run. Numbers are scalars, strings text, dicts of numbers
+    `add_scalars`."""
 
     name = module = pip = "tensorboard"
     requires_logging_directory = True
@@ -209,8 +221,8 @@ class TensorBoardTracker(_LibraryTracker):
             elif isinstance(value, dict) and all(_numeric(v) for v in value.values()):
                 self.run.add_scalars(key, value, global_step=step, **kwargs)
             else:
-                warn(f"tensorboard: {key!r} is a {type(value).__name__}, not a number, string or dict of numbers; "
-                     "it is not logged")
+                warn(f"tensorboard: {key!r} is a {type(value).__name__}, not a number, string or "
+                     "dict of numbers; it is not logged")
         self.run.flush()
 
     def finish(self) -> None:
@@ -227,7 +239,8 @@ class WandBTracker(_LibraryTracker):
 
 
 class TrackioTracker(_LibraryTracker):
-    """`trackio.init(project=run_name, **init_kwargs)`; the configuration goes with the run's logs."""
+    """`trackio.init(project=run_name, **init_kwargs)`; the configuration goes with the run's logs.
+    """
 
     name = module = pip = "trackio"
 
@@ -242,7 +255,8 @@ class SwanLabTracker(_LibraryTracker):
 
 
 class CometMLTracker(_LibraryTracker):
-    """`comet_ml.start(project_name=run_name, **init_kwargs)` (`comet_ml.Experiment` before 3.41)."""
+    """`comet_ml.start(project_name=run_name, **init_kwargs)` (`comet_ml.Experiment` before 3.41).
+    """
 
     name = module = "comet_ml"
     pip = "comet-ml"
@@ -295,8 +309,9 @@ class AimTracker(_LibraryTracker):
 
 
 class MLflowTracker(_LibraryTracker):
-    """A run in the MLflow experiment named after the project (created when missing). As in Accelerate, the
-    MLFLOW_EXPERIMENT_NAME, MLFLOW_RUN_ID, MLFLOW_TAGS and MLFLOW_NESTED_RUN variables win over the arguments."""
+    """A run in the MLflow experiment named after the project (created when missing). As in Accelerate,
+    the MLFLOW_EXPERIMENT_NAME, MLFLOW_RUN_ID, MLFLOW_TAGS and MLFLOW_NESTED_RUN variables win over
+    the arguments."""
 
     name = module = pip = "mlflow"
 
@@ -318,7 +333,8 @@ class MLflowTracker(_LibraryTracker):
         return lib.start_run(experiment_id=experiment_id, **self.start_kwargs)
 
     def store_init_configuration(self, values: dict) -> None:
-        """As run parameters, 100 per call (MLflow's batch limit); a value over its 6000 characters is left out."""
+        """As run parameters, 100 per call (MLflow's batch limit); a value over its 6000 characters is
+        left out."""
         params = {k: str(v) for k, v in _plain(values).items()}
         for key in [k for k, v in params.items() if len(v) > 6000]:
             warn(f"mlflow: parameter {key!r} is longer than 6000 characters; it is not logged")
@@ -335,9 +351,10 @@ class MLflowTracker(_LibraryTracker):
 
 
 class ClearMLTracker(_LibraryTracker):
-    """The script's current ClearML Task if it started one (the script closes it), else `Task.init` with the run
-    name as project and task name (CLEARML_PROJECT / CLEARML_TASK win). With a step, a key starting eval_, test_ or
-    train_ is reported in that series, others in train; without a step, as a single value."""
+    """The script's current ClearML Task if it started one (the script closes it), else `Task.init`
+    with the run name as project and task name (CLEARML_PROJECT / CLEARML_TASK win). With a step, a
+    key starting eval_, test_ or train_ is reported in that series, others in train; without a step,
+    as a single value."""
 
     name = module = pip = "clearml"
 
@@ -366,7 +383,8 @@ class ClearMLTracker(_LibraryTracker):
 
 
 class DVCLiveTracker(_LibraryTracker):
-    """`dvclive.Live(**init_kwargs)`, or the `live` object passed in init_kwargs; one `next_step` per `log`."""
+    """`dvclive.Live(**init_kwargs)`, or the `live` object passed in init_kwargs; one `next_step` per
+    `log`."""
 
     name = module = pip = "dvclive"
 

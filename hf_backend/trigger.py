@@ -1,5 +1,6 @@
 """Coordination between processes that a training loop asks for: a stop flag any process can raise
-(`set_trigger` / `check_trigger`), and training on loaders that run out at different steps (`join_uneven_inputs`)."""
+(`set_trigger` / `check_trigger`), and training on loaders that run out at different steps
+(`join_uneven_inputs`)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from .state import ProcessState
 
 
 class Trigger:
-    """A flag that any process can set and every process reads at the same point: `check()` all-reduces it, so all
-    processes take the same branch (early stopping on one rank's condition, say) instead of deadlocking."""
+    """A flag that any process can set and every process reads at the same point: `check()` all-reduces
+    it, so all processes take the same branch (early stopping on one rank's condition, say) instead
+    of deadlocking."""
 
     def __init__(self, process: ProcessState) -> None:
         self.process = process
@@ -25,7 +27,8 @@ class Trigger:
         self.flag.fill_(1)
 
     def check(self) -> bool:
-        """Collective: call it on every process. True everywhere when any process set the flag; then it is cleared."""
+        """Collective: call it on every process. True everywhere when any process set the flag; then it
+        is cleared."""
         flag = self.flag.clone()
         if self.process.distributed:
             dist.all_reduce(flag, op=dist.ReduceOp.SUM)
@@ -39,7 +42,8 @@ class Trigger:
 def uneven_inputs(strategy: Any, joinables: list, loaders: list, even_batches: bool | None) -> Iterator[None]:
     """Run the block under the join context of `strategy` (a Joinable: torch's `Join` for DDP),
     with `even_batches` of the prepared map-style loaders set as asked and restored afterwards."""
-    samplers = [loader.source for loader in loaders if hasattr(loader.source, "even_batches")]  # map-style
+    # map-style
+    samplers = [loader.source for loader in loaders if hasattr(loader.source, "even_batches")]
     saved = [sampler.even_batches for sampler in samplers]
     if even_batches is not None:
         for sampler in samplers:

@@ -1,5 +1,5 @@
-"""Peeling wrappers off a model: Accelerate's `extract_model_from_parallel` and `is_compiled_module`, which scripts
-import from `accelerate.utils`, and what every strategy's `unwrap_model` builds on."""
+"""Peeling wrappers off a model: Accelerate's `extract_model_from_parallel` and `is_compiled_module`,
+which scripts import from `accelerate.utils`, and what every strategy's `unwrap_model` builds on."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ def is_compiled_module(module: torch.nn.Module) -> bool:
 
 
 def _wrappers() -> tuple[type, ...]:
-    """The parallel wrappers a script may hand over: DDP, `nn.DataParallel`, and a DeepSpeed engine when DeepSpeed
-    is loaded (it is never imported for the check)."""
+    """The parallel wrappers a script may hand over: DDP, `nn.DataParallel`, and a DeepSpeed engine
+    when DeepSpeed is loaded (it is never imported for the check)."""
     deepspeed = sys.modules.get("deepspeed")
     engine = getattr(deepspeed, "DeepSpeedEngine", None)
     return (DistributedDataParallel, torch.nn.DataParallel, *((engine,) if isinstance(engine, type) else ()))
@@ -26,8 +26,8 @@ def _wrappers() -> tuple[type, ...]:
 def extract_model_from_parallel(model: torch.nn.Module, keep_fp32_wrapper: bool = True,
                                 keep_torch_compile: bool = True,
                                 is_wrapper: Callable[[torch.nn.Module], bool] | None = None) -> torch.nn.Module:
-    """Strip parallel wrappers (DDP, `nn.DataParallel`, a DeepSpeed engine, or what `is_wrapper` says) and, unless
-    `keep_torch_compile`, the torch.compile wrapper."""
+    """Strip parallel wrappers (DDP, `nn.DataParallel`, a DeepSpeed engine, or what `is_wrapper` says)
+    and, unless `keep_torch_compile`, the torch.compile wrapper."""
     wrappers = _wrappers()
     while True:
         if isinstance(model, wrappers) or (is_wrapper is not None and is_wrapper(model)):

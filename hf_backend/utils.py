@@ -1,8 +1,8 @@
 """What Accelerate scripts import from `accelerate.utils`, under the same names.
 
-A name hf_backend has is imported from its home module. A name that Accelerate has and hf_backend refuses (big-model
-inference, Megatron-LM, fp8, TPU, Accelerate's internals: `hf_backend.refused`) fails at import with one line saying
-why and what to use instead; docs/compat.md lists every name.
+A name hf_backend has is imported from its home module. A name that Accelerate has and hf_backend
+refuses (big-model inference, Megatron-LM, fp8, TPU, Accelerate's internals: `hf_backend.refused`)
+fails at import with one line saying why and what to use instead; docs/compat.md lists every name.
 """
 
 from __future__ import annotations
@@ -75,7 +75,8 @@ def wait_for_everyone() -> None:
 
 
 def save(obj: Any, f: str | os.PathLike, save_on_each_node: bool = False, safe_serialization: bool = False) -> None:
-    """Save `obj` from the main process (the local main process of each node with `save_on_each_node`)."""
+    """Save `obj` from the main process (the local main process of each node with `save_on_each_node`).
+    """
     state = PartialState()
     if state.is_local_main_process if save_on_each_node else state.is_main_process:
         from .checkpoint import save_object
@@ -89,7 +90,8 @@ def load(f: str | os.PathLike, map_location: Any = None, **kwargs: Any) -> Any:
 
 
 def tqdm(*args: Any, main_process_only: bool = True, **kwargs: Any) -> Any:
-    """tqdm's progress bar, shown by the local main process only (unless `main_process_only=False`)."""
+    """tqdm's progress bar, shown by the local main process only (unless `main_process_only=False`).
+    """
     from tqdm.auto import tqdm as _tqdm
 
     if main_process_only and not kwargs.get("disable", False):
@@ -132,7 +134,8 @@ def concatenate(data: list, dim: int = 0) -> Any:
     if isinstance(first, dict):
         return type(first)({k: concatenate([d[k] for d in data], dim=dim) for k in first})
     if not isinstance(first, torch.Tensor):
-        raise HfBackendError(f"concatenate: can only concatenate tensors, got {type(first).__name__}")
+        raise HfBackendError("concatenate: can only concatenate tensors, got "
+                             f"{type(first).__name__}")
     return torch.cat(data, dim=dim)
 
 
@@ -143,7 +146,8 @@ def str_to_bool(value: str, to_bool: bool = False) -> int | bool:
         return True if to_bool else 1
     if value in ("n", "no", "f", "false", "off", "0"):
         return False if to_bool else 0
-    raise HfBackendError(f"str_to_bool: {value!r} is not a truth value; use yes/no, true/false, on/off or 1/0")
+    raise HfBackendError(f"str_to_bool: {value!r} is not a truth value; use yes/no, true/false, "
+                         "on/off or 1/0")
 
 
 def parse_flag_from_env(key: str, default: bool = False) -> bool:
@@ -160,14 +164,16 @@ def get_int_from_env(env_keys: list[str], default: int) -> int:
 
 
 def is_port_in_use(port: int | None = None) -> bool:
-    """Whether something listens on localhost:`port` (29500 when not given, torch's default master port)."""
+    """Whether something listens on localhost:`port` (29500 when not given, torch's default master
+    port)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         return sock.connect_ex(("localhost", port or 29500)) == 0
 
 
 @contextlib.contextmanager
 def patch_environment(**kwargs: Any) -> Iterator[None]:
-    """Set environment variables (names upper-cased) inside the block; restore the previous values after."""
+    """Set environment variables (names upper-cased) inside the block; restore the previous values
+    after."""
     saved = {key.upper(): os.environ.get(key.upper()) for key in kwargs}
     os.environ.update({key.upper(): str(value) for key, value in kwargs.items()})
     try:

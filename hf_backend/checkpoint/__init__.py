@@ -1,4 +1,5 @@
-"""Checkpoints: every file hf_backend writes or reads to save and resume training, and nothing else does.
+"""Checkpoints: every file hf_backend writes or reads to save and resume training, and nothing else
+does.
 
     layout.py       every name in a checkpoint directory (and the layout itself, documented there)
     files.py        how bytes are written and read: safetensors weights, torch files, random generator states

@@ -1,14 +1,16 @@
 """`hf-backend checkpoint consolidate` and `convert`, in one process without a process group.
 
-consolidate: a checkpoint's model weights, whichever form they are in (each process's DCP shards, full safetensors or
-.bin files, a DeepSpeed checkpoint of transformers.Trainer), as one safetensors model directory (sharded with an
-index above a size) that `from_pretrained` loads when a config.json goes with it; a PEFT adapter's checkpoint is
-merged into its base model.
+consolidate: a checkpoint's model weights, whichever form they are in (each process's DCP shards,
+full safetensors or .bin files, a DeepSpeed checkpoint of transformers.Trainer), as one safetensors
+model directory (sharded with an index above a size) that `from_pretrained` loads when a config.json
+goes with it; a PEFT adapter's checkpoint is merged into its base model.
 
-convert: a `save_state` checkpoint between its two forms, model and optimizer together: `full` (model.safetensors,
-optimizer.bin: what a run without FSDP's sharded state dicts writes) and `sharded` (model_dcp/, optimizer_dcp/). Every
-other file is copied as it is and the result gets a fresh manifest. Either form already loads under any strategy and
-world size; converting moves a checkpoint to a place without DCP, or makes one that each process reads its part of.
+convert: a `save_state` checkpoint between its two forms, model and optimizer together: `full`
+(model.safetensors,
+optimizer.bin: what a run without FSDP's sharded state dicts writes) and `sharded` (model_dcp/,
+optimizer_dcp/). Every other file is copied as it is and the result gets a fresh manifest. Either
+form already loads under any strategy and world size; converting moves a checkpoint to a place
+without DCP, or makes one that each process reads its part of.
 """
 
 from __future__ import annotations
@@ -32,21 +34,25 @@ FORMS = ("full", "sharded")
 
 
 def model_weights(directory: str | os.PathLike, stem: str = "model", what: str = "consolidate") -> dict[str, Any]:
-    """The full weights of model `stem` in an hf_backend checkpoint (verified first; shards or full files, as its
-    index says), or in a directory of full weights or DeepSpeed's own checkpoint (a `latest` file naming its tag, as
-    transformers.Trainer writes it under DeepSpeed); read without running code from any file."""
+    """The full weights of model `stem` in an hf_backend checkpoint (verified first; shards or full
+    files, as its index says), or in a directory of full weights or DeepSpeed's own checkpoint (a
+    `latest` file naming its tag, as transformers.Trainer writes it under DeepSpeed); read without
+    running code from any file."""
     directory = Path(directory)
     if layout.holds_engine_state(directory):
         return _checkpoint_weights(read_index(directory, caller=what), stem, what)
     if any(directory.glob(f"{stem}*.safetensors")) or (directory / f"{stem}.bin").is_file() \
             or (directory / f"{stem}.bin.index.json").is_file():
         return read_weights(directory, stem)
-    if (directory / "latest").is_file():  # DeepSpeed's own checkpoint: global_step{N}/, named by `latest`
-        from .deepspeed_files import native_weights  # imports deepspeed: only for DeepSpeed's own checkpoints
+    # DeepSpeed's own checkpoint: global_step{N}/, named by `latest`
+    if (directory / "latest").is_file():
+        # imports deepspeed: only for DeepSpeed's own checkpoints
+        from .deepspeed_files import native_weights
 
         return native_weights(directory, (directory / "latest").read_text().strip())
-    raise HfBackendError(f"{what}: {directory} holds no weights of {stem} (no {layout.METADATA}, {stem}.safetensors "
-                         "or DeepSpeed's `latest`); pass a checkpoint directory")
+    raise HfBackendError(f"{what}: {directory} holds no weights of {stem} (no {layout.METADATA}, "
+                         f"{stem}.safetensors or DeepSpeed's `latest`); pass a checkpoint "
+                         "directory")
 
 
 def _checkpoint_weights(index: CheckpointIndex, stem: str, what: str) -> dict[str, Any]:
@@ -57,18 +63,20 @@ def _checkpoint_weights(index: CheckpointIndex, stem: str, what: str) -> dict[st
 
 def _dcp_state(shards: Path, key: str, what: str) -> Any:
     state: dict[str, Any] = {}
-    with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": one process is what is meant
+    # "torch.distributed is ... uninitialized": one process is what is meant
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         dcp_load(state, shards, empty=True, what=what)
     if key not in state:
-        raise HfBackendError(f"{what}: {shards} holds no {key} state ({sorted(state)}); pass the checkpoint's "
-                             f"{key}_dcp directory's parent")
+        raise HfBackendError(f"{what}: {shards} holds no {key} state ({sorted(state)}); pass the "
+                             f"checkpoint's {key}_dcp directory's parent")
     return state[key]
 
 
 def _fresh(out: Path, what: str) -> Path:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise HfBackendError(f"{what}: {out} exists and is not an empty directory; pass a new directory")
+        raise HfBackendError(f"{what}: {out} exists and is not an empty directory; pass a new "
+                             "directory")
     staging = layout.staging_dir(out)
     if staging.exists():
         shutil.rmtree(staging)
@@ -85,23 +93,26 @@ def _publish(staging: Path, out: Path) -> None:
 def consolidate(directory: str | os.PathLike, out: str | os.PathLike, *, max_shard_size: int | str = "5GB",
                 config: str | os.PathLike | None = None, stem: str = "model",
                 base: str | os.PathLike | None = None) -> dict[str, Any]:
-    """Write the model's full weights as `out/model.safetensors` (or shards with an index), with config.json from
-    `config` (a file or a directory holding one) or the checkpoint's own; returns what was written. A checkpoint
-    that holds a PEFT adapter is merged into its base model (`base`, default the adapter's base_model_name_or_path)."""
+    """Write the model's full weights as `out/model.safetensors` (or shards with an index), with
+    config.json from `config` (a file or a directory holding one) or the checkpoint's own; returns
+    what was written. A checkpoint that holds a PEFT adapter is merged into its base model (`base`,
+    default the adapter's base_model_name_or_path)."""
     directory, out = Path(directory), Path(out)
     if not directory.is_dir():
-        raise HfBackendError(f"consolidate: {directory} is not a directory; pass a checkpoint directory")
+        raise HfBackendError(f"consolidate: {directory} is not a directory; pass a checkpoint "
+                             "directory")
     if layout.adapter_weights_file(directory) is not None:
         return _merge_adapter(directory, out, base, max_shard_size)
     if base is not None:
-        raise HfBackendError(f"consolidate: --base is for a checkpoint of a PEFT adapter, and {directory} holds no "
-                             f"{layout.ADAPTER_WEIGHTS[0]}; drop --base")
+        raise HfBackendError("consolidate: --base is for a checkpoint of a PEFT adapter, and "
+                             f"{directory} holds no {layout.ADAPTER_WEIGHTS[0]}; drop --base")
     source = _config_source(directory, config)
     weights = {k: v for k, v in model_weights(directory, stem).items() if isinstance(v, torch.Tensor)}
     staging = _fresh(out, "consolidate")
     try:
         write_weights(weights, staging, filename_stem=layout.PRETRAINED_STEM, max_shard_size=max_shard_size)
-        if source is not None:  # under the name from_pretrained reads, and the generation config beside it
+        # under the name from_pretrained reads, and the generation config beside it
+        if source is not None:
             shutil.copyfile(source, staging / "config.json")
             if (source.parent / "generation_config.json").is_file():
                 shutil.copyfile(source.parent / "generation_config.json", staging / "generation_config.json")
@@ -116,23 +127,25 @@ def consolidate(directory: str | os.PathLike, out: str | os.PathLike, *, max_sha
 
 def _merge_adapter(directory: Path, out: Path, base: str | os.PathLike | None,
                    max_shard_size: int | str) -> dict[str, Any]:
-    """The base model with the adapter's weights merged in (PEFT's merge_and_unload), in from_pretrained's layout."""
+    """The base model with the adapter's weights merged in (PEFT's merge_and_unload), in
+    from_pretrained's layout."""
     import transformers
     from peft import PeftConfig, PeftModel
 
     adapter = PeftConfig.from_pretrained(str(directory))
     base = base if base is not None else adapter.base_model_name_or_path
     if not base:
-        raise HfBackendError(f"consolidate: {directory} holds a PEFT adapter whose base model is not named in its "
-                             "adapter_config.json; pass --base with the base model's directory")
+        raise HfBackendError(f"consolidate: {directory} holds a PEFT adapter whose base model is "
+                             "not named in its adapter_config.json; pass --base with the base "
+                             "model's directory")
     try:
         model_config = transformers.AutoConfig.from_pretrained(str(base))
         model_class = getattr(transformers, (model_config.architectures or ["AutoModel"])[0])
         model = model_class.from_pretrained(str(base))
     except (OSError, ValueError, AttributeError) as err:
         reason = f"{type(err).__name__}: {str(err).splitlines()[0]}"
-        raise HfBackendError(f"consolidate: the base model {base} cannot be loaded ({reason}); pass --base with a "
-                             "directory from_pretrained reads") from None
+        raise HfBackendError(f"consolidate: the base model {base} cannot be loaded ({reason}); "
+                             "pass --base with a directory from_pretrained reads") from None
     merged = PeftModel.from_pretrained(model, str(directory)).merge_and_unload()
     staging = _fresh(out, "consolidate")
     try:
@@ -154,26 +167,29 @@ def _config_source(directory: Path, config: str | os.PathLike | None) -> Path | 
     path = Path(config)
     path = path / "config.json" if path.is_dir() else path
     if not path.is_file():
-        raise HfBackendError(f"consolidate: --config {config} is not a config.json (nor a directory holding one); "
-                             "pass the model's config.json")
+        raise HfBackendError(f"consolidate: --config {config} is not a config.json (nor a "
+                             "directory holding one); pass the model's config.json")
     try:
         json.loads(path.read_text())
     except ValueError:
-        raise HfBackendError(f"consolidate: {path} is not JSON; pass the model's config.json") from None
+        raise HfBackendError(f"consolidate: {path} is not JSON; pass the model's "
+                             "config.json") from None
     return path
 
 
 def convert(directory: str | os.PathLike, out: str | os.PathLike, to: str) -> dict[str, Any]:
-    """A copy of the `save_state` checkpoint `directory` at `out` with its models and optimizers in the form `to`
-    (`full` or `sharded`), every other file as it was, and a new manifest."""
+    """A copy of the `save_state` checkpoint `directory` at `out` with its models and optimizers in the
+    form `to` (`full` or `sharded`), every other file as it was, and a new manifest."""
     directory, out = Path(directory), Path(out)
     if to not in FORMS:
         raise HfBackendError(f"convert: --to {to!r} is not one of {', '.join(FORMS)}")
-    index = read_index(directory, caller="convert")  # verified: a damaged checkpoint is not converted
+    # verified: a damaged checkpoint is not converted
+    index = read_index(directory, caller="convert")
     meta = index.meta
     if index.written_by_trainer:
-        raise HfBackendError(f"convert: {directory} is a Trainer checkpoint, which resumes in either form as it is; "
-                             "convert takes save_state checkpoints (`consolidate` takes its weights)")
+        raise HfBackendError(f"convert: {directory} is a Trainer checkpoint, which resumes in "
+                             "either form as it is; convert takes save_state checkpoints "
+                             "(`consolidate` takes its weights)")
     staging = _fresh(out, "convert")
     converted: set[str] = set()
     try:

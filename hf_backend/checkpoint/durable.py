@@ -1,11 +1,12 @@
 """Bytes written once, hashed while they are written, and fsynced.
 
-The manifest (manifest.py) needs every file's checksum. Hashing after writing would read every byte back; here each
-buffer is hashed as it is written (XXH3 runs at memory speed, so inline). Full weights are written as safetensors
-straight from the tensors' memory (no serialized copy of the whole state dict, as `safetensors.torch.save` and
-huggingface_hub make); the optimizer's torch file goes through the same hashing file. Each file is fsynced when
-closed, and the checkpoint's directories after its renames (`fsync_tree`, `fsync_dir`): a completed save survives a
-power cut, not only a killed process.
+The manifest (manifest.py) needs every file's checksum. Hashing after writing would read every byte
+back; here each buffer is hashed as it is written (XXH3 runs at memory speed, so inline). Full
+weights are written as safetensors straight from the tensors' memory (no serialized copy of the
+whole state dict, as `safetensors.torch.save` and huggingface_hub make); the optimizer's torch file
+goes through the same hashing file. Each file is fsynced when closed, and the checkpoint's
+directories after its renames (`fsync_tree`, `fsync_dir`): a completed save survives a power cut,
+not only a killed process.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ _DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", tor
 
 
 class HashingFile:
-    """A binary file open for writing whose checksum is computed as it is written; `close()` fsyncs it."""
+    """A binary file open for writing whose checksum is computed as it is written; `close()` fsyncs it.
+    """
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -65,9 +67,11 @@ def torch_file(obj: Any, path: Path) -> Digests:
 
 
 def safetensors_file(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> Digests:
-    """`tensors` as one safetensors file (the format `safetensors.torch.load_file` reads), written from the tensors'
-    own memory. Tensors must be on the CPU and of a dtype safetensors knows (`writable`)."""
-    ordered = sorted(tensors.items(), key=lambda kv: (-kv[1].element_size(), kv[0]))  # as safetensors aligns them
+    """`tensors` as one safetensors file (the format `safetensors.torch.load_file` reads), written from
+    the tensors' own memory. Tensors must be on the CPU and of a dtype safetensors knows
+    (`writable`)."""
+    # as safetensors aligns them
+    ordered = sorted(tensors.items(), key=lambda kv: (-kv[1].element_size(), kv[0]))
     header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
     offset = 0
     for name, tensor in ordered:
@@ -94,8 +98,8 @@ def writable(tensors: dict[str, torch.Tensor]) -> bool:
 
 
 def without_aliases(tensors: dict[str, torch.Tensor], tied_keys: list[str] | None) -> dict[str, torch.Tensor]:
-    """One name per tensor that several names view (tied weights): the names in `tied_keys` are dropped first, as
-    huggingface_hub does; loading accepts a missing tied alias."""
+    """One name per tensor that several names view (tied weights): the names in `tied_keys` are dropped
+    first, as huggingface_hub does; loading accepts a missing tied alias."""
     tied = set(tied_keys or [])
     kept: dict[tuple, str] = {}
     for name in sorted(tensors, key=lambda n: (n in tied, n)):
@@ -112,7 +116,8 @@ def hash_tree(directory: Path) -> Digests:
 
 
 def fsync_tree(directory: Path) -> None:
-    """fsync every file and directory under `directory` (cheap for files already fsynced) and `directory` itself."""
+    """fsync every file and directory under `directory` (cheap for files already fsynced) and
+    `directory` itself."""
     for path in sorted(directory.rglob("*")):
         if path.is_file():
             with open(path, "rb") as f:
@@ -123,7 +128,8 @@ def fsync_tree(directory: Path) -> None:
 
 
 def fsync_dir(directory: Path) -> None:
-    """Make the entries of `directory` (a rename into it) durable; a no-op where directories cannot be opened."""
+    """Make the entries of `directory` (a rename into it) durable; a no-op where directories cannot be
+    opened."""
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:
@@ -131,6 +137,7 @@ def fsync_dir(directory: Path) -> None:
     try:
         os.fsync(fd)
     except OSError:
-        pass  # some filesystems refuse fsync on a directory; their renames are as durable as they get
+        # some filesystems refuse fsync on a directory; their renames are as durable as they get
+        pass
     finally:
         os.close(fd)

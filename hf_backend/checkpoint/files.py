@@ -1,6 +1,6 @@
-"""How bytes are written and read: safetensors weights (sharded with an index when large), torch files read with
-`weights_only=True` (safe_load.py: no code in a file runs, a refusal is one line), and the random generators'
-states."""
+"""How bytes are written and read: safetensors weights (sharded with an index when large), torch files
+read with `weights_only=True` (safe_load.py: no code in a file runs, a refusal is one line), and the
+random generators' states."""
 
 from __future__ import annotations
 
@@ -19,11 +19,12 @@ from ..errors import HfBackendError
 from .safe_load import torch_load
 
 
-# -- weights ---------------------------------------------------------------------------------------------------------
+# -- weights ---------------------------------------------------------------------------------------
 def write_weights(state_dict: dict[str, torch.Tensor], directory: str | os.PathLike, *, filename_stem: str = "model",
                   max_shard_size: int | str = "10GB", safe_serialization: bool = True,
                   tied_keys: list[str] | None = None) -> None:
-    """Write a full state dict as safetensors shards (with an index JSON when there is more than one shard)."""
+    """Write a full state dict as safetensors shards (with an index JSON when there is more than one
+    shard)."""
     ext = ".safetensors" if safe_serialization else ".bin"
     save_torch_state_dict(
         {k: _own_storage(v.detach().cpu()) for k, v in state_dict.items()}, directory,
@@ -33,14 +34,15 @@ def write_weights(state_dict: dict[str, torch.Tensor], directory: str | os.PathL
 
 
 def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
-    """A view into a larger buffer (DeepSpeed's ZeRO-3 gathered weights are) copied out: safetensors refuses to
-    write part of a storage, and would otherwise write the whole buffer."""
+    """A view into a larger buffer (DeepSpeed's ZeRO-3 gathered weights are) copied out: safetensors
+    refuses to write part of a storage, and would otherwise write the whole buffer."""
     whole = tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
     return tensor if whole else tensor.clone()
 
 
 def read_weights(directory: str | os.PathLike, filename_stem: str = "model") -> dict[str, torch.Tensor]:
-    """All tensors `write_weights` wrote: one file or the shards its index lists, safetensors or (unsafe) .bin."""
+    """All tensors `write_weights` wrote: one file or the shards its index lists, safetensors or
+    (unsafe) .bin."""
     directory = Path(directory)
     ext = ".safetensors" if any(directory.glob(f"{filename_stem}*.safetensors*")) else ".bin"
     index = directory / f"{filename_stem}{ext}.index.json"
@@ -50,7 +52,8 @@ def read_weights(directory: str | os.PathLike, filename_stem: str = "model") -> 
     for name in files:
         path = directory / name
         if not path.is_file():
-            raise HfBackendError(f"{path} is missing; the checkpoint is incomplete, use another one")
+            raise HfBackendError(f"{path} is missing; the checkpoint is incomplete, use another "
+                                 "one")
         state.update(load_safetensors(path) if ext == ".safetensors" else torch_load(path))
     return state
 
@@ -78,12 +81,13 @@ def _tied_names(model: torch.nn.Module) -> set[str]:
 
 
 def tied_weight_keys(model: torch.nn.Module) -> list[str]:
-    """The names transformers drops when saving tied weights (a list in v4, a mapping target -> source in v5)."""
+    """The names transformers drops when saving tied weights (a list in v4, a mapping target -> source
+    in v5)."""
     keys = getattr(model, "_tied_weights_keys", None) or []
     return list(keys.keys()) if isinstance(keys, dict) else list(keys)
 
 
-# -- other objects ---------------------------------------------------------------------------------------------------
+# -- other objects ---------------------------------------------------------------------------------
 def save_object(obj: Any, f: str | os.PathLike, safe_serialization: bool = False) -> None:
     """`torch.save`, or safetensors for a dict of tensors when `safe_serialization`."""
     if safe_serialization:
@@ -95,19 +99,19 @@ def save_object(obj: Any, f: str | os.PathLike, safe_serialization: bool = False
 
 
 def load_file(path: Path, mmap: bool = False) -> Any:
-    """A torch file of plain data (state dicts): no pickled code runs. `mmap`: its tensors map the file (see
-    safe_load.torch_load)."""
+    """A torch file of plain data (state dicts): no pickled code runs. `mmap`: its tensors map the file
+    (see safe_load.torch_load)."""
     return torch_load(path, mmap=mmap)
 
 
 def load_custom_object(path: Path) -> Any:
-    """A registered object's state, as plain data like every other file: a state holding other types (a class of
-    the user's, a numpy array) loads once the user allows them with `torch.serialization.add_safe_globals`, which
-    the refusal says."""
+    """A registered object's state, as plain data like every other file: a state holding other types (a
+    class of the user's, a numpy array) loads once the user allows them with
+    `torch.serialization.add_safe_globals`, which the refusal says."""
     return torch_load(path)
 
 
-# -- random generators ------------------------------------------------------------------------------------------------
+# -- random generators -----------------------------------------------------------------------------
 def capture_rng() -> dict[str, Any]:
     np_state = np.random.get_state()
     state = {

@@ -1,12 +1,14 @@
-"""`hf-backend checkpoint inspect`: what a checkpoint directory holds, who wrote it, and whether it verifies.
+"""`hf-backend checkpoint inspect`: what a checkpoint directory holds, who wrote it, and whether it
+verifies.
 
-Reads only metadata, JSON, safetensors headers, DCP metadata (through safe_load), and the small scheduler and data
-loader files (`weights_only`); never the weights themselves. The dtypes of the saved weights and optimizer state
-come from those headers and metadata, and from full torch files (`optimizer.bin`, transformers' `optimizer.pt`, `.bin`
-weights) loaded `weights_only` with their storages memory-mapped, so only the structure is read, not the values; they
-are read only from a checkpoint that verified. Works for `save_state` checkpoints and transformers' / hf_backend's
-Trainer checkpoints (`checkpoint-N/` with trainer_state.json, with or without the engine's part); one that does not
-verify (damaged, or of format 1) is described from what its files show.
+Reads only metadata, JSON, safetensors headers, DCP metadata (through safe_load), and the small
+scheduler and data loader files (`weights_only`); never the weights themselves. The dtypes of the
+saved weights and optimizer state come from those headers and metadata, and from full torch files
+(`optimizer.bin`, transformers' `optimizer.pt`, `.bin` weights) loaded `weights_only` with their
+storages memory-mapped, so only the structure is read, not the values; they are read only from a
+checkpoint that verified. Works for `save_state` checkpoints and transformers' / hf_backend's
+Trainer checkpoints (`checkpoint-N/` with trainer_state.json, with or without the engine's part);
+one that does not verify (damaged, or of format 1) is described from what its files show.
 """
 
 from __future__ import annotations
@@ -25,16 +27,17 @@ _KINDS = ("models", "optimizers", "schedulers", "dataloaders", "custom")
 
 
 def inspect_checkpoint(directory: str | os.PathLike) -> dict[str, Any]:
-    """A description of the checkpoint at `directory` (a JSON-able dict); `verified` and `problem` say whether every
-    file it lists is there, intact and readable without running code."""
+    """A description of the checkpoint at `directory` (a JSON-able dict); `verified` and `problem` say
+    whether every file it lists is there, intact and readable without running code."""
     directory = Path(directory)
     if not directory.is_dir():
         raise HfBackendError(f"{directory} is not a directory; pass a checkpoint directory")
     trainer_state = _json(directory / layout.TRAINER_STATE)
     engine = (directory / layout.METADATA).is_file()
     if not engine and trainer_state is None:
-        raise HfBackendError(f"{directory} is not a checkpoint (no {layout.METADATA} and no {layout.TRAINER_STATE}); "
-                             "pass a directory written by save_state or a Trainer's checkpoint-N")
+        raise HfBackendError(f"{directory} is not a checkpoint (no {layout.METADATA} and no "
+                             f"{layout.TRAINER_STATE}); pass a directory written by save_state or "
+                             "a Trainer's checkpoint-N")
     report: dict[str, Any] = {"path": str(directory), "kind": "trainer" if trainer_state is not None else "engine",
                               "files": _files(directory)}
     report["total_bytes"] = sum(size for size in report["files"].values())
@@ -104,8 +107,9 @@ def _progress(directory: Path, meta: dict[str, Any], trainer_state: Any) -> dict
 
 
 def _weights(directory: Path, meta: dict[str, Any], index: CheckpointIndex | None) -> dict[str, Any]:
-    """How each model is stored, with its tensor and parameter counts where the headers say them: as the index says,
-    or (a checkpoint that did not verify, or transformers.Trainer's) as its files show."""
+    """How each model is stored, with its tensor and parameter counts where the headers say them: as
+    the index says, or (a checkpoint that did not verify, or transformers.Trainer's) as its files
+    show."""
     found: dict[str, Any] = {}
     count = (meta.get("counts") or {}).get("models", 1)
     for i in range(count if isinstance(count, int) else 1):
@@ -143,15 +147,15 @@ def _numel(shape: Any) -> int:
     return n
 
 
-# -- dtypes of the saved weights and optimizer state ------------------------------------------------------------------
+# -- dtypes of the saved weights and optimizer state -----------------------------------------------
 _SAFETENSORS_DTYPES = {"F64": "fp64", "F32": "fp32", "F16": "fp16", "BF16": "bf16", "F8_E4M3": "fp8_e4m3",
                        "F8_E5M2": "fp8_e5m2", "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
                        "U8": "uint8", "BOOL": "bool"}
 
 
 def _dtypes(directory: Path, index: CheckpointIndex | None, report: dict[str, Any]) -> dict[str, Any]:
-    """Per model and optimizer: {dtype: {"tensors": n, "values": m}} (optimizers also list the state keys, e.g.
-    exp_avg, in each dtype), or {"not_read": why}."""
+    """Per model and optimizer: {dtype: {"tensors": n, "values": m}} (optimizers also list the state
+    keys, e.g. exp_avg, in each dtype), or {"not_read": why}."""
     found: dict[str, Any] = {}
     for stem, weights in report["weights"].items():
         form = weights["form"]
@@ -210,7 +214,8 @@ def _dtype_name(dtype: Any) -> str:
 
 
 def _dcp_dtypes(directory: Path, optimizer: bool) -> dict[str, Any]:
-    """From the DCP metadata alone. An optimizer's keys are flattened as `[optimizer.]state.<parameter>.<key>`."""
+    """From the DCP metadata alone. An optimizer's keys are flattened as
+    `[optimizer.]state.<parameter>.<key>`."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     table: dict[str, Any] = {}
@@ -225,8 +230,8 @@ def _dcp_dtypes(directory: Path, optimizer: bool) -> dict[str, Any]:
 
 
 def _torch_file_dtypes(paths: list[Path], optimizer: bool) -> dict[str, Any]:
-    """A torch file loaded `weights_only` with its storages memory-mapped: the structure is unpickled, the values
-    stay on disk."""
+    """A torch file loaded `weights_only` with its storages memory-mapped: the structure is unpickled,
+    the values stay on disk."""
     import torch
 
     table: dict[str, Any] = {}
@@ -245,8 +250,8 @@ def _torch_file_dtypes(paths: list[Path], optimizer: bool) -> dict[str, Any]:
 
 
 def _structure_problem(directory: Path, index: CheckpointIndex | None, report: dict[str, Any]) -> str | None:
-    """What the manifest does not check: the files its counts name are there, each DCP directory's metadata and
-    values read safely and name shard files that are there."""
+    """What the manifest does not check: the files its counts name are there, each DCP directory's
+    metadata and values read safely and name shard files that are there."""
     if index is None:  # transformers.Trainer's checkpoint: nothing of the engine's to check
         return None
     try:
@@ -255,7 +260,8 @@ def _structure_problem(directory: Path, index: CheckpointIndex | None, report: d
             torch_load(index.scheduler_file(i), "inspect")
         for i in range(counts.get("dataloaders", 0)):
             torch_load(directory / layout.dataloader_file(i), "inspect")
-        for i in range(counts.get("custom", 0)):  # not read: its state may hold types only the training script allows
+        # not read: its state may hold types only the training script allows
+        for i in range(counts.get("custom", 0)):
             if not (directory / layout.custom_file(i)).is_file():
                 return f"{directory / layout.custom_file(i)} is missing; the checkpoint is incomplete, use another one"
         for i in range(counts.get("optimizers", 0)):
@@ -293,7 +299,8 @@ def _describe_dtypes(table: dict[str, Any]) -> str:
     if not table:
         return "none (no tensors)"
     parts = []
-    for dtype, entry in sorted(table.items(), key=lambda item: -item[1]["values"]):  # the most values first
+    # the most values first
+    for dtype, entry in sorted(table.items(), key=lambda item: -item[1]["values"]):
         keys = f": {', '.join(entry['keys'])}" if entry.get("keys") else ""
         parts.append(f"{dtype} {entry['tensors']} tensors ({entry['values']:,} values{keys})")
     return ", ".join(parts)
@@ -315,7 +322,8 @@ def describe(report: dict[str, Any]) -> list[str]:
         extra = f", {weights['tensors']} tensors, {weights['parameters']:,} parameters" if "tensors" in weights else ""
         lines.append(f"{stem}: {weights['form']}{extra}")
     for stem, table in report.get("dtypes", {}).items():
-        lines.append(f"{stem} {'state ' if stem.startswith('optimizer') else ''}dtypes: {_describe_dtypes(table)}")
+        lines.append(f"{stem} {'state ' if stem.startswith('optimizer') else ''}dtypes: "
+                     f"{_describe_dtypes(table)}")
     lines.append(f"files: {len(report['files'])}, {_size(report['total_bytes'])}")
     lines += [f"  {name}  {_size(size)}" for name, size in report["files"].items()]
     if report.get("unlisted"):

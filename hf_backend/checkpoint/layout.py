@@ -9,16 +9,19 @@ A state checkpoint (`save_state`; object i > 0 of a kind gets an `_i` suffix):
     scheduler.bin  dataloader.bin  custom_checkpoint_0.pkl  scaler.pt
     rng_state_{rank}.pt          python, numpy, torch (and CUDA) generator states of each process
 
-The metadata also lists every file with its size and checksum (manifest.py), added once every process has written
-its part; index.py reads and verifies it before anything is loaded, and answers what the checkpoint holds.
+The metadata also lists every file with its size and checksum (manifest.py), added once every
+process has written its part; index.py reads and verifies it before anything is loaded, and answers
+what the checkpoint holds.
 
-Automatic checkpoints (`ProjectConfiguration(automatic_checkpoint_naming=True)`) are `project_dir/checkpoints/
-checkpoint_{n}`. A save is staged in `<dir>.incomplete`; an overwritten checkpoint waits in `<dir>.previous` until the
-new one is in place. transformers' Trainer checkpoints (`checkpoint-{step}/` with `trainer_state.json`,
-`optimizer.pt`, `scheduler.pt`) are named here too, for hf_backend.Trainer.
+Automatic checkpoints (`ProjectConfiguration(automatic_checkpoint_naming=True)`) are
+`project_dir/checkpoints/ checkpoint_{n}`. A save is staged in `<dir>.incomplete`; an overwritten
+checkpoint waits in `<dir>.previous` until the new one is in place. transformers' Trainer
+checkpoints (`checkpoint-{step}/` with `trainer_state.json`, `optimizer.pt`, `scheduler.pt`) are
+named here too, for hf_backend.Trainer.
 
-A Trainer checkpoint (hf_backend.Trainer, every strategy alike) is transformers' directory with the engine's state in
-it, full states under transformers' names so that transformers.Trainer resumes it too:
+A Trainer checkpoint (hf_backend.Trainer, every strategy alike) is transformers' directory with the
+engine's state in it, full states under transformers' names so that transformers.Trainer resumes it
+too:
 
     checkpoint-{step}/           trainer_state.json, rng_state*.pth, scaler.pt, training_args.bin, config, tokenizer
     model.safetensors | model_dcp/ | adapter_model.safetensors (+ adapter_config.json: a PEFT model's trainable part)
@@ -33,7 +36,8 @@ import re
 from pathlib import Path
 
 METADATA = "hf_backend_checkpoint.json"
-FORMAT_VERSION = 3  # 1: before 2026-11-27 (unsealed checkpoints, DeepSpeed's own files), refused by index.py
+# 1: before 2026-11-27 (unsealed checkpoints, DeepSpeed's own files), refused by index.py
+FORMAT_VERSION = 3
 READABLE_FORMATS = (2, 3)  # 2: whole-file checksums in the manifest; 3: piecewise (manifest.py)
 SCALER = "scaler.pt"
 STAGING_SUFFIX = ".incomplete"
@@ -41,19 +45,23 @@ PREVIOUS_SUFFIX = ".previous"
 PRETRAINED_STEM = "model"  # the weights `save_model` writes, in the layout `from_pretrained` reads
 RAY_MODEL_DIR = "model"  # where ray_train.report puts `save_model`'s output in a Ray checkpoint
 
-# transformers' Trainer checkpoint (the names transformers.trainer uses; the engine does not import transformers)
+# transformers' Trainer checkpoint (the names transformers.trainer uses; the engine does not import
+# transformers)
 TRAINER_STATE = "trainer_state.json"
 TRAINER_OPTIMIZER = "optimizer.pt"
 TRAINER_SCHEDULER = "scheduler.pt"
 TRAINER_ARGUMENTS = "training_args.bin"
 TRAINER_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
-TRAINER_DEEPSPEED_GLOB = "global_step*"  # DeepSpeed's engine checkpoint in transformers.Trainer's (not read)
-# A model's full weights as transformers' save_pretrained writes them: one file, or shards named by an index JSON
+# DeepSpeed's engine checkpoint in transformers.Trainer's (not read)
+TRAINER_DEEPSPEED_GLOB = "global_step*"
+# A model's full weights as transformers' save_pretrained writes them: one file, or shards named by
+# an index JSON
 PRETRAINED_WEIGHTS = re.compile(r"^(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?$")
 PRETRAINED_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 PRETRAINED_SINGLE = ("model.safetensors", "pytorch_model.bin")
-# A PEFT model's weights in a Trainer checkpoint and in `save_model`'s output, under every strategy: its adapter, as
-# PEFT's `save_pretrained` writes it (the frozen base is neither gathered nor written)
+# A PEFT model's weights in a Trainer checkpoint and in `save_model`'s output, under every strategy:
+# its adapter, as PEFT's `save_pretrained` writes it (the frozen base is neither gathered nor
+# written)
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 
 _AUTOMATIC = re.compile(r"^checkpoint_(\d+)$")
@@ -74,8 +82,9 @@ def optimizer_stem(index: int) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class FullStateFiles:
-    """How full (gathered) optimizer and scheduler states are named: `save_state` writes Accelerate's `optimizer.bin` /
-    `scheduler.bin`, a Trainer checkpoint transformers' `optimizer.pt` / `scheduler.pt`."""
+    """How full (gathered) optimizer and scheduler states are named: `save_state` writes Accelerate's
+    `optimizer.bin` / `scheduler.bin`, a Trainer checkpoint transformers' `optimizer.pt` /
+    `scheduler.pt`."""
 
     ext: str
 
@@ -135,7 +144,8 @@ def previous_dir(target: Path) -> Path:
 
 
 def holds_engine_state(directory: str | Path) -> bool:
-    """A directory hf_backend wrote its state into (a `save_state` checkpoint, or the engine's part of a Trainer's)."""
+    """A directory hf_backend wrote its state into (a `save_state` checkpoint, or the engine's part of
+    a Trainer's)."""
     return (Path(directory) / METADATA).is_file()
 
 
@@ -145,5 +155,6 @@ def adapter_weights_file(directory: str | Path) -> Path | None:
 
 
 def holds_trainer_optimizer(directory: str | Path) -> bool:
-    """transformers' own optimizer and scheduler files (either Trainer writes them outside FSDP and DeepSpeed)."""
+    """transformers' own optimizer and scheduler files (either Trainer writes them outside FSDP and
+    DeepSpeed)."""
     return (Path(directory) / TRAINER_OPTIMIZER).is_file() and (Path(directory) / TRAINER_SCHEDULER).is_file()

@@ -1,12 +1,13 @@
 """DCP shards read where they lie in the page cache, straight into the tensors that hold them.
 
-torch's `FileSystemReader` `torch.load`s every stored tensor (each one a small `torch.save` zip inside a `.distcp`
-file) into fresh memory, then copies the part a rank needs into its shard: two copies, and most of a sharded
-`load_state` (docs/benchmarks.md). `MappedReader` maps each file once and reads each stored tensor's zip itself: its
-`data.pkl` through an unpickler that builds nothing but the tensor's layout (dtype, size, stride, offset: no code
-can run), its storage as a view of the mapping; the part the rank needs is then copied once into the live tensor.
-A stored item in any other form (a DCP extension's transform, a storage type this unpickler does not know, a big-
-endian file) is read as torch reads it. The files are those torch writes: nothing changes on disk.
+torch's `FileSystemReader` `torch.load`s every stored tensor (each one a small `torch.save` zip
+inside a `.distcp` file) into fresh memory, then copies the part a rank needs into its shard: two
+copies, and most of a sharded `load_state` (docs/benchmarks.md). `MappedReader` maps each file once
+and reads each stored tensor's zip itself: its `data.pkl` through an unpickler that builds nothing
+but the tensor's layout (dtype, size, stride, offset: no code can run), its storage as a view of the
+mapping; the part the rank needs is then copied once into the live tensor. A stored item in any
+other form (a DCP extension's transform, a storage type this unpickler does not know, a big- endian
+file) is read as torch reads it. The files are those torch writes: nothing changes on disk.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from torch.futures import Future
 
 
 class _Layout(pickle.Unpickler):
-    """A `torch.save`d tensor's `data.pkl`, down to (storage key, dtype, storage offset, size, stride)."""
+    """A `torch.save`d tensor's `data.pkl`, down to (storage key, dtype, storage offset, size, stride).
+    """
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
@@ -37,7 +39,8 @@ class _Layout(pickle.Unpickler):
             return dict  # backward hooks / metadata: always empty for a tensor DCP stores
         if module != "torch" or name not in _STORAGE_DTYPES:
             raise _NotPlain(f"{module}.{name}")
-        return _STORAGE_DTYPES[name]  # stands for its storage class: the dtype is all that is used of it
+        # stands for its storage class: the dtype is all that is used of it
+        return _STORAGE_DTYPES[name]
 
     def persistent_load(self, pid: Any) -> Any:
         kind, dtype, key, _location, _numel = pid
@@ -46,7 +49,8 @@ class _Layout(pickle.Unpickler):
         return key, dtype
 
 
-# torch.save names a storage's dtype by its legacy storage class (read by name: touching the classes warns)
+# torch.save names a storage's dtype by its legacy storage class (read by name: touching the classes
+# warns)
 _STORAGE_DTYPES = {"DoubleStorage": torch.float64, "FloatStorage": torch.float32, "HalfStorage": torch.float16,
                    "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
                    "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8,
@@ -58,7 +62,8 @@ class _NotPlain(Exception):
 
 
 class _Window(io.RawIOBase):
-    """A seekable, read-only file over a memoryview (what zipfile needs, without copying the bytes)."""
+    """A seekable, read-only file over a memoryview (what zipfile needs, without copying the bytes).
+    """
 
     def __init__(self, view: memoryview) -> None:
         self.view, self.position = view, 0
@@ -85,8 +90,8 @@ class _Window(io.RawIOBase):
 
 
 def stored_tensor(mapping: mmap.mmap, view: memoryview, start: int, length: int) -> torch.Tensor:
-    """The tensor `torch.save` wrote at `mapping[start:start + length]` (`view`: a memoryview of it), as a view of
-    the mapping; `_NotPlain` if it is not a plain little-endian tensor record."""
+    """The tensor `torch.save` wrote at `mapping[start:start + length]` (`view`: a memoryview of it),
+    as a view of the mapping; `_NotPlain` if it is not a plain little-endian tensor record."""
     window = view[start:start + length]
     try:
         with zipfile.ZipFile(_Window(window)) as archive:
@@ -108,19 +113,22 @@ def stored_tensor(mapping: mmap.mmap, view: memoryview, start: int, length: int)
         window.release()
     if data + record.file_size > length:
         raise _NotPlain("a record past the item's end")
-    itemsize = torch.empty(0, dtype=dtype).element_size()  # the records start 64-byte aligned in the zip, which
+    # the records start 64-byte aligned in the zip, which
+    itemsize = torch.empty(0, dtype=dtype).element_size()
     try:  # DCP packs at any offset: frombuffer takes it unaligned
         storage = torch.frombuffer(mapping, dtype=dtype, count=record.file_size // itemsize, offset=start + data) \
             if record.file_size >= itemsize else torch.empty(0, dtype=dtype)
         return storage.as_strided(size, stride, offset)
-    except (RuntimeError, ValueError) as err:  # a layout the bytes cannot hold: torch's own reading reports it
+    # a layout the bytes cannot hold: torch's own reading reports it
+    except (RuntimeError, ValueError) as err:
         raise _NotPlain(str(err)) from None
 
 
 @contextmanager
 def _mapped(path: Path) -> Iterator[tuple[mmap.mmap, memoryview]]:
     with open(path, "rb") as f:
-        # copy-on-write (never written): a writable mapping makes torch views of it without a read-only warning
+        # copy-on-write (never written): a writable mapping makes torch views of it without a
+        # read-only warning
         mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     view = memoryview(mapping)
     try:
@@ -129,13 +137,14 @@ def _mapped(path: Path) -> Iterator[tuple[mmap.mmap, memoryview]]:
         view.release()
         try:
             mapping.close()
-        except BufferError:  # a view still held by an exception on its way out: unmapped when that goes
+        # a view still held by an exception on its way out: unmapped when that goes
+        except BufferError:
             pass
 
 
 class MappedReader(FileSystemReader):
-    """torch's `FileSystemReader`, each stored tensor read from the mapped file into the live tensor (module
-    docstring)."""
+    """torch's `FileSystemReader`, each stored tensor read from the mapped file into the live tensor
+    (module docstring)."""
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         per_file: dict[str, list[Any]] = {}
@@ -157,8 +166,9 @@ class MappedReader(FileSystemReader):
                     target = planner.resolve_tensor(item).detach()
                     part = narrow_tensor_by_index(stored, item.storage_offsets, item.lengths)
                     if target.size() != part.size():
-                        raise ValueError(f"{relative_path}: {item.storage_index.fqn} has size {tuple(part.size())} "
-                                         f"where {tuple(target.size())} was expected")
+                        raise ValueError(f"{relative_path}: {item.storage_index.fqn} has size "
+                                         f"{tuple(part.size())} where {tuple(target.size())} was "
+                                         "expected")
                     target.copy_(part)
                     planner.commit_tensor(item, target)
                     del stored, part

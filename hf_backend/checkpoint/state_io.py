@@ -1,10 +1,11 @@
 """`CheckpointIO`: an Accelerator's training state to files and back.
 
-The strategy says *what* a model's or optimizer's state is (a full state dict gathered to the main process, or each
-process's shards, through torch's distributed state-dict API; DeepSpeed: gathered from its ZeRO partitions); this
-module decides *where and how* it is written: full weights as safetensors by the main process, shards as one DCP
-directory that every process writes into. Either form loads under any strategy and world size, so a checkpoint
-resumes anywhere. What a checkpoint holds is read once, from its verified metadata (index.py).
+The strategy says *what* a model's or optimizer's state is (a full state dict gathered to the main
+process, or each process's shards, through torch's distributed state-dict API; DeepSpeed: gathered
+from its ZeRO partitions); this module decides *where and how* it is written: full weights as
+safetensors by the main process, shards as one DCP directory that every process writes into. Either
+form loads under any strategy and world size, so a checkpoint resumes anywhere. What a checkpoint
+holds is read once, from its verified metadata (index.py).
 """
 
 from __future__ import annotations
@@ -38,13 +39,15 @@ from .files import (
 from .index import CheckpointIndex, read_index
 from .safe_load import check_dcp, dcp_load
 
-if TYPE_CHECKING:  # strategies are not imported at run time: checkpoint/ loads without FSDP and DeepSpeed
+# strategies are not imported at run time: checkpoint/ loads without FSDP and DeepSpeed
+if TYPE_CHECKING:
     from ..strategies.base import Strategy
 
 
 class CheckpointIO:
-    """Every read and write of training state; built by the Accelerator, used by it, hf_backend.Trainer and
-    hf_backend.ray_train (`accelerator.checkpoint_io`). Every method is called on every process."""
+    """Every read and write of training state; built by the Accelerator, used by it, hf_backend.Trainer
+    and hf_backend.ray_train (`accelerator.checkpoint_io`). Every method is called on every process.
+    """
 
     def __init__(self, process: ProcessState, strategy: Strategy, precision: Precision, prepared: PreparedObjects,
                  progress: Callable[[], dict[str, Any]]) -> None:
@@ -62,24 +65,25 @@ class CheckpointIO:
         """Whether model and optimizer states are written as each process's shards."""
         return self.strategy.sharded_checkpoints
 
-    # -- whole checkpoints ---------------------------------------------------------------------------------------------
+    # -- whole checkpoints -------------------------------------------------------------------------
     def save(self, target: str | os.PathLike, objects: PreparedObjects | None = None, project: Any = None, *,
              automatic: bool = False, safe_serialization: bool = True, on_each_node: bool | None = None,
              async_save: bool | None = None) -> Path:
-        """`write` into a new directory `target`, staged so that it appears complete or not at all, and durable
-        (fsynced) once it does. `project`: the ProjectConfiguration whose `save_on_each_node` and `async_save` apply
-        where these arguments are None; `automatic`: `target` is its next automatic checkpoint, whose iteration
-        counts on now and whose rotation runs once it is in place. `on_each_node` is only meaningful on one node.
-        `async_save`: return once the state is in host memory; the files are written in the background and the
-        checkpoint appears at the next `wait()` (async_save.py)."""
+        """`write` into a new directory `target`, staged so that it appears complete or not at all, and
+        durable (fsynced) once it does. `project`: the ProjectConfiguration whose
+        `save_on_each_node` and `async_save` apply where these arguments are None; `automatic`:
+        `target` is its next automatic checkpoint, whose iteration counts on now and whose rotation
+        runs once it is in place. `on_each_node` is only meaningful on one node.
+        `async_save`: return once the state is in host memory; the files are written in the
+        background and the checkpoint appears at the next `wait()` (async_save.py)."""
         self.wait()
         on_each_node = bool(getattr(project, "save_on_each_node", False) if on_each_node is None else on_each_node)
         async_save = bool(getattr(project, "async_save", False) if async_save is None else async_save)
         self.check_on_each_node(on_each_node, "save_state")
         target = Path(target)
         if target.exists() and not target.is_dir():
-            raise HfBackendError(f"save_state: {target} is a file, not a checkpoint directory; pass a directory (the "
-                                 "file is left as it is)")
+            raise HfBackendError(f"save_state: {target} is a file, not a checkpoint directory; "
+                                 "pass a directory (the file is left as it is)")
         writes = async_save_.Writes(async_save, self.save_group() if async_save and self.sharded else None)
         staging = stage(target, self.process)
         self.write(staging.path, objects, safe_serialization=safe_serialization, writes=writes)
@@ -91,13 +95,14 @@ class CheckpointIO:
         return pending.finish()
 
     def wait(self) -> Path | None:
-        """Finish an async save still under way (every process): its checkpoint is in place when this returns, or
-        its failure raises here. Returns its directory, or None when none was pending."""
+        """Finish an async save still under way (every process): its checkpoint is in place when this
+        returns, or its failure raises here. Returns its directory, or None when none was pending.
+        """
         return self.saves.wait()
 
     def save_group(self) -> Any:
-        """The gloo group the background writer's `dcp.save` coordinates on, apart from training's (async_save.py);
-        made once, by every process."""
+        """The gloo group the background writer's `dcp.save` coordinates on, apart from training's
+        (async_save.py); made once, by every process."""
         if self._save_group is None and self.process.distributed:
             self._save_group = torch.distributed.new_group(backend="gloo")
         return self._save_group
@@ -105,13 +110,15 @@ class CheckpointIO:
     def write(self, directory: str | os.PathLike, objects: PreparedObjects | None = None, *, rng: bool = True,
               scaler: bool = True, extra: dict[str, Any] | None = None, safe_serialization: bool = True,
               on_each_node: bool = False, writes: async_save_.Writes | None = None) -> None:
-        """Write `objects` (default: everything prepared and registered) into the existing `directory`, unstaged;
-        `rng` / `scaler`: also this process's random states / the fp16 loss scaler (hf_backend.Trainer leaves both to
-        transformers); `extra` replaces the facade's counters in the metadata. `on_each_node`: the files the main
-        process writes are written by each node's local main process (nodes without a shared filesystem); models
-        and optimizers cannot be, their states are gathered to (or coordinated by) global rank 0. `writes`: where
-        model and optimizer states go (default: written now). The names of full optimizer and scheduler files follow
-        from the metadata's `written_by` (a Trainer checkpoint's are transformers': layout.state_files)."""
+        """Write `objects` (default: everything prepared and registered) into the existing `directory`,
+        unstaged; `rng` / `scaler`: also this process's random states / the fp16 loss scaler
+        (hf_backend.Trainer leaves both to transformers); `extra` replaces the facade's counters in
+        the metadata. `on_each_node`: the files the main process writes are written by each node's
+        local main process (nodes without a shared filesystem); models and optimizers cannot be,
+        their states are gathered to (or coordinated by) global rank 0. `writes`: where model and
+        optimizer states go (default: written now). The names of full optimizer and scheduler files
+        follow from the metadata's `written_by` (a Trainer checkpoint's are transformers':
+        layout.state_files)."""
         directory, objects = Path(directory), objects if objects is not None else self.prepared
         files = layout.state_files(extra or {})
         writes = writes if writes is not None else async_save_.Writes()
@@ -142,25 +149,27 @@ class CheckpointIO:
 
     def read(self, source: str | os.PathLike | CheckpointIndex, objects: PreparedObjects | None = None, *,
              rng: bool = True, scaler: bool = True, models_taken_by_hooks: bool = False) -> CheckpointIndex:
-        """Restore `objects` (default: everything prepared and registered) from the checkpoint `source` (a directory,
-        verified here, or the index of one already verified); returns its index. `models_taken_by_hooks`: load-state
-        hooks load some models themselves, so fewer models than the checkpoint holds are read (in order, as
-        Accelerate does)."""
+        """Restore `objects` (default: everything prepared and registered) from the checkpoint `source`
+        (a directory, verified here, or the index of one already verified); returns its index.
+        `models_taken_by_hooks`: load-state hooks load some models themselves, so fewer models than
+        the checkpoint holds are read (in order, as Accelerate does)."""
         index = source if isinstance(source, CheckpointIndex) else read_index(source)
         objects = objects if objects is not None else self.prepared
         for kind, saved in index.counts.items():
             have = len(getattr(objects, kind))
             if saved != have and not (kind == "models" and models_taken_by_hooks and have < saved):
                 raise HfBackendError(
-                    f"load_state: {index.directory} holds {saved} {kind} but {have} are prepared/registered; prepare "
-                    "and register the same objects, in the same order, as the run that saved it")
+                    f"load_state: {index.directory} holds {saved} {kind} but {have} are "
+                    "prepared/registered; prepare and register the same objects, in the same "
+                    "order, as the run that saved it")
         states = self._read_files(index, objects, rng, scaler)
         for i, model in enumerate(objects.models):
             self.load_weights(model, index, layout.model_stem(i))
         maps = [self.load_optimizer(optimizer, index, layout.optimizer_stem(i), states["optimizers"][i])
                 for i, optimizer in enumerate(objects.optimizers)]
         for i, (scheduler, state) in enumerate(zip(objects.schedulers, states["schedulers"])):
-            mapping = maps[i] if len(maps) == len(objects.schedulers) else None  # scheduler i steps optimizer i
+            # scheduler i steps optimizer i
+            mapping = maps[i] if len(maps) == len(objects.schedulers) else None
             scheduler.load_state_dict(state if mapping is None else
                                       param_groups.fit_scheduler_state(state, mapping, scheduler.state_dict()))
         for loader, state in zip(objects.dataloaders, states["dataloaders"]):
@@ -176,8 +185,9 @@ class CheckpointIO:
 
     def _read_files(self, index: CheckpointIndex, objects: PreparedObjects, rng: bool,
                     scaler: bool) -> dict[str, Any]:
-        """Every file `read` loads from, read (and refused when it holds more than plain data) before any state
-        changes; DCP directories are checked (metadata and non-tensor values) and read later, into the model."""
+        """Every file `read` loads from, read (and refused when it holds more than plain data) before
+        any state changes; DCP directories are checked (metadata and non-tensor values) and read
+        later, into the model."""
         directory = index.directory
         files: dict[str, Any] = {
             "schedulers": [load_file(index.scheduler_file(i)) for i in range(len(objects.schedulers))],
@@ -185,7 +195,8 @@ class CheckpointIO:
             "custom": [load_custom_object(directory / layout.custom_file(i)) for i in range(len(objects.custom))],
             "scaler": load_file(directory / layout.SCALER)
             if scaler and self.precision.scaler is not None and index.meta.get("scaler") else None,
-            "optimizers": [None] * len(objects.optimizers),  # None: shards, read into the optimizer later
+            # None: shards, read into the optimizer later
+            "optimizers": [None] * len(objects.optimizers),
         }
         rng_file = directory / layout.rng_file(self.process.process_index)
         files["rng"] = load_file(rng_file) if rng and rng_file.is_file() else None
@@ -197,13 +208,15 @@ class CheckpointIO:
             if index.sharded(stem):
                 check_dcp(index.shards(stem))
             else:
-                files["optimizers"][i] = load_file(index.optimizer_file(stem), mmap=True)  # copied in later
+                # copied in later
+                files["optimizers"][i] = load_file(index.optimizer_file(stem), mmap=True)
         return files
 
-    # -- one model or optimizer ----------------------------------------------------------------------------------------
+    # -- one model or optimizer --------------------------------------------------------------------
     def save_weights(self, model: torch.nn.Module, directory: str | os.PathLike, stem: str = "model",
                      safe_serialization: bool = True, writes: async_save_.Writes | None = None) -> None:
-        """The model's weights as a checkpoint holds them: each process's shards when `sharded`, else full files."""
+        """The model's weights as a checkpoint holds them: each process's shards when `sharded`, else
+        full files."""
         directory, writes = Path(directory), writes if writes is not None else async_save_.Writes()
         if self.sharded:
             writes.shards({"model": self.strategy.model_state_dict(model, sharded=True)},
@@ -217,8 +230,8 @@ class CheckpointIO:
 
     def load_weights(self, model: torch.nn.Module, source: str | os.PathLike | CheckpointIndex,
                      stem: str = "model") -> None:
-        """Weights into the prepared model: from a checkpoint (its index says which form), or from a directory of full
-        weights (transformers' Trainer checkpoint, `save_model`'s output)."""
+        """Weights into the prepared model: from a checkpoint (its index says which form), or from a
+        directory of full weights (transformers' Trainer checkpoint, `save_model`'s output)."""
         if isinstance(source, CheckpointIndex) and source.sharded(stem):
             state_dict = {"model": self.strategy.model_state_dict(model, sharded=True)}
             dcp_load(state_dict, source.shards(stem))
@@ -229,29 +242,33 @@ class CheckpointIO:
         check_loaded(self.strategy.unwrap_model(model), result, directory)
 
     def trainable_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """The full weights of the trainable parameters only (a PEFT adapter's), as a checkpoint holds them (DeepSpeed:
-        the fp32 masters): the frozen base is not gathered. Collective; the main process gets the tensors."""
+        """The full weights of the trainable parameters only (a PEFT adapter's), as a checkpoint holds
+        them (DeepSpeed: the fp32 masters): the frozen base is not gathered. Collective; the main
+        process gets the tensors."""
         return self.strategy.model_state_dict(model, trainable_only=True, masters=True)
 
     def load_adapter(self, model: torch.nn.Module, directory: str | os.PathLike) -> None:
-        """The adapter weights PEFT wrote into `directory` (a checkpoint of a PEFT model, under any strategy) into
-        the prepared PEFT model; the frozen base keeps the weights it was built with."""
+        """The adapter weights PEFT wrote into `directory` (a checkpoint of a PEFT model, under any
+        strategy) into the prepared PEFT model; the frozen base keeps the weights it was built with.
+        """
         path = layout.adapter_weights_file(directory)
         if path is None:
-            raise HfBackendError(f"{directory} holds no {layout.ADAPTER_WEIGHTS[0]}; resume a PEFT model from a "
-                                 "checkpoint written with its adapter")
+            raise HfBackendError(f"{directory} holds no {layout.ADAPTER_WEIGHTS[0]}; resume a PEFT "
+                                 "model from a checkpoint written with its adapter")
         unwrapped = self.strategy.unwrap_model(model)
         state_dict = adapters.to_model_names(unwrapped, read_weights(path.parent, path.name.split(".")[0]), path)
         result = self.strategy.load_model_state_dict(model, state_dict)
         if result.unexpected_keys:
-            raise HfBackendError(f"{path} does not fit the model: unexpected {list(result.unexpected_keys)[:5]}; "
-                                 "resume with the model it was saved from")
+            raise HfBackendError(f"{path} does not fit the model: unexpected "
+                                 f"{list(result.unexpected_keys)[:5]}; resume with the model it "
+                                 "was saved from")
 
     def save_optimizer(self, optimizer: Any, directory: str | os.PathLike, stem: str = "optimizer",
                        writes: async_save_.Writes | None = None,
                        files: layout.FullStateFiles = layout.STATE_FILES) -> None:
-        """Each process's shards into `<stem>_dcp/` when `sharded`, else the full state keyed by parameter names (in
-        the order of the param groups, which torch's `Optimizer.load_state_dict` also reads) in one file."""
+        """Each process's shards into `<stem>_dcp/` when `sharded`, else the full state keyed by
+        parameter names (in the order of the param groups, which torch's `Optimizer.load_state_dict`
+        also reads) in one file."""
         inner, model = self._optimizer_and_model(optimizer)
         directory, writes = Path(directory), writes if writes is not None else async_save_.Writes()
         if self.sharded:
@@ -265,8 +282,9 @@ class CheckpointIO:
 
     def load_optimizer(self, optimizer: Any, index: CheckpointIndex, stem: str = "optimizer",
                        state: dict[str, Any] | None = None) -> param_groups.GroupMap | None:
-        """Read the shards `<stem>_dcp/` or the full file (`state`: its contents, already read). Returns how the saved
-        param groups were fitted to this optimizer's (param_groups.py), if they were."""
+        """Read the shards `<stem>_dcp/` or the full file (`state`: its contents, already read).
+        Returns how the saved param groups were fitted to this optimizer's (param_groups.py), if
+        they were."""
         if not index.sharded(stem):
             return self._load_full_optimizer(optimizer, index.optimizer_file(stem), state)
         inner, model = self._optimizer_and_model(optimizer)
@@ -290,14 +308,18 @@ class CheckpointIO:
         return mapping
 
     def read_trainer_optimizer(self, optimizer: Any, scheduler: Any, directory: str | os.PathLike) -> None:
-        """transformers' `optimizer.pt` (keyed by position) and `scheduler.pt` into a prepared optimizer and
-        scheduler: how a checkpoint of transformers.Trainer (without DeepSpeed) resumes on the engine."""
-        self._load_full_optimizer(optimizer, Path(directory) / layout.TRAINER_OPTIMIZER)  # positional: same groups
+        """transformers' `optimizer.pt` (keyed by position) and `scheduler.pt` into a prepared
+        optimizer and
+        scheduler: how a checkpoint of transformers.Trainer (without DeepSpeed) resumes on the
+        engine."""
+        # positional: same groups
+        self._load_full_optimizer(optimizer, Path(directory) / layout.TRAINER_OPTIMIZER)
         scheduler.load_state_dict(load_file(Path(directory) / layout.TRAINER_SCHEDULER))
 
     def save_pretrained(self, model: torch.nn.Module, directory: str | os.PathLike, max_shard_size: int | str,
                         safe_serialization: bool) -> None:
-        """Full weights in the layout `from_pretrained` reads, with the model's config.json when it has one."""
+        """Full weights in the layout `from_pretrained` reads, with the model's config.json when it has
+        one."""
         state_dict = self.strategy.model_state_dict(model)
         if not self.process.is_main_process:
             return
@@ -313,28 +335,34 @@ class CheckpointIO:
             config.save_pretrained(directory)
 
     def check_on_each_node(self, on_each_node: bool, what: str) -> None:
-        """Refuse node-local checkpoints where they cannot work: a job of several nodes, for `what`."""
+        """Refuse node-local checkpoints where they cannot work: a job of several nodes, for `what`.
+        """
         if on_each_node and self.process.num_processes > self.process.local_num_processes:
-            raise HfBackendError(f"{what} across {self.process.num_processes // self.process.local_num_processes} "
-                                 "nodes: checkpoints need a filesystem every node shares; put the output directory "
-                                 "there and set save_on_each_node=False")
+            raise HfBackendError(f"{what} across "
+                                 f"{self.process.num_processes // self.process.local_num_processes} "
+                                 "nodes: checkpoints need a filesystem every node shares; put the "
+                                 "output directory there and set save_on_each_node=False")
 
     def _optimizer_and_model(self, optimizer: Any) -> tuple[torch.optim.Optimizer, torch.nn.Module]:
-        """The torch optimizer inside a prepared one, and the prepared model whose parameters it updates."""
+        """The torch optimizer inside a prepared one, and the prepared model whose parameters it
+        updates."""
         inner = getattr(optimizer, "optimizer", optimizer)
-        if isinstance(inner, EngineStepped):  # the engine's optimizer steps partitions: the engine says whose
+        # the engine's optimizer steps partitions: the engine says whose
+        if isinstance(inner, EngineStepped):
             return inner, inner.model
         ids = {id(p) for group in inner.param_groups for p in group["params"]}
         for model in self.prepared.models:
             if any(id(p) in ids for p in model.parameters()):
                 return inner, getattr(model, "_orig_mod", model)  # inside a torch.compile wrapper
-        raise HfBackendError("an optimizer's parameters belong to no prepared model; prepare the model with it")
+        raise HfBackendError("an optimizer's parameters belong to no prepared model; prepare the "
+                             "model with it")
 
 
 def full_weights(state_dict: dict[str, torch.Tensor], directory: Path, stem: str, safe_serialization: bool,
                  tied: list[str]) -> durable.Digests:
-    """Full weights of a checkpoint: one safetensors file written from the tensors' memory and hashed while written
-    (durable.py); huggingface_hub's writer for `.bin` files, dtypes safetensors lacks, or more than 10 GB."""
+    """Full weights of a checkpoint: one safetensors file written from the tensors' memory and hashed
+    while written (durable.py); huggingface_hub's writer for `.bin` files, dtypes safetensors lacks,
+    or more than 10 GB."""
     tensors = durable.without_aliases({k: v.detach().cpu() for k, v in state_dict.items()}, tied)
     if safe_serialization and durable.writable(tensors) and \
             sum(t.numel() * t.element_size() for t in tensors.values()) <= 10 * 10**9:
@@ -345,15 +373,16 @@ def full_weights(state_dict: dict[str, torch.Tensor], directory: Path, stem: str
 
 def keyed_by_name(state_dict: dict[str, Any], optimizer: torch.optim.Optimizer, model: torch.nn.Module,
                   path: Path) -> dict[str, Any]:
-    """A full optimizer state keyed by parameter names. torch's `optimizer.state_dict()` numbers the parameters in
-    the order of its param groups; the same groups of this optimizer say which parameter each number is."""
+    """A full optimizer state keyed by parameter names. torch's `optimizer.state_dict()` numbers the
+    parameters in the order of its param groups; the same groups of this optimizer say which
+    parameter each number is."""
     saved = state_dict.get("param_groups", [])
     if not any(isinstance(p, int) for group in saved for p in group["params"]):
         return state_dict  # already by name
     shapes, mine = [len(g["params"]) for g in saved], [len(g["params"]) for g in optimizer.param_groups]
     if shapes != mine:
-        raise HfBackendError(f"{path}: its optimizer has param groups of {shapes} parameters, this one {mine}; "
-                             "resume with the optimizer set up as when it was saved")
+        raise HfBackendError(f"{path}: its optimizer has param groups of {shapes} parameters, this "
+                             f"one {mine}; resume with the optimizer set up as when it was saved")
     names = {id(p): n for n, p in model.named_parameters()}
     name_of = {i: names[id(p)] for group, mine in zip(saved, optimizer.param_groups)
                for i, p in zip(group["params"], mine["params"])}
@@ -363,11 +392,12 @@ def keyed_by_name(state_dict: dict[str, Any], optimizer: torch.optim.Optimizer, 
 
 def into_live_state(state_dict: dict[str, Any], optimizer: torch.optim.Optimizer,
                     model: torch.nn.Module) -> dict[str, Any]:
-    """A full optimizer state keyed by parameter names, read with its tensors mapping the file, made ready to load:
-    a tensor the optimizer already holds (same shape, dtype and device: a state loaded into a trained optimizer) is
-    copied into and kept, so loading costs one copy from the page cache; the state of a plain CPU parameter that has
-    none yet is copied into fresh memory, so that no optimizer state stays backed by the file. The rest (a sharded
-    or GPU parameter's) is left mapped: the strategy copies it where it goes."""
+    """A full optimizer state keyed by parameter names, read with its tensors mapping the file, made
+    ready to load: a tensor the optimizer already holds (same shape, dtype and device: a state
+    loaded into a trained optimizer) is copied into and kept, so loading costs one copy from the
+    page cache; the state of a plain CPU parameter that has none yet is copied into fresh memory, so
+    that no optimizer state stays backed by the file. The rest (a sharded or GPU parameter's) is
+    left mapped: the strategy copies it where it goes."""
     params = dict(model.named_parameters())
     live_state = getattr(optimizer, "state", {})
     out: dict[str, dict[str, Any]] = {}
@@ -389,11 +419,12 @@ def _into(value: Any, live: Any, plain_cpu: bool) -> Any:
     return value.clone() if plain_cpu else value
 
 
-# -- Accelerate's save/load-state hooks --------------------------------------------------------------------------------
+# -- Accelerate's save/load-state hooks ------------------------------------------------------------
 def apply_save_hooks(hooks: Iterable[Callable], objects: PreparedObjects, output_dir: str | os.PathLike,
                      state_dict: Callable[[torch.nn.Module], dict]) -> PreparedObjects:
-    """Run `register_save_state_pre_hook` hooks as `hook(models, weights, output_dir)`; a model whose state dict a
-    hook removed from `weights` is left out of the checkpoint (the hook saves it its own way)."""
+    """Run `register_save_state_pre_hook` hooks as `hook(models, weights, output_dir)`; a model whose
+    state dict a hook removed from `weights` is left out of the checkpoint (the hook saves it its
+    own way)."""
     hooks = list(hooks)
     if not hooks:
         return objects
@@ -406,8 +437,8 @@ def apply_save_hooks(hooks: Iterable[Callable], objects: PreparedObjects, output
 
 def apply_load_hooks(hooks: Iterable[Callable], objects: PreparedObjects,
                      input_dir: str | os.PathLike) -> PreparedObjects:
-    """Run `register_load_state_pre_hook` hooks as `hook(models, input_dir)`; a model a hook removed from `models` is
-    not loaded (the hook loads it its own way)."""
+    """Run `register_load_state_pre_hook` hooks as `hook(models, input_dir)`; a model a hook removed
+    from `models` is not loaded (the hook loads it its own way)."""
     hooks = list(hooks)
     if not hooks:
         return objects

@@ -1,11 +1,12 @@
-"""`hf-backend checkpoint`: inspect a checkpoint, consolidate its weights for `from_pretrained`, convert its form.
+"""`hf-backend checkpoint`: inspect a checkpoint, consolidate its weights for `from_pretrained`,
+convert its form.
 
     hf-backend checkpoint inspect DIR [--json]
     hf-backend checkpoint consolidate DIR OUT [--config CONFIG] [--max-shard-size 5GB] [--base BASE_MODEL]
     hf-backend checkpoint convert DIR OUT --to full|sharded
 
-Everything runs in this one process, without a process group, and reads no file in a way that could run code
-from it (hf_backend.checkpoint.safe_load).
+Everything runs in this one process, without a process group, and reads no file in a way that could
+run code from it (hf_backend.checkpoint.safe_load).
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ def add_parser(sub: Any) -> None:
     conv.add_argument("directory", help="a save_state checkpoint")
     conv.add_argument("out", help="a new directory for the converted checkpoint")
     conv.add_argument("--to", required=True, choices=("full", "sharded"),
-                      help="full: model.safetensors + optimizer.bin; sharded: model_dcp/ + optimizer_dcp/")
+                      help="full: model.safetensors + optimizer.bin; sharded: model_dcp/ + "
+                           "optimizer_dcp/")
     conv.add_argument("--json", action="store_true", help="one JSON object instead of lines")
     conv.set_defaults(func=run_convert)
 
@@ -73,11 +75,11 @@ def run_consolidate(args: argparse.Namespace) -> int:
         print(json.dumps(done, indent=2))
         return 0
     merged = f" (adapter {done['merged_adapter']} merged into {done['base']})" if "merged_adapter" in done else ""
-    print(f"wrote {done['out']}{merged}: {done['tensors']} tensors, {done['parameters']:,} parameters in "
-          f"{', '.join(done['files'])}")
+    print(f"wrote {done['out']}{merged}: {done['tensors']} tensors, {done['parameters']:,} "
+          f"parameters in {', '.join(done['files'])}")
     if done["config"] is None:
-        print("no config.json (the checkpoint has none and --config was not given): only the weights were written; "
-              "from_pretrained needs the model's config.json beside them")
+        print("no config.json (the checkpoint has none and --config was not given): only the "
+              "weights were written; from_pretrained needs the model's config.json beside them")
     return 0
 
 

@@ -1,4 +1,5 @@
-"""`hf-backend config`: write a config file by answering questions (piped answers work), with defaults, or check one.
+"""`hf-backend config`: write a config file by answering questions (piped answers work), with defaults,
+or check one.
 
     hf-backend config [--config_file PATH]           the questions `accelerate config` asks
     hf-backend config default [--config_file PATH] [--mixed_precision ...] [--num_processes N] [--cpu]
@@ -60,7 +61,8 @@ def run_validate(args: argparse.Namespace) -> int:
 
 
 class _Asker:
-    """Reads one answer per question from stdin: a TTY or a pipe; an empty answer takes the default."""
+    """Reads one answer per question from stdin: a TTY or a pipe; an empty answer takes the default.
+    """
 
     def __init__(self) -> None:
         self.count = 0
@@ -72,8 +74,9 @@ class _Asker:
             sys.stdout.flush()
             line = sys.stdin.readline()
             if not line:
-                raise ConfigError(f"config: the answers ended at question {self.count} ({question!r}); "
-                                  "give one line per question (an empty line takes the default)")
+                raise ConfigError(f"config: the answers ended at question {self.count} "
+                                  f"({question!r}); give one line per question (an empty line "
+                                  "takes the default)")
             answer = line.strip()
             if not answer:
                 return default
@@ -124,7 +127,8 @@ def run_interactive(args: argparse.Namespace) -> int:
             top["distributed_type"] = "FSDP"
             top["fsdp_config"] = _section(ask, FsdpSection)
         if top["distributed_type"] != "DEEPSPEED" and ask(
-                "Lay the processes out with a ParallelismConfig (tensor parallelism x FSDP)? (yes/no)", False, _yes_no):
+                "Lay the processes out with a ParallelismConfig (tensor parallelism x FSDP)? "
+                "(yes/no)", False, _yes_no):
             top["parallelism_config"] = _section(ask, ParallelismSection)
     if machine == "NO":
         _field_question(ask, LaunchConfig, "use_cpu", top)

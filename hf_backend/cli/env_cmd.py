@@ -1,4 +1,5 @@
-"""`hf-backend env`: the report to paste into a bug report (versions, devices, dtypes, the config in effect)."""
+"""`hf-backend env`: the report to paste into a bug report (versions, devices, dtypes, the config in
+effect)."""
 
 from __future__ import annotations
 
@@ -32,8 +33,8 @@ def _version(name: str) -> str:
 
 
 def _autocast_dtypes(device: str) -> str:
-    """The 16-bit dtypes autocast really computes a matmul in on this device (probed: torch disables autocast with a
-    warning for a dtype a device does not support)."""
+    """The 16-bit dtypes autocast really computes a matmul in on this device (probed: torch disables
+    autocast with a warning for a dtype a device does not support)."""
     import torch
 
     from ..precision import dtype_name
@@ -57,9 +58,11 @@ def _dtype_lines(config: Any) -> list[str]:
 
     from ..precision import dtype_name
 
-    devices = [f"cpu {_autocast_dtypes('cpu')} (cpu capability {torch.backends.cpu.get_cpu_capability()})"]
+    devices = [f"cpu {_autocast_dtypes('cpu')} (cpu capability "
+               f"{torch.backends.cpu.get_cpu_capability()})"]
     if torch.cuda.is_available():
-        devices.append(f"cuda {_autocast_dtypes('cuda')} (bf16 supported: {torch.cuda.is_bf16_supported()})")
+        devices.append(f"cuda {_autocast_dtypes('cuda')} (bf16 supported: "
+                       f"{torch.cuda.is_bf16_supported()})")
     from_env = env.launcher_setting(env.MIXED_PRECISION)
     mode, source = (from_env, env.MIXED_PRECISION) if from_env else \
         (config.mixed_precision, "config file") if config is not None else ("no", "default")
@@ -68,8 +71,9 @@ def _dtype_lines(config: Any) -> list[str]:
         effect = "DeepSpeed keeps fp32 master weights and optimizer state, the module in " + \
             (mode if mode in ("bf16", "fp16") else "the dtype it was loaded in")
     elif mode in ("bf16", "fp16"):
-        effect = (f"the optimizer steps fp32 master weights with fp32 state (trainable bf16/fp16 parameters are upcast "
-                  f"at prepare); the forward computes in {mode} under autocast")
+        effect = ("the optimizer steps fp32 master weights with fp32 state (trainable bf16/fp16 "
+                  f"parameters are upcast at prepare); the forward computes in {mode} under "
+                  "autocast")
     else:
         effect = "the optimizer steps the parameters in the dtype they were loaded in, state included"
     return [f"dtypes: torch default {dtype_name(torch.get_default_dtype())}; autocast computes in "
@@ -103,7 +107,8 @@ def run_env(args: argparse.Namespace) -> int:
     else:
         lines.append(f"config file: none ({path} does not exist; `hf-backend config` writes it)")
     config_at = next(i for i, line in enumerate(lines) if line.startswith("config file:"))
-    lines[config_at:config_at] = _dtype_lines(config)  # after the devices, before the config file's keys
+    # after the devices, before the config file's keys
+    lines[config_at:config_at] = _dtype_lines(config)
     settings = {k: v for k, v in os.environ.items() if k.startswith(env.PREFIX)}
     lines.append("launcher settings in this environment: " + (", ".join(f"{k}={v}" for k, v in settings.items())
                                                              or "none"))

@@ -1,8 +1,10 @@
-"""`hf-backend launch`: start a script on N processes (and M machines) through torch elastic (`torch.distributed.run`).
+"""`hf-backend launch`: start a script on N processes (and M machines) through torch elastic
+(`torch.distributed.run`).
 
-The effective config is built once, in this order of precedence (highest first): command-line flags, HF_BACKEND_*
-variables already in the environment, the config file, built-in defaults. It reaches every process as HF_BACKEND_*
-variables, which `Accelerator()` reads (an explicit `Accelerator(...)` argument in the script wins over them).
+The effective config is built once, in this order of precedence (highest first): command-line flags,
+HF_BACKEND_* variables already in the environment, the config file, built-in defaults. It reaches
+every process as HF_BACKEND_* variables, which `Accelerator()` reads (an explicit `Accelerator(...)`
+argument in the script wins over them).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ _ENV_KEYS = {"mixed_precision": env.MIXED_PRECISION, "gradient_accumulation_step
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("launch", help="run a training script on several processes or machines",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                       allow_abbrev=False)  # else the script's own --deepspeed reads as an abbreviated launch flag
+                       # else the script's own --deepspeed reads as an abbreviated launch flag
+                       allow_abbrev=False)
     p.add_argument("--config_file", help="config file (default: the one `hf-backend config` wrote, if any)")
     top = fields_of(LaunchConfig)
     for name in _TOP_FLAGS:
@@ -39,19 +42,21 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--cpu", action="store_true", default=None, help="train on the CPU (gloo) even with GPUs")
     p.add_argument("--max_restarts", type=int, default=0, help="restart the workers this many times after a failure")
     p.add_argument("--nnodes", default=None, metavar="MIN:MAX",
-                   help="an elastic job of MIN to MAX machines (c10d rendezvous; --num_processes counts MAX machines)")
+                   help="an elastic job of MIN to MAX machines (c10d rendezvous; --num_processes "
+                        "counts MAX machines)")
     p.add_argument("--rdzv_conf", default=None, metavar="K=V,...",
                    help="rendezvous options (c10d: join_timeout, last_call_timeout, close_timeout)")
     p.add_argument("--monitor_interval", type=float, default=0.1, help="seconds between the agent's worker checks")
     p.add_argument("--num_cpu_threads_per_process", type=int, default=None,
-                   help="OMP threads per process (default: the cores divided by the processes on this machine)")
+                   help="OMP threads per process (default: the cores divided by the processes on "
+                        "this machine)")
     p.add_argument("--debug", action="store_true", default=None,
-                   help="TORCH_DISTRIBUTED_DEBUG=DETAIL: a collective that differs across ranks fails at once, in one "
-                        "line naming each rank's operation and call site")
+                   help="TORCH_DISTRIBUTED_DEBUG=DETAIL: a collective that differs across ranks "
+                        "fails at once, in one line naming each rank's operation and call site")
     p.add_argument("--hang_timeout", type=float, default=None, metavar="SECONDS",
-                   help=f"when no rank makes progress for this long, print every rank's stacks and stop, naming where "
-                        f"each waits (default: ${hang_watch.TIMEOUT_VARIABLE}, else "
-                        f"{hang_watch.DEFAULT_TIMEOUT:g}; 0: off)")
+                   help="when no rank makes progress for this long, print every rank's stacks and "
+                        f"stop, naming where each waits (default: ${hang_watch.TIMEOUT_VARIABLE}, "
+                        f"else {hang_watch.DEFAULT_TIMEOUT:g}; 0: off)")
     p.add_argument("--use_fsdp", action="store_true", help="distributed_type FSDP; --fsdp_* flags set its options")
     for name, f in fields_of(FsdpSection).items():
         p.add_argument(f"--{name}", default=None, metavar="VALUE", help=f.metadata["help"])
@@ -60,8 +65,8 @@ def add_parser(sub: Any) -> None:
         if name != "gradient_accumulation_steps" and not f.metadata["unused"]:
             p.add_argument(f"--{name}", default=None, metavar="VALUE", help=f.metadata["help"])
     p.add_argument("--use_parallelism_config", action="store_true",
-                   help="lay the processes out by the --parallelism_config_* sizes (Accelerate's flag; any of them "
-                        "given implies it)")
+                   help="lay the processes out by the --parallelism_config_* sizes (Accelerate's "
+                        "flag; any of them given implies it)")
     for name, f in fields_of(ParallelismSection).items():
         if not f.metadata["unused"]:
             p.add_argument(f"--{name}", default=None, metavar="VALUE", help=f.metadata["help"])
@@ -107,7 +112,8 @@ def effective_config(args: argparse.Namespace) -> tuple[LaunchConfig, str | None
 
 
 def _settle_distributed_type(config: LaunchConfig) -> LaunchConfig:
-    """More than one process without FSDP/DeepSpeed means DDP: over gloo on the CPU, NCCL on GPUs."""
+    """More than one process without FSDP/DeepSpeed means DDP: over gloo on the CPU, NCCL on GPUs.
+    """
     import torch
 
     on_cpu = config.use_cpu or not torch.cuda.is_available()
@@ -126,24 +132,27 @@ def elastic_range(text: str) -> tuple[int, int]:
     except ValueError:
         bounds = (0, 0)
     if not 1 <= bounds[0] <= bounds[1]:
-        raise ConfigError(f"launch: --nnodes {text!r} is not MIN:MAX with 1 <= MIN <= MAX; e.g. --nnodes 1:2")
+        raise ConfigError(f"launch: --nnodes {text!r} is not MIN:MAX with 1 <= MIN <= MAX; e.g. "
+                          "--nnodes 1:2")
     return bounds
 
 
 def torchrun_arguments(config: LaunchConfig, args: argparse.Namespace) -> list[str]:
-    """A rendezvous that restarts can re-enter: c10d (a static one is set up once, so a restarted worker group cannot
-    form); `static` only when asked for with several machines."""
+    """A rendezvous that restarts can re-enter: c10d (a static one is set up once, so a restarted
+    worker group cannot form); `static` only when asked for with several machines."""
     per_machine = config.num_processes // config.num_machines
     nodes = getattr(args, "nnodes", None) or str(config.num_machines)
     static = config.rdzv_backend == "static" and config.num_machines > 1 and ":" not in nodes
     if config.rdzv_backend == "static" and (":" in nodes or (static and args.max_restarts)):
-        raise ConfigError("launch: rdzv_backend static cannot be entered again, so restarts and --nnodes MIN:MAX "
-                          "cannot re-form the group; use --rdzv_backend c10d (the default)")
+        raise ConfigError("launch: rdzv_backend static cannot be entered again, so restarts and "
+                          "--nnodes MIN:MAX cannot re-form the group; use --rdzv_backend c10d (the "
+                          "default)")
     out = [f"--nproc_per_node={per_machine}", f"--nnodes={nodes}", f"--max_restarts={args.max_restarts}",
            f"--monitor_interval={getattr(args, 'monitor_interval', 0.1)}"]
     conf = [getattr(args, "rdzv_conf", None)]
     if config.num_machines == 1 and config.main_process_port is not None:
-        conf.insert(0, "is_host=1")  # its store here: a taken port fails instead of being joined as a client
+        # its store here: a taken port fails instead of being joined as a client
+        conf.insert(0, "is_host=1")
     if any(conf):
         out.append(f"--rdzv_conf={','.join(filter(None, conf))}")
     if config.num_machines == 1 and config.main_process_port is None:
@@ -156,7 +165,8 @@ def torchrun_arguments(config: LaunchConfig, args: argparse.Namespace) -> list[s
         backend = "c10d" if config.rdzv_backend == "static" else config.rdzv_backend
         out += [f"--rdzv_backend={backend}", f"--rdzv_endpoint={address}:{port}", "--rdzv_id=hf-backend"]
     target = ["--module", args.training_script] if args.module else [args.training_script]
-    # The agent runs in this process, so it is every worker's parent: the worker dies with it (worker.py).
+    # The agent runs in this process, so it is every worker's parent: the worker dies with it
+    # (worker.py).
     return [*out, "-m", "hf_backend.cli.worker", "--parent", str(os.getpid()), *target, *args.training_script_args]
 
 
@@ -171,17 +181,19 @@ def process_environment(config: LaunchConfig, args: argparse.Namespace, path: st
         out["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
     if args.hang_timeout is not None:
         if not args.hang_timeout >= 0:
-            raise ConfigError(f"launch: --hang_timeout {args.hang_timeout:g} is negative; give seconds, or 0 to turn "
-                              "the hang watchdog off")
+            raise ConfigError(f"launch: --hang_timeout {args.hang_timeout:g} is negative; give "
+                              "seconds, or 0 to turn the hang watchdog off")
         out[hang_watch.TIMEOUT_VARIABLE] = f"{args.hang_timeout:g}"
     elif os.environ.get(hang_watch.TIMEOUT_VARIABLE, "").strip():
-        hang_watch.hang_timeout()  # one inherited from the environment is checked here, not in every worker
+        # one inherited from the environment is checked here, not in every worker
+        hang_watch.hang_timeout()
     else:  # the launcher watches for hangs unless told otherwise
         out[hang_watch.TIMEOUT_VARIABLE] = f"{hang_watch.DEFAULT_TIMEOUT:g}"
-    # A job that can restart (or change members) gets a store per rendezvous round: on the store torch elastic shares
-    # across rounds (the default), a restarted group can read its peers' addresses of the round before and fail
-    # ("connectFullMesh failed"). Without restarts the shared store stays: it lives in the launcher, so it outlives
-    # a rank that exits first (the hang watchdog's and --debug's exchange of call sites runs through it).
+    # A job that can restart (or change members) gets a store per rendezvous round: on the store
+    # torch elastic shares across rounds (the default), a restarted group can read its peers'
+    # addresses of the round before and fail ("connectFullMesh failed"). Without restarts the shared
+    # store stays: it lives in the launcher, so it outlives a rank that exits first (the hang
+    # watchdog's and --debug's exchange of call sites runs through it).
     if getattr(args, "max_restarts", 0) or ":" in str(getattr(args, "nnodes", None) or ""):
         out["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if config.gpu_ids and config.gpu_ids != "all":
@@ -196,7 +208,8 @@ def run_launch(args: argparse.Namespace) -> int:
 
     config, path = effective_config(args)
     if not args.module and not os.path.isfile(args.training_script):
-        raise ConfigError(f"launch: no script at {args.training_script}; pass a path, or -m for a module")
+        raise ConfigError(f"launch: no script at {args.training_script}; pass a path, or -m for a "
+                          "module")
     os.environ.update(process_environment(config, args, path))
     quiet = _QuietStop()
     for name in _STOP_LOGGERS:
@@ -207,7 +220,8 @@ def run_launch(args: argparse.Namespace) -> int:
         print(f"hf-backend launch: {describe_failure(err)}", file=sys.stderr)
         return 1
     except SignalException as stop:
-        # The agent has already stopped the workers (SIGTERM, then SIGKILL after its shutdown timeout).
+        # The agent has already stopped the workers (SIGTERM, then SIGKILL after its shutdown
+        # timeout).
         print(f"hf-backend launch: stopped by {stop.sigval.name}; workers stopped", file=sys.stderr)
         return 128 + int(stop.sigval)
     finally:
@@ -221,8 +235,8 @@ _STOP_LOGGERS = ("torch.distributed.elastic.agent.server.api", "torch.distribute
 
 
 class _QuietStop(logging.Filter):
-    """Drops the agent's "Received SIGTERM death signal" and, after it, its "Sending process N closing signal" lines;
-    anything else (a worker that would not stop, an error) still shows."""
+    """Drops the agent's "Received SIGTERM death signal" and, after it, its "Sending process N closing
+    signal" lines; anything else (a worker that would not stop, an error) still shows."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -232,4 +246,5 @@ class _QuietStop(logging.Filter):
         if str(record.msg).startswith("Received %s death signal"):
             self.stopping = True
             return False
-        return not (self.stopping and str(record.msg).startswith("Sending process %s closing signal"))
+        return not (self.stopping and str(record.msg).startswith("Sending process %s closing "
+                                                                 "signal"))

@@ -4,7 +4,8 @@
         [--lora 16 [--lora_targets q_proj v_proj]] [--parallelism dp_shard=4,tp=2] [--batch_size 4]
         [--sequence_length 2048] [--activation_checkpointing] [--dtype bfloat16] [--json]
 
-Nothing is downloaded and no process group is made: the model is built on the meta device from its config.
+Nothing is downloaded and no process group is made: the model is built on the meta device from its
+config.
 """
 
 from __future__ import annotations
@@ -26,16 +27,19 @@ def add_parser(sub: Any) -> None:
                    help="no (one process), ddp, fsdp (FSDP2), zero1 / zero2 / zero3 (DeepSpeed)")
     p.add_argument("--num_processes", type=int, default=1, help="processes in the run (default 1)")
     p.add_argument("--mixed_precision", choices=("no", "fp16", "bf16"), default="no",
-                   help="autocast: changes the activations, not the fp32 weights, gradients or optimizer state")
+                   help="autocast: changes the activations, not the fp32 weights, gradients or "
+                        "optimizer state")
     p.add_argument("--dtype", default=None, help="the weights' dtype (default: the config's, else float32)")
     p.add_argument("--lora", type=int, default=0, metavar="RANK", help="a LoRA adapter of this rank (peft)")
     p.add_argument("--lora_targets", nargs="+", default=None, help="its target modules (default: q_proj v_proj)")
     p.add_argument("--parallelism", default=None, metavar="SIZES",
-                   help="ParallelismConfig sizes for fsdp, e.g. dp_shard=4,tp=2 (dp_replicate, dp_shard, cp, tp)")
+                   help="ParallelismConfig sizes for fsdp, e.g. dp_shard=4,tp=2 (dp_replicate, "
+                        "dp_shard, cp, tp)")
     p.add_argument("--batch_size", type=int, default=1, help="per process, for the activation estimate")
     p.add_argument("--sequence_length", type=int, default=512, help="for the activation estimate")
     p.add_argument("--activation_checkpointing", action="store_true",
-                   help="activations: keep only each layer's input (the estimate), as with activation checkpointing")
+                   help="activations: keep only each layer's input (the estimate), as with "
+                        "activation checkpointing")
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     p.set_defaults(func=run)
 
@@ -51,8 +55,9 @@ def parse_sizes(text: str | None) -> Any:
         key, _, value = item.partition("=")
         key = key.strip().removesuffix("_size")
         if key not in MeshShape.DIMS or not value.strip().isdigit() or int(value) < 1:
-            raise HfBackendError(f"plan: --parallelism item {item!r}: write NAME=SIZE with NAME one of "
-                                 f"{', '.join(MeshShape.DIMS)} and SIZE a whole number, e.g. dp_shard=4,tp=2")
+            raise HfBackendError(f"plan: --parallelism item {item!r}: write NAME=SIZE with NAME "
+                                 f"one of {', '.join(MeshShape.DIMS)} and SIZE a whole number, "
+                                 "e.g. dp_shard=4,tp=2")
         sizes[key] = int(value)
     return MeshShape(**sizes)
 
@@ -76,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
           f"{plan.strategy} on {args.num_processes} process(es) ({grid}); per process:")
     rows = [("parameters", plan.parameter_bytes), ("gradients", plan.gradient_bytes),
             ("optimizer state (AdamW)", plan.optimizer_bytes),
-            (f"activations (estimate: batch {args.batch_size} x {args.sequence_length} tokens)", plan.activation_bytes),
+            (f"activations (estimate: batch {args.batch_size} x {args.sequence_length} "
+             "tokens)", plan.activation_bytes),
             ("total", plan.total_bytes)]
     width = max(len(name) for name, _ in rows)
     for name, value in rows:

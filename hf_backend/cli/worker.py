@@ -1,10 +1,13 @@
-"""What each process started by `hf-backend launch` runs: the user's script or module, as `python` would.
+"""What each process started by `hf-backend launch` runs: the user's script or module, as `python`
+would.
 
-An exception is written to the error file torch elastic gives each worker (its format, plus the exact time), so the
-launcher can name the rank that failed first, and its error, instead of a rank that only lost its peer.
+An exception is written to the error file torch elastic gives each worker (its format, plus the
+exact time), so the launcher can name the rank that failed first, and its error, instead of a rank
+that only lost its peer.
 
-A worker dies with its launcher (`--parent PID`, the launcher's pid): if the launcher is SIGKILLed it cannot stop its
-workers, so each asks the kernel for a SIGKILL when its parent dies (Linux), or polls its parent (elsewhere).
+A worker dies with its launcher (`--parent PID`, the launcher's pid): if the launcher is SIGKILLed
+it cannot stop its workers, so each asks the kernel for a SIGKILL when its parent dies (Linux), or
+polls its parent (elsewhere).
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def die_with_parent(parent: int) -> None:
-    """SIGKILL this process when `parent` exits: a parent-death signal on Linux, a watchdog thread elsewhere."""
+    """SIGKILL this process when `parent` exits: a parent-death signal on Linux, a watchdog thread
+    elsewhere."""
     if sys.platform.startswith("linux") and _set_parent_death_signal(signal.SIGKILL):
         if os.getppid() != parent:  # it died before the signal was set
             _kill_self()
@@ -73,7 +77,8 @@ def main() -> None:
         if stop.code not in (0, None):
             record_error(stop, hang_watch.explain(stop))
         raise
-    except KeyboardInterrupt:  # the launcher passes on its SIGINT to stop the workers; it says so in one line
+    # the launcher passes on its SIGINT to stop the workers; it says so in one line
+    except KeyboardInterrupt:
         sys.exit(128 + signal.SIGINT)
     except BaseException as error:
         hang_watch.await_exit()  # reporting a hang: a peer's exit is not this rank's failure

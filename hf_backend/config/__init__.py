@@ -1,1 +1,2 @@
-"""Configuration: what a launcher hands to the processes, and (with the config issue) the config-file model."""
+"""Configuration: what a launcher hands to the processes, and (with the config issue) the config-file
+model."""

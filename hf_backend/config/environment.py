@@ -1,7 +1,8 @@
-"""The environment variables through which a launcher hands settings to `Accelerator()` in each process.
+"""The environment variables through which a launcher hands settings to `Accelerator()` in each
+process.
 
-`hf-backend launch` writes them (`to_environment`); `Accelerator()` and `TrainingArguments` read them (`resolve`,
-`read_launch_config`). Nothing here writes `os.environ`.
+`hf-backend launch` writes them (`to_environment`); `Accelerator()` and `TrainingArguments` read
+them (`resolve`, `read_launch_config`). Nothing here writes `os.environ`.
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ DYNAMO_BACKEND = PREFIX + "DYNAMO_BACKEND"
 DISTRIBUTED_TYPE = PREFIX + "DISTRIBUTED_TYPE"
 FSDP_CONFIG = PREFIX + "FSDP_CONFIG"  # JSON of the validated fsdp_config section
 DEEPSPEED_CONFIG = PREFIX + "DEEPSPEED_CONFIG"  # JSON of the validated deepspeed_config section
-CONFIG_FILE = PREFIX + "CONFIG_FILE"  # the file the launcher read, for `hf-backend env` and messages
-# Accelerate's names, so that `accelerate launch --parallelism_config_tp_size 2` starts hf_backend scripts too; the
-# sizes travel in PARALLELISM_CONFIG_<NAME>_SIZE, which ParallelismConfig reads (config/parallelism.py)
+# the file the launcher read, for `hf-backend env` and messages
+CONFIG_FILE = PREFIX + "CONFIG_FILE"
+# Accelerate's names, so that `accelerate launch --parallelism_config_tp_size 2` starts hf_backend
+# scripts too; the sizes travel in PARALLELISM_CONFIG_<NAME>_SIZE, which ParallelismConfig reads
+# (config/parallelism.py)
 USE_PARALLELISM_CONFIG = "ACCELERATE_USE_PARALLELISM_CONFIG"
 
 
@@ -34,7 +37,8 @@ def launcher_setting(name: str) -> str | None:
     return value or None
 
 
-# The LaunchConfig keys a launcher hands over, each in its variable (the sections below travel as JSON)
+# The LaunchConfig keys a launcher hands over, each in its variable (the sections below travel as
+# JSON)
 _CARRIED = {"distributed_type": DISTRIBUTED_TYPE, "mixed_precision": MIXED_PRECISION, "use_cpu": USE_CPU,
             "gradient_accumulation_steps": GRADIENT_ACCUMULATION_STEPS, "dynamo_backend": DYNAMO_BACKEND}
 _SECTIONS = {"FSDP": ("fsdp_config", FSDP_CONFIG), "DEEPSPEED": ("deepspeed_config", DEEPSPEED_CONFIG)}
@@ -46,10 +50,12 @@ def to_environment(config: Any, config_file: str | None = None) -> dict[str, str
     if config.distributed_type in _SECTIONS:
         key, name = _SECTIONS[config.distributed_type]
         env[name] = json.dumps(getattr(config, key))
-    if config.parallelism_config and config.distributed_type != "DEEPSPEED":  # ParallelismConfig() reads these
+    # ParallelismConfig() reads these
+    if config.parallelism_config and config.distributed_type != "DEEPSPEED":
         env[USE_PARALLELISM_CONFIG] = "true"
         for key, value in config.parallelism_config.items():
-            env[key.upper()] = str(value)  # parallelism_config_tp_size -> PARALLELISM_CONFIG_TP_SIZE
+            # parallelism_config_tp_size -> PARALLELISM_CONFIG_TP_SIZE
+            env[key.upper()] = str(value)
     if config_file:
         env[CONFIG_FILE] = str(config_file)
     return env
@@ -60,7 +66,8 @@ def _text(value: Any) -> str:
 
 
 def read_launch_config() -> Any | None:
-    """The LaunchConfig a launcher handed to this process (validated again), or None outside a launch."""
+    """The LaunchConfig a launcher handed to this process (validated again), or None outside a launch.
+    """
     from .loader import validate
 
     if launcher_setting(DISTRIBUTED_TYPE) is None:
@@ -72,14 +79,14 @@ def read_launch_config() -> Any | None:
             try:
                 raw[key] = json.loads(launcher_setting(name))
             except json.JSONDecodeError:
-                raise HfBackendError(f"environment variable {name} is not JSON; start the job with hf-backend "
-                                     "launch, or unset it") from None
+                raise HfBackendError(f"environment variable {name} is not JSON; start the job with "
+                                     "hf-backend launch, or unset it") from None
     return validate(raw, source=f"the launcher's environment ({PREFIX}*)")
 
 
 def parallelism_shape(given: Any, world: int) -> Any:
-    """The process grid (a MeshShape) for `Accelerator(parallelism_config=...)`, or the launcher's when none is
-    given; None when neither asks for one."""
+    """The process grid (a MeshShape) for `Accelerator(parallelism_config=...)`, or the launcher's when
+    none is given; None when neither asks for one."""
     from .parallelism import MeshShape, ParallelismConfig
 
     if given is None:
@@ -99,7 +106,8 @@ def parse_bool(raw: str) -> bool:
     raise ValueError(raw)
 
 
-# Each setting a launcher hands over: its variable, how the variable is read, and the value when nobody sets it.
+# Each setting a launcher hands over: its variable, how the variable is read, and the value when
+# nobody sets it.
 SETTINGS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
     "cpu": (USE_CPU, parse_bool, False),
     "mixed_precision": (MIXED_PRECISION, str, "no"),
@@ -109,9 +117,9 @@ SETTINGS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
 
 
 def resolve(name: str, explicit: Any = None) -> Any:
-    """The setting `name` (a SETTINGS key) in effect: an explicit argument wins over what a launcher put in the
-    environment, with a warning when they differ; else the launcher's value; else the default. `Accelerator()` and
-    `TrainingArguments` both ask here."""
+    """The setting `name` (a SETTINGS key) in effect: an explicit argument wins over what a launcher
+    put in the environment, with a warning when they differ; else the launcher's value; else the
+    default. `Accelerator()` and `TrainingArguments` both ask here."""
     env_name, parse, default = SETTINGS[name]
     raw = launcher_setting(env_name)
     from_env = None
@@ -119,10 +127,12 @@ def resolve(name: str, explicit: Any = None) -> Any:
         try:
             from_env = parse(raw)
         except ValueError:
-            raise HfBackendError(f"environment variable {env_name}={raw!r} is not valid for {name}") from None
+            raise HfBackendError(f"environment variable {env_name}={raw!r} is not valid for "
+                                 f"{name}") from None
     if explicit is None:
         return default if from_env is None else from_env
     if from_env is not None and from_env != explicit:
-        warn(f"{name}={explicit!r} given to Accelerator() overrides the launcher's {env_name}={raw}")
+        warn(f"{name}={explicit!r} given to Accelerator() overrides the launcher's "
+             f"{env_name}={raw}")
     return explicit
 

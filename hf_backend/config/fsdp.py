@@ -28,9 +28,9 @@ _RESHARDING = ("FULL_SHARD", "HYBRID_SHARD")
 _NO_ORIG_PARAMS = ("fsdp use_orig_params=False has no FSDP2 meaning: parameters stay as they are "
                    "(sharded as DTensors)")
 _SCHEMAS = object()
-_FIXED_TYPE = ("fsdp_plugin.set_state_dict_type({asked!r}): the options in effect are fixed when the "
-               "Accelerator is built (state dict type {current}); pass fsdp_state_dict_type={asked!r} to "
-               "the plugin or the config instead")
+_FIXED_TYPE = ("fsdp_plugin.set_state_dict_type({asked!r}): the options in effect are fixed when "
+               "the Accelerator is built (state dict type {current}); pass "
+               "fsdp_state_dict_type={asked!r} to the plugin or the config instead")
 
 
 def _keyed(key: str, default: Any = _SCHEMAS) -> Any:

@@ -1,10 +1,11 @@
 """Reading, validating and writing config files (YAML or JSON, the layout `accelerate config` writes).
 
-Every problem is one `ConfigError` line naming the file, the key and the fix: an unknown key (with the closest valid
-one), a bad value (with the allowed values), malformed YAML/JSON (with the line). Nothing is silently ignored: keys
-that exist in Accelerate but mean nothing here are accepted with one note listing them. No file can crash or stall
-the loader: size, depth and value count are bounded, YAML aliases and repeated keys refused, every number has a range
-and an error quotes at most 60 characters of a value.
+Every problem is one `ConfigError` line naming the file, the key and the fix: an unknown key (with
+the closest valid one), a bad value (with the allowed values), malformed YAML/JSON (with the line).
+Nothing is silently ignored: keys that exist in Accelerate but mean nothing here are accepted with
+one note listing them. No file can crash or stall the loader: size, depth and value count are
+bounded, YAML aliases and repeated keys refused, every number has a range and an error quotes at
+most 60 characters of a value.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from .schema import SECTIONS, LaunchConfig, default_of, fields_of
 
 
 class ConfigError(HfBackendError, ValueError):
-    """A config file or setting is wrong; the message is one line naming the file, the key and the fix."""
+    """A config file or setting is wrong; the message is one line naming the file, the key and the fix.
+    """
 
 
 def default_config_path() -> Path:
@@ -44,42 +46,49 @@ def default_config_path() -> Path:
     return Path(hf_home) / "hf_backend" / "default_config.yaml"
 
 
-# What a config file may be: Accelerate's files are about 1 KB and DeepSpeed's a few KB, nested 3-4 levels with a
-# few dozen values. The limits leave two orders of magnitude above that and keep the worst file parsing in well
-# under a second: the size is checked before parsing, depth and count while the document is composed.
+# What a config file may be: Accelerate's files are about 1 KB and DeepSpeed's a few KB, nested 3-4
+# levels with a few dozen values. The limits leave two orders of magnitude above that and keep the
+# worst file parsing in well under a second: the size is checked before parsing, depth and count
+# while the document is composed.
 MAX_BYTES = 1 << 20  # 1 MiB
 MAX_DEPTH = 32  # mappings and lists inside each other
 MAX_VALUES = 10_000  # keys, values and list items, all together
-MAX_NUMBER_CHARS = 64  # a longer number is a mistake (and Python's int() is slow on, then refuses, huge ones)
+# a longer number is a mistake (and Python's int() is slow on, then refuses, huge ones)
+MAX_NUMBER_CHARS = 64
 
 
 def read_mapping(path: str | os.PathLike, json_only: bool = False) -> dict[str, Any]:
-    """The raw key/value mapping of a YAML or JSON file (JSON is read by its extension, or always with `json_only`:
-    DeepSpeed's configs are JSON whatever their name; YAML otherwise). Files are at most MAX_BYTES, nested at most
-    MAX_DEPTH deep with at most MAX_VALUES values; YAML anchors/aliases and repeated keys are refused."""
+    """The raw key/value mapping of a YAML or JSON file (JSON is read by its extension, or always with
+    `json_only`: DeepSpeed's configs are JSON whatever their name; YAML otherwise). Files are at
+    most MAX_BYTES, nested at most MAX_DEPTH deep with at most MAX_VALUES values; YAML
+    anchors/aliases and repeated keys are refused."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"{path}: no such config file; create one with `hf-backend config` or fix the path")
+        raise ConfigError(f"{path}: no such config file; create one with `hf-backend config` or "
+                          "fix the path")
     try:
         with path.open("rb") as handle:
             data = handle.read(MAX_BYTES + 1)
             size = max(os.fstat(handle.fileno()).st_size, len(data)) / (1 << 20)
         if len(data) > MAX_BYTES:
-            raise ConfigError(f"{path}: is {size:.1f} MiB, larger than the {MAX_BYTES >> 20} MiB a config file may be; "
-                              "check that this is the config file you meant")
+            raise ConfigError(f"{path}: is {size:.1f} MiB, larger than the {MAX_BYTES >> 20} MiB a "
+                              "config file may be; check that this is the config file you meant")
         text = data.decode("utf-8-sig")
     except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(f"{path}: cannot be read ({type(err).__name__}); pass a UTF-8 YAML or JSON file") from None
+        raise ConfigError(f"{path}: cannot be read ({type(err).__name__}); pass a UTF-8 YAML or "
+                          "JSON file") from None
     parsed = _parse_json(text, path) if json_only or path.suffix.lower() == ".json" else _parse_yaml(text, path)
     if parsed is None:
         return {}
     if not isinstance(parsed, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of keys to values, not a {type(parsed).__name__}")
+        raise ConfigError(f"{path}: the top level must be a mapping of keys to values, not a "
+                          f"{type(parsed).__name__}")
     return parsed
 
 
 class _Refused(yaml.YAMLError):
-    """A file this loader refuses (too deep, too many values, an alias, a repeated key), with its line if known."""
+    """A file this loader refuses (too deep, too many values, an alias, a repeated key), with its line
+    if known."""
 
     def __init__(self, line: int | None, problem: str) -> None:
         super().__init__(problem)
@@ -116,14 +125,15 @@ def _json_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 def _json_number(kind: type) -> Any:
     def parse(text: str) -> Any:
         if len(text) > MAX_NUMBER_CHARS:
-            raise _Refused(None, f"a number {len(text):,} characters long ({show(text)}); numbers in a config "
-                                 f"file have at most {MAX_NUMBER_CHARS}")
+            raise _Refused(None, f"a number {len(text):,} characters long ({show(text)}); numbers "
+                                 f"in a config file have at most {MAX_NUMBER_CHARS}")
         return kind(text)
     return parse
 
 
 def _check_shape(data: Any, path: Path) -> None:
-    """MAX_DEPTH and MAX_VALUES, walked without recursion (and without looking past the first MAX_VALUES)."""
+    """MAX_DEPTH and MAX_VALUES, walked without recursion (and without looking past the first
+    MAX_VALUES)."""
     stack, count = ([(data, 1)] if isinstance(data, (dict, list)) else []), 1
     while stack:
         value, depth = stack.pop()
@@ -140,9 +150,12 @@ def _parse_yaml(text: str, path: Path) -> Any:
     bad = Reader.NON_PRINTABLE.search(text)
     if bad:
         line = text.count("\n", 0, bad.start()) + 1
-        raise ConfigError(f"{path}: line {line}: character U+{ord(bad.group()):04X} is not allowed in YAML; remove it")
-    if text.count("\n%") + text.startswith("%") > 8:  # libyaml checks %TAG lines against each other: slow
-        raise ConfigError(f"{path}: more than 8 lines start with % (YAML directives); a config file needs none")
+        raise ConfigError(f"{path}: line {line}: character U+{ord(bad.group()):04X} is not allowed "
+                          "in YAML; remove it")
+    # libyaml checks %TAG lines against each other: slow
+    if text.count("\n%") + text.startswith("%") > 8:
+        raise ConfigError(f"{path}: more than 8 lines start with % (YAML directives); a config "
+                          "file needs none")
     loader = _LOADER(text)
     try:
         return loader.get_single_data()
@@ -158,8 +171,9 @@ def _parse_yaml(text: str, path: Path) -> Any:
 
 
 class _StrictComposer(Composer):
-    """Builds the node tree from parser events, refusing anchors and aliases (no expansion bombs; Accelerate never
-    writes them) and counting depth and values as it goes, so a deep or huge document stops early."""
+    """Builds the node tree from parser events, refusing anchors and aliases (no expansion bombs;
+    Accelerate never writes them) and counting depth and values as it goes, so a deep or huge
+    document stops early."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -169,8 +183,8 @@ class _StrictComposer(Composer):
         event = self.peek_event()
         line = event.start_mark.line + 1
         if isinstance(event, AliasEvent) or getattr(event, "anchor", None) is not None:
-            raise _Refused(line, "YAML aliases (&anchor / *alias) are not allowed in a config file; "
-                                 "write the value out")
+            raise _Refused(line, "YAML aliases (&anchor / *alias) are not allowed in a config "
+                                 "file; write the value out")
         self.values += 1
         if self.values > MAX_VALUES:
             raise _Refused(line, _TOO_MANY)
@@ -186,8 +200,8 @@ class _StrictComposer(Composer):
 
 
 class _StrictConstructor(SafeConstructor):
-    """SafeConstructor that refuses repeated keys and overlong numbers, and turns a scalar that does not convert
-    (`2001-13-45`, `!!int x`) into an error with its line instead of a traceback."""
+    """SafeConstructor that refuses repeated keys and overlong numbers, and turns a scalar that does
+    not convert (`2001-13-45`, `!!int x`) into an error with its line instead of a traceback."""
 
     def construct_object(self, node: Node, deep: bool = False) -> Any:
         try:
@@ -210,15 +224,16 @@ class _StrictConstructor(SafeConstructor):
                 except TypeError:
                     continue  # an unhashable key: SafeConstructor refuses it
                 if first is not None:
-                    raise _Refused(line, f"key {show(key)} appears twice (first on line {first}); keep one of them")
+                    raise _Refused(line, f"key {show(key)} appears twice (first on line {first}); "
+                                         "keep one of them")
                 lines[key] = line
         return super().construct_mapping(node, deep)
 
     def construct_number(self, node: Node) -> Any:
         if len(node.value) > MAX_NUMBER_CHARS:
-            raise _Refused(node.start_mark.line + 1, f"a number {len(node.value):,} characters long "
-                                                     f"({show(node.value)}); numbers in a config file have at "
-                                                     f"most {MAX_NUMBER_CHARS}")
+            raise _Refused(node.start_mark.line + 1, f"a number {len(node.value):,} characters "
+                                                     f"long ({show(node.value)}); numbers in a "
+                                                     f"config file have at most {MAX_NUMBER_CHARS}")
         kind = node.tag.rsplit(":", 1)[-1]
         return SafeConstructor.construct_yaml_int(self, node) if kind == "int" else \
             SafeConstructor.construct_yaml_float(self, node)
@@ -229,7 +244,8 @@ _StrictConstructor.add_constructor("tag:yaml.org,2002:float", _StrictConstructor
 
 
 class _PyEvents(Reader, Scanner, Parser):
-    """PyYAML's pure-Python parser, used only where libyaml (the C parser, 5-10x faster) is not installed."""
+    """PyYAML's pure-Python parser, used only where libyaml (the C parser, 5-10x faster) is not
+    installed."""
 
     def __init__(self, stream: str) -> None:
         Reader.__init__(self, stream)
@@ -238,8 +254,8 @@ class _PyEvents(Reader, Scanner, Parser):
 
 
 def _strict_loader(events: type) -> type:
-    """A YAML loader: `events` (libyaml's CParser or _PyEvents) parses; the strict composer and constructor build
-    (libyaml's own composer cannot be limited; parsing is where its speed is)."""
+    """A YAML loader: `events` (libyaml's CParser or _PyEvents) parses; the strict composer and
+    constructor build (libyaml's own composer cannot be limited; parsing is where its speed is)."""
 
     class StrictLoader(_StrictComposer, events, _StrictConstructor, Resolver):
         def __init__(self, stream: str) -> None:
@@ -249,8 +265,10 @@ def _strict_loader(events: type) -> type:
             Resolver.__init__(self)
 
         def resolve(self, kind: type, value: Any, implicit: Any) -> str:
-            if kind is ScalarNode and implicit[0] and len(value) > 4096:  # no number, date or bool is this long:
-                return self.DEFAULT_SCALAR_TAG  # a string, without the implicit types' regexes (slow on 1 MiB)
+            # no number, date or bool is this long:
+            if kind is ScalarNode and implicit[0] and len(value) > 4096:
+                # a string, without the implicit types' regexes (slow on 1 MiB)
+                return self.DEFAULT_SCALAR_TAG
             return super().resolve(kind, value, implicit)
 
     return StrictLoader
@@ -277,39 +295,44 @@ def validate(raw: dict[str, Any], source: str = "<config>") -> LaunchConfig:
             if values[section] is None:
                 values[section] = {}
             if not isinstance(values[section], dict):
-                raise ConfigError(f"{source}: {section} must be a mapping, got {show(values[section])}")
+                raise ConfigError(f"{source}: {section} must be a mapping, got "
+                                  f"{show(values[section])}")
             values[section], more = _check_keys(values[section], model, source, prefix=section + ".")
             unused += more
     config = LaunchConfig(**values)
     _check_together(config, source)
     if unused:
-        note(f"{source}: {', '.join(unused)} accepted from Accelerate's format; they have no effect in hf_backend")
+        note(f"{source}: {', '.join(unused)} accepted from Accelerate's format; they have no "
+             "effect in hf_backend")
     return config
 
 
 def validate_section(raw: dict[str, Any], model: type, source: str) -> dict[str, Any]:
-    """One section on its own (transformers' flat `fsdp_config`, say), checked like the same keys in a config file;
-    returns the values it gives under the model's field names, in canonical form."""
+    """One section on its own (transformers' flat `fsdp_config`, say), checked like the same keys in a
+    config file; returns the values it gives under the model's field names, in canonical form."""
     if not isinstance(raw, dict):
-        raise ConfigError(f"{source} must be a mapping of option names to values, not a {type(raw).__name__}")
+        raise ConfigError(f"{source} must be a mapping of option names to values, not a "
+                          f"{type(raw).__name__}")
     values, unused = _check_keys(raw, model, source, prefix="")
     if unused:
-        note(f"{source}: {', '.join(unused)} accepted from Accelerate's format; they have no effect in hf_backend")
+        note(f"{source}: {', '.join(unused)} accepted from Accelerate's format; they have no "
+             "effect in hf_backend")
     return values
 
 
 def _check_keys(raw: dict, model: type, source: str, prefix: str) -> tuple[dict[str, Any], list[str]]:
     fields = fields_of(model)
     aliases = {alias: name for name, f in fields.items() for alias in f.metadata["aliases"]}
-    if model is not LaunchConfig:  # section keys may drop their `fsdp_` prefix, as transformers' fsdp_config does
+    # section keys may drop their `fsdp_` prefix, as transformers' fsdp_config does
+    if model is not LaunchConfig:
         aliases.update({name.removeprefix("fsdp_"): name for name in fields if name.startswith("fsdp_")})
         aliases.update({alias.removeprefix("fsdp_"): name for alias, name in list(aliases.items())})
     values: dict[str, Any] = {}
     unused: list[str] = []
     for raw_key, value in raw.items():
         if not isinstance(raw_key, str):
-            raise ConfigError(f"{source}: key {show(raw_key)} in {prefix or 'the top level'} is not a name; "
-                              "keys are strings such as mixed_precision")
+            raise ConfigError(f"{source}: key {show(raw_key)} in {prefix or 'the top level'} is "
+                              "not a name; keys are strings such as mixed_precision")
         name = raw_key if raw_key in fields else aliases.get(raw_key)
         if name is None:
             shown = show(prefix + raw_key) if len(raw_key) > 60 or not raw_key.isprintable() else \
@@ -319,7 +342,8 @@ def _check_keys(raw: dict, model: type, source: str, prefix: str) -> tuple[dict[
             hint = f"did you mean '{prefix}{close[0]}'?" if close else "see docs/config.md for the valid keys"
             raise ConfigError(f"{source}: unknown key {shown}; {hint}")
         if name in values:
-            raise ConfigError(f"{source}: '{prefix}{raw_key}' repeats '{prefix}{name}'; keep one of them")
+            raise ConfigError(f"{source}: '{prefix}{raw_key}' repeats '{prefix}{name}'; keep one "
+                              "of them")
         f = fields[name]
         values[name] = coerce(value, f, f"{source}: {prefix}{raw_key}")
         if f.metadata["unused"]:
@@ -327,24 +351,26 @@ def _check_keys(raw: dict, model: type, source: str, prefix: str) -> tuple[dict[
     return values, unused
 
 
-# Top-level keys of DeepSpeed's own JSON config (Accelerate's DeepSpeed templates have them) that are never keys
-# of an accelerate config's top level.
+# Top-level keys of DeepSpeed's own JSON config (Accelerate's DeepSpeed templates have them) that
+# are never keys of an accelerate config's top level.
 _DEEPSPEED_KEYS = ("zero_optimization", "train_micro_batch_size_per_gpu", "train_batch_size", "fp16", "bf16",
                    "optimizer", "scheduler", "steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer",
                    "activation_checkpointing", "flops_profiler", "amp")
 
 
 def _refuse_deepspeed_keys(raw: dict, source: str) -> None:
-    """A DeepSpeed config given where an accelerate config belongs (or its keys pasted into one): say where it goes."""
+    """A DeepSpeed config given where an accelerate config belongs (or its keys pasted into one): say
+    where it goes."""
     found = [k for k in _DEEPSPEED_KEYS if k in raw]
     if not found:
         return
     if "distributed_type" not in raw and "compute_environment" not in raw:
-        raise ConfigError(f"{source} looks like a DeepSpeed config ({', '.join(found[:4])}); pass it as "
-                          "deepspeed_config_file: under deepspeed_config in an accelerate config, or to "
-                          "`hf-backend launch --deepspeed_config_file`")
-    raise ConfigError(f"{source}: '{found[0]}' is a key of DeepSpeed's own JSON config, not of an accelerate config; "
-                      "put DeepSpeed settings in a JSON file named by deepspeed_config.deepspeed_config_file")
+        raise ConfigError(f"{source} looks like a DeepSpeed config ({', '.join(found[:4])}); pass "
+                          "it as deepspeed_config_file: under deepspeed_config in an accelerate "
+                          "config, or to `hf-backend launch --deepspeed_config_file`")
+    raise ConfigError(f"{source}: '{found[0]}' is a key of DeepSpeed's own JSON config, not of an "
+                      "accelerate config; put DeepSpeed settings in a JSON file named by "
+                      "deepspeed_config.deepspeed_config_file")
 
 
 def coerce(value: Any, f: dataclasses.Field, where: str) -> Any:
@@ -365,8 +391,9 @@ def coerce(value: Any, f: dataclasses.Field, where: str) -> Any:
         raise ConfigError(f"{where} is empty; give it a value (default {show(default)})")
     if meta["int_choices"] and isinstance(value, int) and not isinstance(value, bool):
         if value not in meta["int_choices"]:
-            raise ConfigError(f"{where}={show(value)} is not one of {', '.join(map(str, meta['int_choices']))} "
-                              f"or {', '.join(meta['choices'])}")
+            raise ConfigError(f"{where}={show(value)} is not one of "
+                              f"{', '.join(map(str, meta['int_choices']))} or "
+                              f"{', '.join(meta['choices'])}")
         return meta["int_choices"][value]
     if kind is bool:
         result = _as_bool(value)
@@ -380,7 +407,8 @@ def coerce(value: Any, f: dataclasses.Field, where: str) -> Any:
         allowed = _allowed(meta["choices"], kind)
         raise ConfigError(f"{where}={show(value)} is not valid; use {allowed}")
     if meta["choices"] is not None and result not in meta["choices"]:
-        raise ConfigError(f"{where}={show(value)} is not one of {', '.join(map(str, meta['choices']))}")
+        raise ConfigError(f"{where}={show(value)} is not one of "
+                          f"{', '.join(map(str, meta['choices']))}")
     if meta["minimum"] is not None and result < meta["minimum"]:
         raise ConfigError(f"{where}={show(value)} must be at least {meta['minimum']}")
     if meta["maximum"] is not None and result > meta["maximum"]:
@@ -445,22 +473,27 @@ def _allowed(choices: tuple | None, kind: type) -> str:
 
 def _check_together(config: LaunchConfig, source: str) -> None:
     if config.machine_rank >= config.num_machines:
-        raise ConfigError(f"{source}: machine_rank={config.machine_rank} needs num_machines > {config.machine_rank}")
+        raise ConfigError(f"{source}: machine_rank={config.machine_rank} needs num_machines > "
+                          f"{config.machine_rank}")
     if config.num_processes % config.num_machines:
-        raise ConfigError(f"{source}: num_processes={config.num_processes} (the total) does not divide over "
-                          f"num_machines={config.num_machines}")
+        raise ConfigError(f"{source}: num_processes={config.num_processes} (the total) does not "
+                          f"divide over num_machines={config.num_machines}")
     if config.num_machines > 1 and not config.main_process_ip:
-        raise ConfigError(f"{source}: num_machines={config.num_machines} needs main_process_ip (machine 0's address)")
+        raise ConfigError(f"{source}: num_machines={config.num_machines} needs main_process_ip "
+                          "(machine 0's address)")
     for section, kind in (("fsdp_config", "FSDP"), ("deepspeed_config", "DEEPSPEED")):
         if getattr(config, section) and config.distributed_type != kind:
-            note(f"{source}: {section} is not used because distributed_type is {config.distributed_type}")
+            note(f"{source}: {section} is not used because distributed_type is "
+                 f"{config.distributed_type}")
     if config.parallelism_config and config.distributed_type == "DEEPSPEED":
-        raise ConfigError(f"{source}: parallelism_config goes with the native path, not DeepSpeed; set "
-                          "distributed_type FSDP (or MULTI_CPU / MULTI_GPU) or drop parallelism_config")
+        raise ConfigError(f"{source}: parallelism_config goes with the native path, not DeepSpeed; "
+                          "set distributed_type FSDP (or MULTI_CPU / MULTI_GPU) or drop "
+                          "parallelism_config")
 
 
 def write_config(config: LaunchConfig, path: str | os.PathLike) -> Path:
-    """Write `config` as YAML (or JSON for a .json path), in the layout `accelerate config` writes."""
+    """Write `config` as YAML (or JSON for a .json path), in the layout `accelerate config` writes.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     data = config.to_dict()

@@ -1,10 +1,11 @@
-"""How many processes each parallelism spans: `ParallelismConfig` (Accelerate's class: its field names and its
-PARALLELISM_CONFIG_* variables) and `MeshShape`, the one resolved value a strategy builds its DeviceMesh from.
+"""How many processes each parallelism spans: `ParallelismConfig` (Accelerate's class: its field names
+and its PARALLELISM_CONFIG_* variables) and `MeshShape`, the one resolved value a strategy builds
+its DeviceMesh from.
 
 A config enters as Accelerate's object, ours or a dict, and is checked once against the world size
 (`MeshShape.of`); from there on only the shape is asked. FSDP's sharding strategies are shapes too
-(`MeshShape.for_fsdp`): FULL_SHARD shards over every process, HYBRID_SHARD replicates across machines, NO_SHARD
-replicates everywhere.
+(`MeshShape.for_fsdp`): FULL_SHARD shards over every process, HYBRID_SHARD replicates across
+machines, NO_SHARD replicates everywhere.
 """
 
 from __future__ import annotations
@@ -31,29 +32,34 @@ class TorchTensorParallelConfig:
 
     def __post_init__(self) -> None:
         if self.enable_async_tp:
-            note("TorchTensorParallelConfig(enable_async_tp=True): async tensor parallelism is not applied")
+            note("TorchTensorParallelConfig(enable_async_tp=True): async tensor parallelism is not "
+                 "applied")
 
 
 @dataclasses.dataclass
 class TorchContextParallelConfig:
-    """Accelerate's handler for `ParallelismConfig(cp_handler=...)`. hf_backend's context parallelism all-gathers
-    the keys and values (strategies/context_parallel.py); "alltoall" is noted and runs the same way."""
+    """Accelerate's handler for `ParallelismConfig(cp_handler=...)`. hf_backend's context parallelism
+    all-gathers the keys and values (strategies/context_parallel.py); "alltoall" is noted and runs
+    the same way."""
 
     cp_comm_strategy: str = "allgather"
 
     def __post_init__(self) -> None:
         if self.cp_comm_strategy not in ("allgather", "alltoall"):
-            raise ConfigError(f"TorchContextParallelConfig cp_comm_strategy={show(self.cp_comm_strategy)}: use "
-                              "'allgather' or 'alltoall'")
+            raise ConfigError("TorchContextParallelConfig "
+                              f"cp_comm_strategy={show(self.cp_comm_strategy)}: use 'allgather' or "
+                              "'alltoall'")
         if self.cp_comm_strategy == "alltoall":
-            note("TorchContextParallelConfig(cp_comm_strategy='alltoall'): hf_backend all-gathers keys and values")
+            note("TorchContextParallelConfig(cp_comm_strategy='alltoall'): hf_backend all-gathers "
+                 "keys and values")
 
 
 @dataclasses.dataclass
 class ParallelismConfig:
-    """Accelerate's `ParallelismConfig`: sizes left unset come from PARALLELISM_CONFIG_<NAME> (what `hf-backend
-    launch --parallelism_config_tp_size 2` and `accelerate launch` set), else 1. Sequence parallelism (DeepSpeed
-    Ulysses, `sp_size`) is refused; `tp_handler` / `cp_handler` take the handlers above."""
+    """Accelerate's `ParallelismConfig`: sizes left unset come from PARALLELISM_CONFIG_<NAME> (what
+    `hf-backend launch --parallelism_config_tp_size 2` and `accelerate launch` set), else 1.
+    Sequence parallelism (DeepSpeed Ulysses, `sp_size`) is refused; `tp_handler` / `cp_handler` take
+    the handlers above."""
 
     dp_replicate_size: int | None = None
     dp_shard_size: int | None = None
@@ -75,15 +81,18 @@ class ParallelismConfig:
                 try:
                     value = int(raw)
                 except ValueError:
-                    raise ConfigError(f"environment variable {variable}={raw!r} must be an integer >= 1") from None
+                    raise ConfigError(f"environment variable {variable}={raw!r} must be an integer "
+                                      ">= 1") from None
             setattr(self, name, whole(value, f"ParallelismConfig {name}", minimum=1))
         self.cp_backend = self.cp_backend or os.environ.get(ENV_PREFIX + "CP_BACKEND") or "torch"
         self.sp_backend = self.sp_backend or os.environ.get(ENV_PREFIX + "SP_BACKEND") or "deepspeed"
         if self.cp_backend != "torch":
-            raise ConfigError(f"ParallelismConfig cp_backend={show(self.cp_backend)}: the one backend is 'torch'")
+            raise ConfigError(f"ParallelismConfig cp_backend={show(self.cp_backend)}: the one "
+                              "backend is 'torch'")
         if self.sp_size > 1:
-            raise ConfigError(f"ParallelismConfig sp_size={self.sp_size}: DeepSpeed Ulysses sequence parallelism is "
-                              "not supported by hf_backend; split long sequences with cp_size instead")
+            raise ConfigError(f"ParallelismConfig sp_size={self.sp_size}: DeepSpeed Ulysses "
+                              "sequence parallelism is not supported by hf_backend; split long "
+                              "sequences with cp_size instead")
 
     @classmethod
     def of(cls, value: Any, where: str = "parallelism_config") -> ParallelismConfig:
@@ -98,11 +107,12 @@ class ParallelismConfig:
             return cls(**value)
         if all(hasattr(value, name) for name in _SIZES):
             return cls(**{f.name: getattr(value, f.name, None) for f in dataclasses.fields(cls)})
-        raise ConfigError(f"{where}={show(value)} must be a ParallelismConfig (hf_backend's or Accelerate's) or a "
-                          "dict of its sizes")
+        raise ConfigError(f"{where}={show(value)} must be a ParallelismConfig (hf_backend's or "
+                          "Accelerate's) or a dict of its sizes")
 
     def to_json(self) -> dict[str, Any]:
-        """What TrainingArguments.to_dict() writes (transformers calls it): the sizes and backends."""
+        """What TrainingArguments.to_dict() writes (transformers calls it): the sizes and backends.
+        """
         return {name: getattr(self, name) for name in (*_SIZES, "cp_backend", "sp_backend")}
 
     # Accelerate's read-only views, which transformers' Trainer and Accelerate's examples ask
@@ -115,8 +125,9 @@ class ParallelismConfig:
     data_parallel_size = property(lambda self: self.dp_replicate_size * self.dp_shard_size)
     non_data_parallel_size = property(lambda self: self.tp_size * self.cp_size * self.sp_size)
 
-    # Accelerate's mesh dimension names: the dimensions of size > 1 among those each group joins (the mesh itself
-    # has every dimension, and the flattened `dp`, `dp_shard_cp` and `dp_cp`: hf_backend/device_mesh.py)
+    # Accelerate's mesh dimension names: the dimensions of size > 1 among those each group joins
+    # (the mesh itself has every dimension, and the flattened `dp`, `dp_shard_cp` and `dp_cp`:
+    # hf_backend/device_mesh.py)
     dp_dim_names = property(lambda self: self._enabled("dp_replicate", "dp_shard"))
     non_dp_dim_names = property(lambda self: self._enabled("tp", "cp", "sp"))
     dp_shard_cp_dim_names = property(lambda self: self._enabled("dp_shard", "cp"))
@@ -129,9 +140,9 @@ class ParallelismConfig:
         return [dim for dim in dims if getattr(self, f"{dim}_size") > 1]
 
     def build_device_mesh(self, device_type: str) -> Any:
-        """The run's DeviceMesh for these sizes over this run's processes (the one the engine then uses, with
-        Accelerate's dimension names; the process state is set up first, as an Accelerator would); None when every
-        size is 1, as in Accelerate."""
+        """The run's DeviceMesh for these sizes over this run's processes (the one the engine then
+        uses, with Accelerate's dimension names; the process state is set up first, as an
+        Accelerator would); None when every size is 1, as in Accelerate."""
         from ..device_mesh import build_mesh
         from ..state import get_process_state
 
@@ -141,23 +152,26 @@ class ParallelismConfig:
         return build_mesh(MeshShape.of(self, process.num_processes), process.device.type)
 
     def get_device_mesh(self, device_type: str | None = None) -> Any:
-        """The mesh built once (`build_device_mesh` on the first call, which needs `device_type`)."""
+        """The mesh built once (`build_device_mesh` on the first call, which needs `device_type`).
+        """
         if self.device_mesh is None:
             if device_type is None:
-                raise ConfigError("ParallelismConfig.get_device_mesh(): no mesh is built yet; pass a device_type "
-                                  "such as 'cpu' or 'cuda'")
+                raise ConfigError("ParallelismConfig.get_device_mesh(): no mesh is built yet; pass "
+                                  "a device_type such as 'cpu' or 'cuda'")
             self.device_mesh = self.build_device_mesh(device_type)
         elif device_type is not None and self.device_mesh.device_type != device_type:
-            raise ConfigError(f"ParallelismConfig.get_device_mesh({device_type!r}): the mesh was built for "
-                              f"{self.device_mesh.device_type!r}; ask for that device type")
+            raise ConfigError(f"ParallelismConfig.get_device_mesh({device_type!r}): the mesh was "
+                              f"built for {self.device_mesh.device_type!r}; ask for that device "
+                              "type")
         return self.device_mesh
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshShape:
-    """The process grid, outermost dimension first: data-parallel replicas, data-parallel shards, context-parallel
-    sequence slices, tensor-parallel shards. Rank r sits at (r // (shard*cp*tp), ..., r % tp): ranks that differ
-    only in their cp and tp coordinates are neighbours and share a batch."""
+    """The process grid, outermost dimension first: data-parallel replicas, data-parallel shards,
+    context-parallel sequence slices, tensor-parallel shards. Rank r sits at (r // (shard*cp*tp),
+    ..., r % tp): ranks that differ only in their cp and tp coordinates are neighbours and share a
+    batch."""
 
     dp_replicate: int = 1
     dp_shard: int = 1
@@ -191,8 +205,8 @@ class MeshShape:
 
     @classmethod
     def of(cls, config: ParallelismConfig, world: int) -> MeshShape:
-        """The shape a config asks for, checked against the world size. All sizes 1 (an empty config, as Accelerate
-        reads it) means data parallelism over every process."""
+        """The shape a config asks for, checked against the world size. All sizes 1 (an empty config,
+        as Accelerate reads it) means data parallelism over every process."""
         if config.total_size == 1:
             return cls(dp_replicate=world)
         shape = cls(config.dp_replicate_size, config.dp_shard_size, config.cp_size, config.tp_size)
@@ -200,7 +214,8 @@ class MeshShape:
             sizes = " x ".join(f"{name}_size {size}" for name, size in zip(cls.DIMS, shape.sizes) if size > 1)
             fix = f"set dp_shard_size={config.dp_shard_size * world // shape.world} or launch {shape.world} " \
                   "processes" if world % shape.world == 0 else f"launch {shape.world} processes"
-            raise ConfigError(f"ParallelismConfig: {sizes} makes {shape.world} processes, but {world} run; {fix}")
+            raise ConfigError(f"ParallelismConfig: {sizes} makes {shape.world} processes, but "
+                              f"{world} run; {fix}")
         return shape
 
     @classmethod
@@ -221,16 +236,21 @@ class MeshShape:
 
 
 def loaded_shape(model: Any) -> MeshShape | None:
-    """The grid transformers sharded a model over while loading it (`from_pretrained(distributed_config=...)`, or
-    `tp_plan=`: its own mesh over every process), as the engine's shape: the run's grid must be that one. None for a
-    model loaded whole. Pipeline and expert parallelism from a DistributedConfig are refused here, in one line."""
+    """The grid transformers sharded a model over while loading it
+    (`from_pretrained(distributed_config=...)`, or
+    `tp_plan=`: its own mesh over every process), as the engine's shape: the run's grid must be that
+    one. None for a model loaded whole. Pipeline and expert parallelism from a DistributedConfig are
+    refused here, in one line."""
     if getattr(model, "is_distributed_loading_by_transformers", False):
         config = model.config.distributed_config
         for name, what in (("pp_size", "pipeline"), ("ep_size", "expert")):
             if (getattr(config, name, 1) or 1) > 1:
-                raise ConfigError(f"the model was loaded with DistributedConfig({name}={getattr(config, name)}): "
-                                  f"{what} parallelism is not supported by hf_backend yet; load it without {name}")
+                raise ConfigError("the model was loaded with "
+                                  f"DistributedConfig({name}={getattr(config, name)}): {what} "
+                                  "parallelism is not supported by hf_backend yet; load it "
+                                  f"without {name}")
         return MeshShape(dp_replicate=config.dp_replicate_size or 1, dp_shard=config.fsdp_size or 1,
                          tp=config.tp_size or 1)
-    tp = getattr(model, "tp_size", None) or 1  # transformers before DistributedConfig: tp_plan alone
+    # transformers before DistributedConfig: tp_plan alone
+    tp = getattr(model, "tp_size", None) or 1
     return MeshShape(tp=tp) if tp > 1 else None

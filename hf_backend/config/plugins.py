@@ -1,4 +1,5 @@
-"""`FullyShardedDataParallelPlugin` and `DeepSpeedPlugin`: options with the field names users know from Accelerate.
+"""`FullyShardedDataParallelPlugin` and `DeepSpeedPlugin`: options with the field names users know from
+Accelerate.
 
 Each FSDP field may be given as Accelerate and transformers spell it (strings, 1-5 for sharding
 strategies, torch enums, FSDP1 config objects); `resolved()` converts a plugin, once, into
@@ -88,15 +89,17 @@ class FullyShardedDataParallelPlugin:
 
     # Accelerate's public plugin methods, for scripts that call them before handing the plugin over.
     def set_state_dict_type(self, state_dict_type: Any = None) -> None:
-        """The checkpoint kind: the value given, else FSDP_STATE_DICT_TYPE from the environment, else full."""
+        """The checkpoint kind: the value given, else FSDP_STATE_DICT_TYPE from the environment, else
+        full."""
         self.state_dict_type = state_dict_type or self.state_dict_type or os.environ.get(
             "FSDP_STATE_DICT_TYPE", "FULL_STATE_DICT")
         self.given_options()
 
     def set_auto_wrap_policy(self, model: torch.nn.Module) -> None:
-        """The policy set, else FSDP_AUTO_WRAP_POLICY from the environment (with FSDP_TRANSFORMER_CLS_TO_WRAP and
-        FSDP_MIN_NUM_PARAMS, as Accelerate reads them), else transformer-based; for transformer-based wrapping
-        without layer classes named, the model's `_no_split_modules`."""
+        """The policy set, else FSDP_AUTO_WRAP_POLICY from the environment (with
+        FSDP_TRANSFORMER_CLS_TO_WRAP and FSDP_MIN_NUM_PARAMS, as Accelerate reads them), else
+        transformer-based; for transformer-based wrapping without layer classes named, the model's
+        `_no_split_modules`."""
         policy = _plain(self.auto_wrap_policy) or os.environ.get("FSDP_AUTO_WRAP_POLICY") or "TRANSFORMER_BASED_WRAP"
         if not self.transformer_cls_names_to_wrap and os.environ.get("FSDP_TRANSFORMER_CLS_TO_WRAP"):
             self.transformer_cls_names_to_wrap = os.environ["FSDP_TRANSFORMER_CLS_TO_WRAP"].split(",")
@@ -107,15 +110,16 @@ class FullyShardedDataParallelPlugin:
         if policy == "TRANSFORMER_BASED_WRAP" and not self.transformer_cls_names_to_wrap:
             names = list(getattr(model, "_no_split_modules", None) or [])
             if not names:
-                raise ConfigError(f"set_auto_wrap_policy: {type(model).__name__} names no layer classes "
-                                  "(_no_split_modules); set transformer_cls_names_to_wrap=[...]")
+                raise ConfigError(f"set_auto_wrap_policy: {type(model).__name__} names no layer "
+                                  "classes (_no_split_modules); set "
+                                  "transformer_cls_names_to_wrap=[...]")
             self.transformer_cls_names_to_wrap = names
         self.auto_wrap_policy = policy
 
     def set_mixed_precision(self, mixed_precision: str | torch.dtype, buffer_autocast: bool = False,
                             override: bool = False) -> None:
-        """FSDP2's policy for `mixed_precision` ("fp16", "bf16" or "fp32"): parameters in that dtype, gradients
-        reduced in fp32. Kept when one is set, unless `override`."""
+        """FSDP2's policy for `mixed_precision` ("fp16", "bf16" or "fp32"): parameters in that dtype,
+        gradients reduced in fp32. Kept when one is set, unless `override`."""
         from ..precision import dtype_of
 
         dtype = dtype_of("fp32" if mixed_precision == "no" else mixed_precision, "set_mixed_precision")
@@ -171,7 +175,8 @@ _POLICY_FUNCTIONS = {"transformer_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
 
 
 def _plain(value: Any) -> Any:
-    """Enums (torch's or Accelerate's) by name, offload objects by their flag, torch's wrap policies by name."""
+    """Enums (torch's or Accelerate's) by name, offload objects by their flag, torch's wrap policies by
+    name."""
     if hasattr(value, "offload_params"):
         return value.offload_params
     if value.__class__.__name__ in ("CPUOffloadPolicy", "OffloadPolicy"):
@@ -185,9 +190,9 @@ def _plain(value: Any) -> Any:
 
 @dataclass
 class DeepSpeedPlugin:
-    """DeepSpeed options with Accelerate's field names. `hf_ds_config` (a dict or a JSON path) is the base config;
-    a field given here fills the matching key where the config lacks it or says "auto", and contradicting a concrete
-    value in the config is an error."""
+    """DeepSpeed options with Accelerate's field names. `hf_ds_config` (a dict or a JSON path) is the
+    base config; a field given here fills the matching key where the config lacks it or says "auto",
+    and contradicting a concrete value in the config is an error."""
 
     hf_ds_config: Any = None
     zero_stage: int | None = None
@@ -203,11 +208,13 @@ class DeepSpeedPlugin:
     @classmethod
     def from_section(cls, section: DeepSpeedSection) -> DeepSpeedPlugin:
         if section.deepspeed_moe_layer_cls_names:
-            raise ConfigError("deepspeed_config deepspeed_moe_layer_cls_names: mixture-of-experts leaf modules are not "
-                              "supported by hf_backend's DeepSpeed strategy; remove the key")
+            raise ConfigError("deepspeed_config deepspeed_moe_layer_cls_names: mixture-of-experts "
+                              "leaf modules are not supported by hf_backend's DeepSpeed strategy; "
+                              "remove the key")
         steps = section.gradient_accumulation_steps
         return cls(hf_ds_config=section.deepspeed_config_file, zero_stage=section.zero_stage,
-                   gradient_accumulation_steps=steps if steps != 1 else None,  # 1 (the default): the file's, if any
+                   # 1 (the default): the file's, if any
+                   gradient_accumulation_steps=steps if steps != 1 else None,
                    gradient_clipping=section.gradient_clipping,
                    offload_optimizer_device=section.offload_optimizer_device,
                    offload_param_device=section.offload_param_device, zero3_init_flag=section.zero3_init_flag,
@@ -222,10 +229,12 @@ class DeepSpeedPlugin:
             return obj
         values = {f.name: getattr(obj, f.name) for f in dataclasses.fields(cls) if hasattr(obj, f.name)}
         config = getattr(obj, "hf_ds_config", None)
-        values["hf_ds_config"] = getattr(config, "config", config)  # Accelerate wraps it in HfDeepSpeedConfig
+        # Accelerate wraps it in HfDeepSpeedConfig
+        values["hf_ds_config"] = getattr(config, "config", config)
         return cls(**values)
 
-    # Accelerate's public plugin methods that read the config; the config is resolved when the strategy is built.
+    # Accelerate's public plugin methods that read the config; the config is resolved when the
+    # strategy is built.
     def get_value(self, ds_key_long: str, default: Any = None) -> Any:
         """The config value at a dotted key ("zero_optimization.stage"), or `default`."""
         value: Any = self.config()
@@ -237,9 +246,10 @@ class DeepSpeedPlugin:
 
     @property
     def deepspeed_config(self) -> dict[str, Any]:
-        """Accelerate's attribute: the config in effect, as `config()` gives it (with transformers' "auto" values
-        filled from the TrainingArguments when it came through them). TRL reads it to build its reference model's
-        engine; the strategy resolves what is still "auto" when it builds the training engine."""
+        """Accelerate's attribute: the config in effect, as `config()` gives it (with transformers'
+        "auto" values filled from the TrainingArguments when it came through them). TRL reads it to
+        build its reference model's engine; the strategy resolves what is still "auto" when it
+        builds the training engine."""
         return self.config()
 
     def is_auto(self, ds_key_long: str) -> bool:
@@ -251,7 +261,8 @@ class DeepSpeedPlugin:
     def set_mixed_precision(self, mixed_precision: str) -> None:
         """Turn on fp16 or bf16 in the config where it says nothing (or "auto")."""
         if mixed_precision not in ("fp16", "bf16", "no"):
-            raise ConfigError(f"DeepSpeedPlugin.set_mixed_precision: {mixed_precision!r} is not fp16, bf16 or no")
+            raise ConfigError(f"DeepSpeedPlugin.set_mixed_precision: {mixed_precision!r} is not "
+                              "fp16, bf16 or no")
         if mixed_precision != "no":
             config = self.config()
             if config.get(mixed_precision, {}).get("enabled", "auto") == "auto":
@@ -259,37 +270,41 @@ class DeepSpeedPlugin:
                 self.hf_ds_config = config
 
     def set_deepspeed_weakref(self) -> None:
-        """Accelerate registers the config with transformers here; hf_backend's strategy does that when it builds
-        the engine, so there is nothing to do yet."""
+        """Accelerate registers the config with transformers here; hf_backend's strategy does that when
+        it builds the engine, so there is nothing to do yet."""
 
     def select(self, _from_accelerator_state: bool = False) -> None:
         """One plugin per Accelerator here: it is always the selected one."""
 
     def deepspeed_config_process(self, *args: Any, **kwargs: Any) -> None:
-        raise ConfigError("DeepSpeedPlugin.deepspeed_config_process: hf_backend fills the config's \"auto\" values "
-                          "when the engine is built, from the prepared model, optimizer and loader; do not call it")
+        raise ConfigError("DeepSpeedPlugin.deepspeed_config_process: hf_backend fills the config's "
+                          "\"auto\" values when the engine is built, from the prepared model, "
+                          "optimizer and loader; do not call it")
 
     fill_match = deepspeed_config_process
 
     def zero3_init_context_manager(self, enable: bool = False) -> Any:
-        raise ConfigError("DeepSpeedPlugin.zero3_init_context_manager: set zero3_init_flag=True and build the model "
-                          "after Accelerator(); hf_backend's strategy enters deepspeed.zero.Init itself")
+        raise ConfigError("DeepSpeedPlugin.zero3_init_context_manager: set zero3_init_flag=True "
+                          "and build the model after Accelerator(); hf_backend's strategy enters "
+                          "deepspeed.zero.Init itself")
 
     def set_moe_leaf_modules(self, model: torch.nn.Module) -> None:
-        raise ConfigError("DeepSpeedPlugin.set_moe_leaf_modules: mixture-of-experts leaf modules are not supported "
-                          "by hf_backend's DeepSpeed strategy")
+        raise ConfigError("DeepSpeedPlugin.set_moe_leaf_modules: mixture-of-experts leaf modules "
+                          "are not supported by hf_backend's DeepSpeed strategy")
 
     def config(self) -> dict[str, Any]:
         """The DeepSpeed config before "auto" values are resolved against the prepared objects."""
         base = self.hf_ds_config
-        base = getattr(base, "config", base)  # transformers' HfDeepSpeedConfig holds the dict as `.config`
+        # transformers' HfDeepSpeedConfig holds the dict as `.config`
+        base = getattr(base, "config", base)
         if base is None:
             config: dict[str, Any] = {}
         elif isinstance(base, dict):
             config = json.loads(json.dumps(base))  # a deep copy the engine may fill in
         else:
             if not Path(base).is_file():
-                raise ConfigError(f"DeepSpeedPlugin(hf_ds_config={str(base)!r}): no such file; pass a dict or a path")
+                raise ConfigError(f"DeepSpeedPlugin(hf_ds_config={str(base)!r}): no such file; "
+                                  "pass a dict or a path")
             config = read_mapping(base, json_only=True)
         zero = config.setdefault("zero_optimization", {})
         fields = fields_of(DeepSpeedSection)
@@ -306,7 +321,8 @@ class DeepSpeedPlugin:
                 value = coerce(value, field, f"DeepSpeedPlugin.{key}")
             current = where.get(key, "auto")
             if current != "auto" and current != value:
-                raise ConfigError(f"DeepSpeedPlugin: {key}={value!r} contradicts {current!r} in hf_ds_config; keep one")
+                raise ConfigError(f"DeepSpeedPlugin: {key}={value!r} contradicts {current!r} in "
+                                  "hf_ds_config; keep one")
             where[key] = value
         for kind, device, nvme_path in (
                 ("offload_optimizer", self.offload_optimizer_device, self.offload_optimizer_nvme_path),
@@ -315,8 +331,8 @@ class DeepSpeedPlugin:
                 zero.setdefault(kind, {})["device"] = device
             if nvme_path not in (None, "none"):  # Accelerate's plugin says "none"
                 if zero.get(kind, {}).get("device") != "nvme":
-                    raise ConfigError(f"DeepSpeed {kind}_nvme_path={nvme_path!r} needs {kind}_device 'nvme'; set it "
-                                      "or remove the path")
+                    raise ConfigError(f"DeepSpeed {kind}_nvme_path={nvme_path!r} needs "
+                                      f"{kind}_device 'nvme'; set it or remove the path")
                 zero[kind].setdefault("nvme_path", nvme_path)
         zero.setdefault("stage", 2)
         return config

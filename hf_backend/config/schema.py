@@ -1,10 +1,10 @@
 """The config model: every key a config file may hold, its type, allowed values, default and meaning.
 
-It reads the files `accelerate config` writes (same key names, same layout) and is the one source for validation,
-`hf-backend config` questions, and the generated reference in docs/config.md. Each field's metadata says:
-help (one line), choices (canonical spellings), minimum and maximum (every number has a range), unused (accepted
-from Accelerate, means nothing here), aliases (older or prefix-less spellings), question (asked by the interactive
-`hf-backend config`).
+It reads the files `accelerate config` writes (same key names, same layout) and is the one source
+for validation, `hf-backend config` questions, and the generated reference in docs/config.md. Each
+field's metadata says: help (one line), choices (canonical spellings), minimum and maximum (every
+number has a range), unused (accepted from Accelerate, means nothing here), aliases (older or
+prefix-less spellings), question (asked by the interactive `hf-backend config`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from typing import Any
 
 DISTRIBUTED_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU", "FSDP", "DEEPSPEED")
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
-# Ranges far above any real job (the largest runs have ~10^5 accelerators), there to refuse typos and overflows.
+# Ranges far above any real job (the largest runs have ~10^5 accelerators), there to refuse typos
+# and overflows.
 MAX_PROCESSES = 1 << 20
 MAX_MACHINES = 1 << 16
 MAX_ACCUMULATION = 1_000_000
@@ -36,13 +37,15 @@ class FsdpSection:
     """`fsdp_config:`, read into the FSDP strategy's options (config/fsdp.py). Keys may be written
     with or without the `fsdp_` prefix."""
 
-    fsdp_version: int = key(2, "1 is accepted and mapped onto FSDP2 (fully_shard), the only implementation used",
+    fsdp_version: int = key(2, "1 is accepted and mapped onto FSDP2 (fully_shard), the only "
+                               "implementation used",
                             choices=(1, 2))
     fsdp_sharding_strategy: str = key(
         "FULL_SHARD", "how parameters, gradients and optimizer state are sharded (1-5 as accelerate writes them)",
         choices=SHARDING_STRATEGIES, int_choices=dict(enumerate(SHARDING_STRATEGIES, start=1)),
         question="Sharding strategy")
-    fsdp_reshard_after_forward: bool = key(True, "free gathered parameters after forward (FSDP2's FULL_SHARD)")
+    fsdp_reshard_after_forward: bool = key(True, "free gathered parameters after forward (FSDP2's "
+                                                 "FULL_SHARD)")
     fsdp_offload_params: bool = key(False, "keep parameters and gradients on the CPU between uses",
                                     aliases=("cpu_offload",), question="Offload parameters to the CPU")
     fsdp_auto_wrap_policy: str = key("TRANSFORMER_BASED_WRAP", "which submodules become their own FSDP unit",
@@ -52,20 +55,25 @@ class FsdpSection:
         None, "comma-separated block class names to wrap (default: the model's _no_split_modules)",
         aliases=("transformer_cls_names_to_wrap",),  # Accelerate's plugin field name
         question="Transformer layer class names to wrap (empty: the model's own)")
-    fsdp_min_num_params: int = key(100_000_000, "smallest module size wrapped by SIZE_BASED_WRAP", minimum=0,
+    fsdp_min_num_params: int = key(100_000_000, "smallest module size wrapped by "
+                                                "SIZE_BASED_WRAP", minimum=0,
                                    maximum=10**15)
     fsdp_backward_prefetch: str = key("BACKWARD_PRE", "prefetch of the next unit's parameters in backward",
                                       choices=("BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"),
                                       aliases=("fsdp_backward_prefetch_policy",))
     fsdp_forward_prefetch: bool | None = key(
-        None, "prefetch the next unit's parameters in forward (unset: on the CPU yes, on GPUs FSDP2's own overlap)")
+        None, "prefetch the next unit's parameters in forward (unset: on the CPU yes, on GPUs "
+              "FSDP2's own overlap)")
     fsdp_state_dict_type: str = key("FULL_STATE_DICT", "checkpoint format of save_state",
-                                    choices=("FULL_STATE_DICT", "SHARDED_STATE_DICT"),  # FSDP2 has no local one
+                                    # FSDP2 has no local one
+                                    choices=("FULL_STATE_DICT", "SHARDED_STATE_DICT"),
                                     question="State dict type")
     fsdp_cpu_ram_efficient_loading: bool = key(False, "only rank 0 materializes pretrained weights")
     fsdp_sync_module_states: bool = key(True, "broadcast rank 0's weights at wrap time")
-    fsdp_use_orig_params: bool = key(True, "FSDP1 option; FSDP2 always keeps the original parameters")
-    fsdp_activation_checkpointing: bool = key(False, "recompute activations of each wrapped block in backward")
+    fsdp_use_orig_params: bool = key(True, "FSDP1 option; FSDP2 always keeps the original "
+                                           "parameters")
+    fsdp_activation_checkpointing: bool = key(False, "recompute activations of each wrapped block "
+                                                     "in backward")
 
 
 @dataclass
@@ -73,7 +81,8 @@ class DeepSpeedSection:
     """`deepspeed_config:`, read by the DeepSpeed strategy."""
 
     zero_stage: int = key(2, "ZeRO stage", choices=(0, 1, 2, 3), question="ZeRO stage")
-    gradient_accumulation_steps: int = key(1, "micro steps per optimizer step", minimum=1, maximum=MAX_ACCUMULATION)
+    gradient_accumulation_steps: int = key(1, "micro steps per optimizer "
+                                              "step", minimum=1, maximum=MAX_ACCUMULATION)
     gradient_clipping: float = key(1.0, "max gradient norm", minimum=0, maximum=1_000_000)
     offload_optimizer_device: str = key("none", "where optimizer state lives", choices=("none", "cpu", "nvme"),
                                         question="Offload optimizer state to")
@@ -82,33 +91,46 @@ class DeepSpeedSection:
     offload_param_nvme_path: str | None = key(None, "NVMe path for parameter offload")
     zero3_init_flag: bool = key(False, "partition parameters while the model is built (ZeRO-3)")
     zero3_save_16bit_model: bool = key(False, "gather 16-bit weights when saving a ZeRO-3 model")
-    deepspeed_config_file: str | None = key(None, "a DeepSpeed JSON config; its values win over the keys above")
+    deepspeed_config_file: str | None = key(None, "a DeepSpeed JSON config; its values win over "
+                                                  "the keys above")
     deepspeed_hostfile: str | None = key(None, "DeepSpeed's own multi-node launcher", unused=True)
-    deepspeed_inclusion_filter: str | None = key(None, "DeepSpeed's own multi-node launcher", unused=True)
-    deepspeed_exclusion_filter: str | None = key(None, "DeepSpeed's own multi-node launcher", unused=True)
-    deepspeed_multinode_launcher: str | None = key(None, "DeepSpeed's own multi-node launcher", unused=True)
+    deepspeed_inclusion_filter: str | None = key(None, "DeepSpeed's own multi-node "
+                                                       "launcher", unused=True)
+    deepspeed_exclusion_filter: str | None = key(None, "DeepSpeed's own multi-node "
+                                                       "launcher", unused=True)
+    deepspeed_multinode_launcher: str | None = key(None, "DeepSpeed's own multi-node "
+                                                         "launcher", unused=True)
     deepspeed_moe_layer_cls_names: str | None = key(None, "MoE layer classes kept whole by ZeRO-3")
 
 
 @dataclass
 class ParallelismSection:
     """`parallelism_config:` (Accelerate's keys and flags): the process grid of the native mesh path, a
-    ParallelismConfig in every process. The sizes multiply to the number of processes (all 1: not used)."""
+    ParallelismConfig in every process. The sizes multiply to the number of processes (all 1: not
+    used)."""
 
-    parallelism_config_dp_replicate_size: int = key(1, "data-parallel replicas (HSDP's replicate dimension)",
+    parallelism_config_dp_replicate_size: int = key(1, "data-parallel replicas (HSDP's replicate "
+                                                       "dimension)",
                                                     minimum=1, maximum=MAX_PROCESSES,
-                                                    question="Data-parallel replicas (dp_replicate_size)")
-    parallelism_config_dp_shard_size: int = key(1, "data-parallel shards (FSDP over this dimension)", minimum=1,
-                                                maximum=MAX_PROCESSES, question="FSDP shards (dp_shard_size)")
-    parallelism_config_tp_size: int = key(1, "tensor-parallel shards (from the model's tp_plan)", minimum=1,
-                                          maximum=MAX_PROCESSES, question="Tensor-parallel size (tp_size)")
-    parallelism_config_cp_size: int = key(1, "context-parallel slices of each sequence (causal attention)",
+                                                    question="Data-parallel replicas "
+                                                             "(dp_replicate_size)")
+    parallelism_config_dp_shard_size: int = key(1, "data-parallel shards (FSDP over this "
+                                                   "dimension)", minimum=1,
+                                                maximum=MAX_PROCESSES, question="FSDP shards "
+                                                                                "(dp_shard_size)")
+    parallelism_config_tp_size: int = key(1, "tensor-parallel shards (from the model's "
+                                             "tp_plan)", minimum=1,
+                                          maximum=MAX_PROCESSES, question="Tensor-parallel size "
+                                                                          "(tp_size)")
+    parallelism_config_cp_size: int = key(1, "context-parallel slices of each sequence (causal "
+                                             "attention)",
                                           minimum=1, maximum=MAX_PROCESSES,
                                           question="Context-parallel size (cp_size)")
     parallelism_config_cp_backend: str = key("torch", "context parallelism backend", choices=("torch",))
     parallelism_config_cp_comm_strategy: str = key("allgather", "how K/V are exchanged: hf_backend all-gathers them",
                                                    unused=True)
-    parallelism_config_sp_size: int = key(1, "DeepSpeed Ulysses sequence parallelism is not supported", minimum=1,
+    parallelism_config_sp_size: int = key(1, "DeepSpeed Ulysses sequence parallelism is not "
+                                             "supported", minimum=1,
                                           maximum=1)
     parallelism_config_sp_backend: str = key("deepspeed", "sequence parallelism backend", unused=True)
 
@@ -123,20 +145,26 @@ class LaunchConfig:
                                 question="Distributed type")
     mixed_precision: str = key("no", "autocast dtype", choices=("no", "fp16", "bf16"), question="Mixed precision")
     use_cpu: bool = key(False, "train on the CPU even when a GPU is there", question="Train on the CPU only")
-    num_processes: int = key(1, "processes in total, across all machines", minimum=1, maximum=MAX_PROCESSES,
+    num_processes: int = key(1, "processes in total, across all "
+                                "machines", minimum=1, maximum=MAX_PROCESSES,
                              question="How many processes in total")
     num_machines: int = key(1, "machines taking part", minimum=1, maximum=MAX_MACHINES, question="How many machines")
-    machine_rank: int = key(0, "this machine's index, 0 on the main machine", minimum=0, maximum=MAX_MACHINES - 1,
+    machine_rank: int = key(0, "this machine's index, 0 on the main "
+                               "machine", minimum=0, maximum=MAX_MACHINES - 1,
                             question="Rank of this machine")
-    main_process_ip: str | None = key(None, "address of machine 0 (needed with more than one machine)",
+    main_process_ip: str | None = key(None, "address of machine 0 (needed with more than one "
+                                            "machine)",
                                       question="IP address of machine 0")
-    main_process_port: int | None = key(None, "port on machine 0 (free port chosen on one machine when unset)",
+    main_process_port: int | None = key(None, "port on machine 0 (free port chosen on one machine "
+                                              "when unset)",
                                         minimum=1, maximum=65535, question="Port on machine 0")
     rdzv_backend: str = key("c10d", "torch elastic rendezvous (static: no restarts across several machines)",
                             choices=("static", "c10d", "etcd", "etcd-v2"))
     same_network: bool = key(True, "machines share a network (informational)")
-    gpu_ids: str | None = key(None, "GPUs to use, 'all' or a comma-separated list (sets CUDA_VISIBLE_DEVICES)")
-    gradient_accumulation_steps: int = key(1, "micro steps per optimizer step", minimum=1, maximum=MAX_ACCUMULATION)
+    gpu_ids: str | None = key(None, "GPUs to use, 'all' or a comma-separated list (sets "
+                                    "CUDA_VISIBLE_DEVICES)")
+    gradient_accumulation_steps: int = key(1, "micro steps per optimizer "
+                                              "step", minimum=1, maximum=MAX_ACCUMULATION)
     debug: bool = key(False, "TORCH_DISTRIBUTED_DEBUG=DETAIL in every process")
     main_training_function: str = key("main", "used by notebook launchers; accepted", unused=True)
     downcast_bf16: str = key("no", "XLA/TPU only", choices=("no", "yes", "first"), unused=True)
@@ -146,11 +174,13 @@ class LaunchConfig:
     fsdp_config: dict = key({}, "FSDP settings (see below)")
     deepspeed_config: dict = key({}, "DeepSpeed settings (see below)")
     megatron_lm_config: dict = key({}, "Megatron-LM is not supported", unused=True)
-    dynamo_config: dict = key({}, "mode, fullgraph, dynamic: pass a TorchDynamoPlugin in the script", unused=True)
+    dynamo_config: dict = key({}, "mode, fullgraph, dynamic: pass a TorchDynamoPlugin in the "
+                                  "script", unused=True)
     ipex_config: dict = key({}, "IPEX is not supported", unused=True)
     mpirun_config: dict = key({}, "processes start through torch elastic, not mpirun", unused=True)
     fp8_config: dict = key({}, "fp8 is not supported", unused=True)
-    parallelism_config: dict = key({}, "the process grid: tensor parallelism x FSDP / HSDP (see below)")
+    parallelism_config: dict = key({}, "the process grid: tensor parallelism x FSDP / HSDP (see "
+                                       "below)")
     tpu_name: str | None = key(None, "TPU only", unused=True)
     tpu_zone: str | None = key(None, "TPU only", unused=True)
     tpu_use_cluster: bool = key(False, "TPU only", unused=True)
@@ -173,7 +203,8 @@ class LaunchConfig:
         return ParallelismSection(**self.parallelism_config)
 
     def to_dict(self) -> dict[str, Any]:
-        """The keys worth writing: everything used, plus unused keys only where they differ from the default."""
+        """The keys worth writing: everything used, plus unused keys only where they differ from the
+        default."""
         out = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)

@@ -1,12 +1,15 @@
-"""transformers' TrainingArguments `fsdp`, `fsdp_config` and `deepspeed` values, read into hf_backend's options.
+"""transformers' TrainingArguments `fsdp`, `fsdp_config` and `deepspeed` values, read into hf_backend's
+options.
 
 `fsdp_config` may be:
-- a path to transformers' flat JSON of FSDP options (`{"transformer_layer_cls_to_wrap": [...], ...}`), or to a config
-  file that `hf-backend config` / `accelerate config` wrote (YAML or JSON, `distributed_type: FSDP`), whose
-  `fsdp_config:` section is used: the Transformers docs pass exactly that file, which transformers itself cannot read;
+- a path to transformers' flat JSON of FSDP options (`{"transformer_layer_cls_to_wrap": [...],
+  ...}`), or to a config file that `hf-backend config` / `accelerate config` wrote (YAML or JSON,
+  `distributed_type: FSDP`), whose `fsdp_config:` section is used: the Transformers docs pass
+  exactly that file, which transformers itself cannot read;
 - a dict of the flat options, or a FullyShardedDataParallelPlugin (ours or Accelerate's).
-`fsdp` may hold transformers' legacy option words ("full_shard auto_wrap offload"); they fill what the config leaves
-out and contradicting it is an error. `deepspeed` may be a DeepSpeed JSON path, a dict, or a DeepSpeedPlugin.
+`fsdp` may hold transformers' legacy option words ("full_shard auto_wrap offload"); they fill what
+the config leaves out and contradicting it is an error. `deepspeed` may be a DeepSpeed JSON path, a
+dict, or a DeepSpeedPlugin.
 """
 
 from __future__ import annotations
@@ -92,14 +95,15 @@ def _word_options(fsdp: Any, given: dict[str, Any], source: str) -> dict[str, An
 def _split_flat(raw: Any, source: str) -> dict[str, Any]:
     """transformers' flat options minus its XLA keys and the plugin-only keys (noted)."""
     if not isinstance(raw, dict):
-        raise ConfigError(f"{source}: the FSDP options must be a mapping, not a {type(raw).__name__}")
+        raise ConfigError(f"{source}: the FSDP options must be a mapping, not a "
+                          f"{type(raw).__name__}")
     flat = {}
     for key, value in raw.items():
         bare = key.removeprefix("fsdp_") if isinstance(key, str) else key
         if bare in _XLA_KEYS:
             if value:
-                raise ConfigError(f"{source}: {key} asks for PyTorch/XLA FSDP, which hf_backend does not run; "
-                                  "remove it")
+                raise ConfigError(f"{source}: {key} asks for PyTorch/XLA FSDP, which hf_backend "
+                                  "does not run; remove it")
         elif bare == "limit_all_gathers":  # a plugin field without a config key
             if value is False:
                 note_limit_all_gathers(source)
@@ -112,20 +116,20 @@ def _launch_config_section(raw: dict[str, Any], source: str) -> dict[str, Any]:
     """The keys the FSDP section of a launch config file gives (the others keep their defaults)."""
     config = validate(raw, source=source)
     if config.distributed_type != "FSDP":
-        raise ConfigError(f"{source} sets distributed_type: {config.distributed_type}, not FSDP; pass an FSDP config "
-                          "as fsdp_config")
+        raise ConfigError(f"{source} sets distributed_type: {config.distributed_type}, not FSDP; "
+                          "pass an FSDP config as fsdp_config")
     launch_only = [f"{key}: {value}" for key, value in (("mixed_precision", config.mixed_precision),
                                                          ("num_processes", config.num_processes)) if value not in
                    ("no", 1)]
     if launch_only:
-        note(f"fsdp_config={source}: its FSDP section is used here; {', '.join(launch_only)} take effect when the file "
-             "is given to `hf-backend launch --config_file`")
+        note(f"fsdp_config={source}: its FSDP section is used here; {', '.join(launch_only)} take "
+             "effect when the file is given to `hf-backend launch --config_file`")
     return config.fsdp_config
 
 
 def deepspeed_config_from_argument(deepspeed: Any) -> dict[str, Any]:
-    """TrainingArguments(deepspeed=...) as a config dict whose batch sizes, accumulation and clipping default to
-    "auto" (which transformers fills from the TrainingArguments)."""
+    """TrainingArguments(deepspeed=...) as a config dict whose batch sizes, accumulation and clipping
+    default to "auto" (which transformers fills from the TrainingArguments)."""
     if isinstance(deepspeed, (str, os.PathLike)):
         config = read_mapping(deepspeed)
     elif isinstance(deepspeed, dict):

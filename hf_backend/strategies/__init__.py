@@ -1,4 +1,5 @@
-"""Strategies: how a model is placed, wrapped, synchronized and saved. One module each, one interface (base.py)."""
+"""Strategies: how a model is placed, wrapped, synchronized and saved. One module each, one interface
+(base.py)."""
 
 from __future__ import annotations
 
@@ -21,31 +22,35 @@ from .single import SingleDeviceStrategy
 def select_strategy(process: ProcessState, precision: Precision, handlers: Handlers, backend: Backend | None = None,
                     gradient_state: GradientState | None = None, split_batches: bool = False,
                     shape: MeshShape | None = None) -> Strategy:
-    """Chosen once per Accelerator, from `backend` (`config.backend.choose_backend`, with its options resolved),
-    the process grid a ParallelismConfig asked for (`shape`) and the world size. FSDP or DeepSpeed asked for in a
-    single process train unsharded, with a note. A grid that shards anything (tp, cp, dp_shard) is the native mesh
-    path, with the FSDP options given or the defaults; one of replicas only is DDP."""
+    """Chosen once per Accelerator, from `backend` (`config.backend.choose_backend`, with its options
+    resolved), the process grid a ParallelismConfig asked for (`shape`) and the world size. FSDP or
+    DeepSpeed asked for in a single process train unsharded, with a note. A grid that shards
+    anything (tp, cp, dp_shard) is the native mesh path, with the FSDP options given or the
+    defaults; one of replicas only is DDP."""
     backend = backend or Backend(DATA_PARALLEL)
     if shape is not None and shape.cp > 1 and shape.dp_replicate > 1:
-        raise HfBackendError(f"parallelism_config cp_size={shape.cp} with dp_replicate_size={shape.dp_replicate}: "
-                             "HSDP with context parallelism is not built; shard with dp_shard_size instead")
+        raise HfBackendError(f"parallelism_config cp_size={shape.cp} with "
+                             f"dp_replicate_size={shape.dp_replicate}: HSDP with context "
+                             "parallelism is not built; shard with dp_shard_size instead")
     if shape is not None and shape.needs_mesh:
         if backend.deepspeed is not None:
-            raise HfBackendError("parallelism_config with DeepSpeed: hf_backend applies tensor and context "
-                                 "parallelism on its native path; drop deepspeed (shard with dp_shard_size) or "
-                                 "parallelism_config")
+            raise HfBackendError("parallelism_config with DeepSpeed: hf_backend applies tensor and "
+                                 "context parallelism on its native path; drop deepspeed (shard "
+                                 "with dp_shard_size) or parallelism_config")
         return FSDPStrategy(process, precision, handlers, backend.fsdp or FsdpOptions(), shape)
     if backend.fsdp is not None:
         if process.distributed:
             return FSDPStrategy(process, precision, handlers, backend.fsdp)
-        note("FSDP asked for in a single process: training unsharded (sharded checkpoints still load)")
+        note("FSDP asked for in a single process: training unsharded (sharded checkpoints still "
+             "load)")
     if backend.deepspeed is not None:
         if process.distributed:
             return DeepSpeedStrategy(process, precision, handlers, backend.deepspeed, gradient_state, split_batches)
         config = backend.deepspeed.config()  # still report a bad option
         unused = [f"{key} ({config[key].get('type', '?')})" for key in ("optimizer", "scheduler")
                   if isinstance(config.get(key), dict)]
-        note("DeepSpeed asked for in a single process: training without it (ZeRO has nothing to partition)"
+        note("DeepSpeed asked for in a single process: training without it (ZeRO has nothing to "
+             "partition)"
              + (f"; the config's {' and '.join(unused)} sections are not used: the script's (or the Trainer's) "
                 "optimizer and scheduler train" if unused else ""))
     cls = DDPStrategy if process.distributed else SingleDeviceStrategy

@@ -30,7 +30,8 @@ _WRAPPERS = {Hook.FP16: default_hooks.fp16_compress_wrapper, Hook.BF16: default_
 class DDPStrategy(Strategy, Joinable, ValueClipping):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._unprobed: list[DistributedDataParallel] = []  # find_unused_parameters=None, first step not taken yet
+        # find_unused_parameters=None, first step not taken yet
+        self._unprobed: list[DistributedDataParallel] = []
 
     @property
     def distributed_type(self) -> DistributedType:  # type: ignore[override]
@@ -41,23 +42,27 @@ class DDPStrategy(Strategy, Joinable, ValueClipping):
         model = super().setup_model(model, device_placement)
         if evaluation_mode or not any(p.requires_grad for p in model.parameters()):
             return model  # nothing to synchronize (a model only evaluated, or frozen)
-        self.precision.keep_fp32_masters(model)  # before DDP builds its buckets from the parameters' dtypes
+        # before DDP builds its buckets from the parameters' dtypes
+        self.precision.keep_fp32_masters(model)
         kwargs, hook = self._ddp_arguments()  # a bad option fails before any collective
         find_once = kwargs.get("find_unused_parameters", False) is None
         ddp = self._wrap(model, {**kwargs, "find_unused_parameters": False} if find_once else kwargs, hook)
-        if find_once:  # the first step runs without DDP's reducer; `_first_reduction` all-reduces it and decides
+        # the first step runs without DDP's reducer; `_first_reduction` all-reduces it and decides
+        if find_once:
             ddp.require_backward_grad_sync = False
             self._unprobed.append(ddp)
         return ddp
 
     def _ddp_arguments(self) -> tuple[dict[str, Any], tuple[Callable, Any] | None]:
-        """DDP's keyword arguments and the communication hook. find_unused_parameters=None (hf_backend.Trainer's
-        default) means: find them once, on the first synchronized step. With a hook or a static graph it means True
-        and False (the first step's all-reduce would bypass the hook; a static graph finds them itself)."""
+        """DDP's keyword arguments and the communication hook. find_unused_parameters=None
+        (hf_backend.Trainer's default) means: find them once, on the first synchronized step. With a
+        hook or a static graph it means True and False (the first step's all-reduce would bypass the
+        hook; a static graph finds them itself)."""
         hook = communication_hook(self.handlers.ddp)
-        # DDP broadcasts rank 0's parameters and buffers at construction: ranks that seeded differently agree.
-        # Under TORCH_DISTRIBUTED_DEBUG=DETAIL on gloo, DDP runs on a copy of the group without torch's checks (its
-        # constructor crashes on the checked one) and its gradients reach the checked group through the hook.
+        # DDP broadcasts rank 0's parameters and buffers at construction: ranks that seeded
+        # differently agree. Under TORCH_DISTRIBUTED_DEBUG=DETAIL on gloo, DDP runs on a copy of the
+        # group without torch's checks (its constructor crashes on the checked one) and its
+        # gradients reach the checked group through the hook.
         group = unchecked_group()
         kwargs = self.handlers.ddp.ddp_kwargs()
         if group is not None:
@@ -69,7 +74,8 @@ class DDPStrategy(Strategy, Joinable, ValueClipping):
 
     def _wrap(self, model: torch.nn.Module, kwargs: dict[str, Any], hook: tuple[Callable, Any] | None,
               into: DistributedDataParallel | None = None) -> DistributedDataParallel:
-        """DDP around `model`; `into` rebuilds an existing wrapper in place (the object the caller holds stays)."""
+        """DDP around `model`; `into` rebuilds an existing wrapper in place (the object the caller
+        holds stays)."""
         device_ids = [self.process.device.index] if self.process.device.type == "cuda" else None
         if into is None:
             ddp = DistributedDataParallel(model, device_ids=device_ids, **kwargs)
@@ -88,7 +94,8 @@ class DDPStrategy(Strategy, Joinable, ValueClipping):
     def _probe(self) -> None:
         for ddp in [d for d in self._unprobed if any(p.grad is not None for p in d.parameters())]:
             self._unprobed.remove(ddp)
-            if not _first_reduction(ddp):  # some parameter had no gradient somewhere: keep DDP's search
+            # some parameter had no gradient somewhere: keep DDP's search
+            if not _first_reduction(ddp):
                 kwargs, hook = self._ddp_arguments()
                 self._wrap(ddp.module, {**kwargs, "find_unused_parameters": True}, hook, into=ddp)
             ddp.require_backward_grad_sync = ddp.require_forward_param_sync = True
@@ -104,9 +111,10 @@ class DDPStrategy(Strategy, Joinable, ValueClipping):
 
     @contextlib.contextmanager
     def trigger_sync_in_backward(self, model: torch.nn.Module) -> Iterator[None]:
-        """DDP skips the all-reduce under `no_sync` through two flags; set them (and prepare the reducer, as DDP's
-        forward would have) for the block, then restore them. Before the first step of find_unused_parameters=None
-        the block runs without the reducer and that first step is all-reduced after it."""
+        """DDP skips the all-reduce under `no_sync` through two flags; set them (and prepare the
+        reducer, as DDP's forward would have) for the block, then restore them. Before the first
+        step of find_unused_parameters=None the block runs without the reducer and that first step
+        is all-reduced after it."""
         if not isinstance(model, DistributedDataParallel):
             yield
             return
@@ -128,9 +136,10 @@ class DDPStrategy(Strategy, Joinable, ValueClipping):
 
 
 def _first_reduction(ddp: DistributedDataParallel, bucket_bytes: int = 25 * 2**20) -> bool:
-    """All-reduce the gradients of a step taken without DDP's reducer as DDP with find_unused_parameters=True would
-    (each divided by the world size, then summed; a rank that did not use a parameter adds zeros; a parameter no rank
-    used keeps no gradient), and say whether every parameter had a gradient on every rank."""
+    """All-reduce the gradients of a step taken without DDP's reducer as DDP with
+    find_unused_parameters=True would (each divided by the world size, then summed; a rank that did
+    not use a parameter adds zeros; a parameter no rank used keeps no gradient), and say whether
+    every parameter had a gradient on every rank."""
     group = ddp.process_group
     world = dist.get_world_size(group)
     params = [p for name, p in ddp.module.named_parameters()
@@ -158,21 +167,22 @@ def _first_reduction(ddp: DistributedDataParallel, bucket_bytes: int = 25 * 2**2
     return bool((used == world).all())
 
 
-# -- gradient communication hooks (DistributedDataParallelKwargs.comm_hook / comm_wrapper / comm_state_option) ---------
+# -- gradient communication hooks (DistributedDataParallelKwargs.comm_hook / comm_wrapper / comm_sta
 def _hook_type(value: Any, field: str, choices: tuple[Hook, ...]) -> Hook:
     try:
         hook = Hook(getattr(value, "value", value))
     except ValueError:
         hook = None
     if hook not in choices:
-        raise HfBackendError(f"DistributedDataParallelKwargs({field}={str(getattr(value, 'value', value))!r}): use "
-                             f"one of {', '.join(repr(c.value) for c in choices)}")
+        raise HfBackendError(f"DistributedDataParallelKwargs({field}={str(getattr(value, 'value', value))!r}): "
+                             f"use one of {', '.join(repr(c.value) for c in choices)}")
     return hook
 
 
 def communication_hook(handler: DistributedDataParallelKwargs) -> tuple[Callable, Any] | None:
-    """The (hook, state) pair torch's `DistributedDataParallel.register_comm_hook` takes, or None for plain
-    all-reduce. Every invalid combination is one line; a new PowerSGD state is made per call (one per model)."""
+    """The (hook, state) pair torch's `DistributedDataParallel.register_comm_hook` takes, or None for
+    plain all-reduce. Every invalid combination is one line; a new PowerSGD state is made per call
+    (one per model)."""
     hook = _hook_type(handler.comm_hook, "comm_hook", tuple(Hook))
     wrapper = _hook_type(handler.comm_wrapper, "comm_wrapper", (Hook.NO, Hook.FP16, Hook.BF16))
     options = handler.comm_state_option
@@ -181,12 +191,13 @@ def communication_hook(handler: DistributedDataParallelKwargs) -> tuple[Callable
                              "PowerSGD options, e.g. {'matrix_approximation_rank': 2}")
     if hook not in _POWER_SGD:
         if wrapper is not Hook.NO:
-            raise HfBackendError(f"DistributedDataParallelKwargs(comm_wrapper={wrapper.value!r}) compresses around "
-                                 "a PowerSGD hook: set comm_hook='power_sgd', or use comm_hook="
-                                 f"{wrapper.value!r} alone")
+            raise HfBackendError(f"DistributedDataParallelKwargs(comm_wrapper={wrapper.value!r}) "
+                                 "compresses around a PowerSGD hook: set comm_hook='power_sgd', "
+                                 f"or use comm_hook={wrapper.value!r} alone")
         if options:
-            raise HfBackendError("DistributedDataParallelKwargs(comm_state_option=...) holds PowerSGD's options: set "
-                                 "comm_hook='power_sgd' or 'batched_power_sgd', or leave it empty")
+            raise HfBackendError("DistributedDataParallelKwargs(comm_state_option=...) holds "
+                                 "PowerSGD's options: set comm_hook='power_sgd' or "
+                                 "'batched_power_sgd', or leave it empty")
     if hook is Hook.NO:
         return None
     _check_torch_can_run(hook, wrapper)
@@ -201,8 +212,8 @@ def _power_sgd_state(options: dict) -> powerSGD_hook.PowerSGDState:
     allowed = [name for name in inspect.signature(powerSGD_hook.PowerSGDState).parameters if name != "process_group"]
     unknown = sorted(set(options) - set(allowed))
     if unknown:
-        raise HfBackendError(f"DistributedDataParallelKwargs(comm_state_option=...): unknown PowerSGD option "
-                             f"{unknown[0]!r}; use {', '.join(allowed)}")
+        raise HfBackendError("DistributedDataParallelKwargs(comm_state_option=...): unknown "
+                             f"PowerSGD option {unknown[0]!r}; use {', '.join(allowed)}")
     try:
         return powerSGD_hook.PowerSGDState(None, **options)  # None: the default process group
     except (TypeError, ValueError) as err:
@@ -211,8 +222,9 @@ def _power_sgd_state(options: dict) -> powerSGD_hook.PowerSGDState:
 
 
 def _bf16_supported() -> bool:
-    """torch's own condition for its bf16 hooks (`DistributedDataParallel._check_comm_hook`): a CUDA (or ROCm) build
-    with NCCL >= 2.10, or XPU with XCCL. gloo all-reduces bf16 fine; it is torch that refuses on a CPU-only build."""
+    """torch's own condition for its bf16 hooks (`DistributedDataParallel._check_comm_hook`): a CUDA
+    (or ROCm) build with NCCL >= 2.10, or XPU with XCCL. gloo all-reduces bf16 fine; it is torch
+    that refuses on a CPU-only build."""
     dist = torch.distributed
     if torch.version.cuda is not None or torch.version.hip is not None:
         with contextlib.suppress(Exception):
@@ -225,8 +237,9 @@ def _bf16_supported() -> bool:
 
 @functools.cache
 def _batched_power_sgd_works() -> bool:
-    """torch 2.13's batched_powerSGD_hook passes 2-D matrices to an orthogonalization that asserts 3-D (batched)
-    ones, so it fails on its first compressed step on any device; probe that function rather than a version."""
+    """torch 2.13's batched_powerSGD_hook passes 2-D matrices to an orthogonalization that asserts 3-D
+    (batched) ones, so it fails on its first compressed step on any device; probe that function
+    rather than a version."""
     try:
         powerSGD_hook._orthogonalize(torch.ones(4, 1))
     except AssertionError:
@@ -237,8 +250,9 @@ def _batched_power_sgd_works() -> bool:
 def _check_torch_can_run(hook: Hook, wrapper: Hook) -> None:
     if Hook.BF16 in (hook, wrapper) and not _bf16_supported():
         field = "comm_hook" if hook is Hook.BF16 else "comm_wrapper"
-        raise HfBackendError(f"DistributedDataParallelKwargs({field}='bf16'): torch allows its bf16 hooks only in a "
-                             "CUDA build with NCCL >= 2.10 (or XPU); this torch has neither: use 'fp16'")
+        raise HfBackendError(f"DistributedDataParallelKwargs({field}='bf16'): torch allows its "
+                             "bf16 hooks only in a CUDA build with NCCL >= 2.10 (or XPU); this "
+                             "torch has neither: use 'fp16'")
     if hook is Hook.BATCHED_POWER_SGD and not _batched_power_sgd_works():
         raise HfBackendError(f"DistributedDataParallelKwargs(comm_hook='batched_power_sgd'): torch {torch.__version__}"
                              "'s batched_powerSGD_hook fails on its first compressed step; use comm_hook='power_sgd' "
@@ -249,10 +263,11 @@ _UNCHECKED: list = []
 
 
 def unchecked_group() -> Any:
-    """Under TORCH_DISTRIBUTED_DEBUG=DETAIL with gloo, a copy of the default group without torch's checking wrapper,
-    for DDP (made once, by every rank); else None. torch's DDP constructor crashes (SIGSEGV in its logger, which takes
-    the wrapper for gloo's own group) on the checked group; DDP on the copy sends its gradients through a hook on the
-    checked group, so they are still checked."""
+    """Under TORCH_DISTRIBUTED_DEBUG=DETAIL with gloo, a copy of the default group without torch's
+    checking wrapper, for DDP (made once, by every rank); else None. torch's DDP constructor crashes
+    (SIGSEGV in its logger, which takes the wrapper for gloo's own group) on the checked group; DDP
+    on the copy sends its gradients through a hook on the checked group, so they are still checked.
+    """
     if not dist.is_initialized() or dist.get_debug_level() != dist.DebugLevel.DETAIL:
         return None
     wrapper = getattr(torch._C._distributed_c10d, "_ProcessGroupWrapper", None)

@@ -1,10 +1,11 @@
 """DeepSpeed ZeRO (stages 0-3) through the `deepspeed` package.
 
-One adapter behind the strategy interface's joint `setup`: the engine is built from the model, optimizer, scheduler
-and dataloader passed to one `prepare` call, after "auto" values in the config are resolved from them, and the
-optimizer (and DeepSpeed's own scheduler) come back as `EngineStepped` stand-ins: DeepSpeed owns the step.
-`backward` runs the engine's backward and step every micro step, and the engine applies accumulation, clipping and
-the optimizer step at the window's end (the Accelerator tells it where that is).
+One adapter behind the strategy interface's joint `setup`: the engine is built from the model,
+optimizer, scheduler and dataloader passed to one `prepare` call, after "auto" values in the config
+are resolved from them, and the optimizer (and DeepSpeed's own scheduler) come back as
+`EngineStepped` stand-ins: DeepSpeed owns the step. `backward` runs the engine's backward and step
+every micro step, and the engine applies accumulation, clipping and the optimizer step at the
+window's end (the Accelerator tells it where that is).
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ _BUCKETS = {  # ZeRO sizes derived from the hidden size h, as transformers does
 
 
 _FP16_MESSAGE = {  # by whether the device is the CPU
-    True: "DeepSpeed's CPU accelerator does not run fp16 (DeepSpeed 0.19.8 stops with 'Type fp16 is not supported on "
-          "your device'); use bf16",
+    True: "DeepSpeed's CPU accelerator does not run fp16 (DeepSpeed 0.19.8 stops with 'Type fp16 "
+          "is not supported on your device'); use bf16",
     False: "hf_backend does not run DeepSpeed's fp16 loss scaling yet; use bf16",
 }
 
@@ -50,8 +51,9 @@ class DeepSpeedStrategy(Strategy):
         try:
             import deepspeed  # noqa: F401
         except ImportError:
-            raise HfBackendError("DeepSpeed was asked for but is not installed: DS_BUILD_OPS=0 pip install deepspeed "
-                                 "(or pip install 'hf-backend[deepspeed]')") from None
+            raise HfBackendError("DeepSpeed was asked for but is not installed: DS_BUILD_OPS=0 pip "
+                                 "install deepspeed (or pip install "
+                                 "'hf-backend[deepspeed]')") from None
         if precision.mode == "fp16":
             raise HfBackendError(_FP16_MESSAGE[process.device.type == "cpu"])
         attach_deepspeed_comm()
@@ -68,23 +70,26 @@ class DeepSpeedStrategy(Strategy):
     def zero_stage(self) -> int:
         return int(self.config["zero_optimization"]["stage"])
 
-    # -- building the engine -----------------------------------------------------------------------------------------
+    # -- building the engine -----------------------------------------------------------------------
     def setup(self, models: Sequence[torch.nn.Module], optimizers: Sequence[Any] = (), schedulers: Sequence[Any] = (),
               loaders: Sequence[Any] = (), device_placement: Sequence[bool] | None = None,
               evaluation_mode: bool = False) -> tuple[list[torch.nn.Module], list[Any], list[Any]]:
-        """One engine from everything one `prepare` call holds; a later call may only prepare the model again without
-        an optimizer (transformers' Trainer does, to evaluate: the engine comes back) or torch schedulers, which the
-        loop steps."""
+        """One engine from everything one `prepare` call holds; a later call may only prepare the model
+        again without an optimizer (transformers' Trainer does, to evaluate: the engine comes back)
+        or torch schedulers, which the loop steps."""
         if not models:
             if optimizers or any(isinstance(s, DummyScheduler) for s in schedulers):
-                raise HfBackendError("DeepSpeed: prepare() the optimizer in the same call as its model")
+                raise HfBackendError("DeepSpeed: prepare() the optimizer in the same call as its "
+                                     "model")
             return [], [], list(schedulers)
         check_loaded_grid(models, None)
         if len(models) > 1 or (self.engine is not None and optimizers):
-            raise HfBackendError("DeepSpeed trains one model per Accelerator: prepare it once, with its optimizer")
+            raise HfBackendError("DeepSpeed trains one model per Accelerator: prepare it once, "
+                                 "with its optimizer")
         if self.engine is None:
             if len(optimizers) > 1:
-                raise HfBackendError("DeepSpeed takes one optimizer; pass param groups to a single optimizer instead")
+                raise HfBackendError("DeepSpeed takes one optimizer; pass param groups to a single "
+                                     "optimizer instead")
             self._build(models[0], optimizers[0] if optimizers else None, schedulers[0] if schedulers else None,
                         loaders[0] if loaders else None)
         engine = self.engine
@@ -93,14 +98,15 @@ class DeepSpeedStrategy(Strategy):
         for scheduler in schedulers:
             if isinstance(scheduler, DummyScheduler):
                 if engine.lr_scheduler is None:
-                    raise HfBackendError("DummyScheduler: DeepSpeed built no scheduler; check the config's scheduler "
-                                         "section")
+                    raise HfBackendError("DummyScheduler: DeepSpeed built no scheduler; check the "
+                                         "config's scheduler section")
                 scheduler = EngineSteppedScheduler(engine.lr_scheduler)
             own.append(scheduler)
         return [engine], stepped, own
 
     def _build(self, model: torch.nn.Module, optimizer: Any, scheduler: Any, loader: DataLoader | None) -> None:
-        # Read the plugin's config again: transformers' Trainer completes it ("auto" values) after construction.
+        # Read the plugin's config again: transformers' Trainer completes it ("auto" values) after
+        # construction.
         self.config = self._resolve(self.plugin.config(), model, loader)
         self._resolve_placeholders(self.config, optimizer, scheduler)
         import deepspeed
@@ -119,7 +125,8 @@ class DeepSpeedStrategy(Strategy):
         )
 
     def _resolve_placeholders(self, config: dict[str, Any], optimizer: Any, scheduler: Any) -> None:
-        """A config "optimizer"/"scheduler" section goes with DummyOptim/DummyScheduler, whose values fill "auto"."""
+        """A config "optimizer"/"scheduler" section goes with DummyOptim/DummyScheduler, whose values
+        fill "auto"."""
         if "optimizer" in config:
             if not isinstance(optimizer, DummyOptim):
                 raise HfBackendError('DeepSpeed config defines an "optimizer": prepare DummyOptim(model.parameters(), '
@@ -154,12 +161,13 @@ class DeepSpeedStrategy(Strategy):
                                  "number, or the value to DummyOptim / DummyScheduler")
 
     def _offload_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """Offloaded optimizer state is stepped on the CPU: Adam and AdamW become DeepSpeed's CPU Adam (compiled on
-        first use), sharing the original param groups so that a scheduler's learning rates still apply."""
+        """Offloaded optimizer state is stepped on the CPU: Adam and AdamW become DeepSpeed's CPU Adam
+        (compiled on first use), sharing the original param groups so that a scheduler's learning
+        rates still apply."""
         if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) or any(
                 g.get("amsgrad") for g in optimizer.param_groups):
-            note(f"DeepSpeed offload_optimizer: {type(optimizer).__name__} runs as given (slower than DeepSpeed's CPU "
-                 "Adam, which replaces Adam/AdamW)")
+            note(f"DeepSpeed offload_optimizer: {type(optimizer).__name__} runs as given (slower "
+                 "than DeepSpeed's CPU Adam, which replaces Adam/AdamW)")
             self.config["zero_force_ds_cpu_optimizer"] = False
             return optimizer
         from deepspeed.ops.adam import DeepSpeedCPUAdam
@@ -171,7 +179,8 @@ class DeepSpeedStrategy(Strategy):
             for key, value in filled.items():
                 shared.setdefault(key, value)
         cpu_adam.param_groups = groups
-        note(f"DeepSpeed offload_optimizer: {type(optimizer).__name__} runs as DeepSpeed's CPU Adam")
+        note(f"DeepSpeed offload_optimizer: {type(optimizer).__name__} runs as DeepSpeed's CPU "
+             "Adam")
         return cpu_adam
 
     def _resolve(self, config: dict[str, Any], model: torch.nn.Module, loader: DataLoader | None) -> dict[str, Any]:
@@ -180,9 +189,10 @@ class DeepSpeedStrategy(Strategy):
         given = config.get("gradient_accumulation_steps", "auto")
         if given != "auto" and given != steps:
             if steps != 1:
-                raise HfBackendError(f"gradient_accumulation_steps is {steps} in the Accelerator and {given} in the "
-                                     "DeepSpeed config; keep one")
-            self.gradient_state.num_steps = steps = int(given)  # the config's value governs accumulate()
+                raise HfBackendError(f"gradient_accumulation_steps is {steps} in the Accelerator "
+                                     f"and {given} in the DeepSpeed config; keep one")
+            # the config's value governs accumulate()
+            self.gradient_state.num_steps = steps = int(given)
         config["gradient_accumulation_steps"] = steps
         if config.get("train_micro_batch_size_per_gpu", "auto") == "auto":
             batch = getattr(loader, "batch_size", None)
@@ -195,7 +205,8 @@ class DeepSpeedStrategy(Strategy):
         if config.get("train_batch_size", "auto") == "auto":
             config["train_batch_size"] = micro * steps * self.process.num_processes
         if config.get("gradient_clipping") == "auto":
-            # transformers resolves it from max_grad_norm, whose default is 1.0; the engine has no such setting.
+            # transformers resolves it from max_grad_norm, whose default is 1.0; the engine has no
+            # such setting.
             config["gradient_clipping"] = 1.0
             note('DeepSpeed config: gradient_clipping "auto" is 1.0 (transformers\' max_grad_norm default); set '
                  "DeepSpeedPlugin(gradient_clipping=...) for another value")
@@ -226,7 +237,7 @@ class DeepSpeedStrategy(Strategy):
         model.compile(backend=kwargs.pop("backend"), compile_kwargs=kwargs)
         return model
 
-    # -- training step -----------------------------------------------------------------------------------------------
+    # -- training step -----------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, accumulation_steps: int, sync: bool, **kwargs: Any) -> None:
         # The engine divides by its gradient_accumulation_steps itself: the loss is divided exactly
         # once. It reduces gradients only at the window's end: `no_sync` is the base's null context.
@@ -239,8 +250,8 @@ class DeepSpeedStrategy(Strategy):
         """The engine clipped already (config `gradient_clipping`); returns the norm it measured."""
         configured = self.config.get("gradient_clipping")
         if configured is not None and float(configured) != float(max_norm):
-            note(f"clip_grad_norm_(max_norm={max_norm}): DeepSpeed clips to its config's gradient_clipping="
-                 f"{configured}")
+            note(f"clip_grad_norm_(max_norm={max_norm}): DeepSpeed clips to its config's "
+                 f"gradient_clipping={configured}")
         norm = self.engine.get_global_grad_norm()
         return torch.as_tensor(0.0 if norm is None else float(norm))
 
@@ -250,17 +261,20 @@ class DeepSpeedStrategy(Strategy):
     def is_wrapper(self, model: torch.nn.Module) -> bool:
         return model is self.engine
 
-    # -- state -------------------------------------------------------------------------------------------------------
-    # Checkpoints hold what every strategy writes (deepspeed_state.py): full fp32 master weights and an optimizer
-    # state keyed by parameter name, gathered from the partitions, so they resume anywhere.
+    # -- state -------------------------------------------------------------------------------------
+    # Checkpoints hold what every strategy writes (deepspeed_state.py): full fp32 master weights and
+    # an optimizer state keyed by parameter name, gathered from the partitions, so they resume
+    # anywhere.
 
     def model_state_dict(self, model: torch.nn.Module, sharded: bool = False, trainable_only: bool = False,
                          masters: bool = False) -> dict[str, torch.Tensor]:
-        """Full weights; under ZeRO-3 gathered (16-bit when training in bf16) onto rank 0, other ranks get {}. Read
-        from the engine given (still there after `free_memory`), else this strategy's. `sharded`: full-size
-        tensors on every process for a sharded (DCP) checkpoint of another strategy to be read into;
-        `trainable_only`: the parameters that require grad; `masters`: the fp32 master weights the optimizer steps
-        (bf16 training included), gathered from their partitions, which checkpoints hold."""
+        """Full weights; under ZeRO-3 gathered (16-bit when training in bf16) onto rank 0, other ranks
+        get {}. Read from the engine given (still there after `free_memory`), else this strategy's.
+        `sharded`: full-size tensors on every process for a sharded (DCP) checkpoint of another
+        strategy to be read into;
+        `trainable_only`: the parameters that require grad; `masters`: the fp32 master weights the
+        optimizer steps (bf16 training included), gathered from their partitions, which checkpoints
+        hold."""
         engine = self._engine_of(model)
         if sharded:
             return deepspeed_state.weights_template(engine)
@@ -275,14 +289,15 @@ class DeepSpeedStrategy(Strategy):
         return state_dict
 
     def load_model_state_dict(self, model: torch.nn.Module, state_dict: dict[str, Any], sharded: bool = False) -> Any:
-        """Full weights into the module and the fp32 master partitions (`sharded` states are read whole by
-        checkpoint/ first)."""
+        """Full weights into the module and the fp32 master partitions (`sharded` states are read whole
+        by checkpoint/ first)."""
         return deepspeed_state.load_full_weights(self._engine_of(model), self.zero_stage, state_dict)
 
     def optimizer_state_dict(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                              sharded: bool = False) -> dict[str, Any]:
         engine = self._engine_of(model)
-        if not deepspeed_state.partitioned(engine):  # no ZeRO in fp32: the module's own parameters are stepped
+        # no ZeRO in fp32: the module's own parameters are stepped
+        if not deepspeed_state.partitioned(engine):
             return super().optimizer_state_dict(engine.module, engine.optimizer)
         if sharded:  # to read another strategy's DCP shards into, whole
             return deepspeed_state.optimizer_template(engine)
@@ -294,14 +309,15 @@ class DeepSpeedStrategy(Strategy):
         if not deepspeed_state.partitioned(engine):
             super().load_optimizer_state_dict(engine.module, engine.optimizer, state_dict, sharded)
             return
-        deepspeed_state.load_full_optimizer_state(engine, state_dict, "the checkpoint's optimizer state")
+        deepspeed_state.load_full_optimizer_state(engine, state_dict, "the checkpoint's optimizer "
+                                                                      "state")
 
     def _engine_of(self, model: torch.nn.Module) -> Any:
         return model if hasattr(model, "_zero3_consolidated_16bit_state_dict") else self.engine
 
     def reset(self) -> None:
-        """The engine's hooks on the parameters (held by autograd, out of Python's garbage collector's reach) would
-        keep model and optimizer alive: DeepSpeed's `destroy` removes them."""
+        """The engine's hooks on the parameters (held by autograd, out of Python's garbage collector's
+        reach) would keep model and optimizer alive: DeepSpeed's `destroy` removes them."""
         if self.engine is not None:
             self.engine.destroy()
             _forget_zero3_module(self.engine.module)
@@ -309,10 +325,10 @@ class DeepSpeedStrategy(Strategy):
 
 
 def attach_deepspeed_comm() -> None:
-    """deepspeed.comm over the process group the engine set up (DeepSpeed wraps an existing torch group), as
-    Accelerate's state does when DeepSpeed is asked for: `deepspeed.zero.Init` (transformers' `from_pretrained` under
-    ZeRO-3) checks its config's batch sizes against DeepSpeed's world size before it would initialize it, and would
-    count one process."""
+    """deepspeed.comm over the process group the engine set up (DeepSpeed wraps an existing torch
+    group), as Accelerate's state does when DeepSpeed is asked for: `deepspeed.zero.Init`
+    (transformers' `from_pretrained` under ZeRO-3) checks its config's batch sizes against
+    DeepSpeed's world size before it would initialize it, and would count one process."""
     import deepspeed
     import torch.distributed as dist
 
@@ -322,15 +338,17 @@ def attach_deepspeed_comm() -> None:
 
 
 def _partition_at_construction(config: dict[str, Any], bf16: bool) -> Any:
-    """Keep transformers' HfDeepSpeedConfig alive: while it lives, `from_pretrained` / `from_config` build models
-    under `deepspeed.zero.Init`, so each rank only ever holds its partition of the parameters.
+    """Keep transformers' HfDeepSpeedConfig alive: while it lives, `from_pretrained` / `from_config`
+    build models under `deepspeed.zero.Init`, so each rank only ever holds its partition of the
+    parameters.
 
-    Batch sizes are not known yet (they come from the dataloader at prepare); partitioning does not use them, so
-    the config it sees has "auto" values dropped and a placeholder batch."""
+    Batch sizes are not known yet (they come from the dataloader at prepare); partitioning does not
+    use them, so the config it sees has "auto" values dropped and a placeholder batch."""
     try:
         from transformers.integrations import HfDeepSpeedConfig
     except ImportError:
-        note("zero3_init_flag: transformers is not installed; build the model inside deepspeed.zero.Init() yourself")
+        note("zero3_init_flag: transformers is not installed; build the model inside "
+             "deepspeed.zero.Init() yourself")
         return None
     construction = _without_auto(config)
     construction.pop("train_batch_size", None)
@@ -340,8 +358,8 @@ def _partition_at_construction(config: dict[str, Any], bf16: bool) -> Any:
 
 
 def _forget_zero3_module(module: torch.nn.Module) -> None:
-    """ZeRO-3 pushes the model onto a module-level stack when it sets up its hooks and `destroy` leaves it there
-    (DeepSpeed 0.19), which keeps a freed model alive for the life of the process."""
+    """ZeRO-3 pushes the model onto a module-level stack when it sets up its hooks and `destroy` leaves
+    it there (DeepSpeed 0.19), which keeps a freed model alive for the life of the process."""
     from deepspeed.runtime.zero import parameter_offload
 
     stack = getattr(parameter_offload, "FWD_MODULE_STACK", None)

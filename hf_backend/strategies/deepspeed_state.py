@@ -1,11 +1,14 @@
-"""A DeepSpeed engine's model and optimizer state in the strategy-neutral form every other strategy writes: full
-weights and an optimizer state keyed by parameter name (what `get_optimizer_state_dict` gives under DDP), so that a
-ZeRO checkpoint resumes under DDP, FSDP, one process or ZeRO at another world size, and theirs under ZeRO.
+"""A DeepSpeed engine's model and optimizer state in the strategy-neutral form every other strategy
+writes: full weights and an optimizer state keyed by parameter name (what `get_optimizer_state_dict`
+gives under DDP), so that a ZeRO checkpoint resumes under DDP, FSDP, one process or ZeRO at another
+world size, and theirs under ZeRO.
 
-The states are read and written through DeepSpeed's tensor-fragment API (`deepspeed.utils.safe_get_full_fp32_param`
-and friends): the fp32 master weights and the optimizer's moments, wherever ZeRO partitioned them. Those calls are
-collective (ZeRO-1/2 all-reduce, ZeRO-3 all-gather), so every function here runs on every process, in the same
-order. An optimizer that keeps no fp32 master copy (no ZeRO, fp32) is read through torch's state-dict API instead.
+The states are read and written through DeepSpeed's tensor-fragment API
+(`deepspeed.utils.safe_get_full_fp32_param` and friends): the fp32 master weights and the
+optimizer's moments, wherever ZeRO partitioned them. Those calls are collective (ZeRO-1/2
+all-reduce, ZeRO-3 all-gather), so every function here runs on every process, in the same order. An
+optimizer that keeps no fp32 master copy (no ZeRO, fp32) is read through torch's state-dict API
+instead.
 """
 
 from __future__ import annotations
@@ -28,25 +31,27 @@ class LoadResult(NamedTuple):
 
 
 def partitioned(engine: Any) -> bool:
-    """Whether the engine's optimizer steps fp32 master partitions or copies (ZeRO-1/2/3; bf16 without ZeRO) rather
-    than the module's own parameters."""
+    """Whether the engine's optimizer steps fp32 master partitions or copies (ZeRO-1/2/3; bf16 without
+    ZeRO) rather than the module's own parameters."""
     return _lp_groups(engine.optimizer) is not None or _unfused(engine.optimizer) is not None
 
 
 def _unfused(optimizer: Any) -> list[list[tuple[torch.nn.Parameter, torch.Tensor]]] | None:
-    """bf16 without ZeRO (DeepSpeed's FP16_UnfusedOptimizer): each trainable parameter paired with the fp32 copy the
-    torch optimizer steps, of the same shape."""
+    """bf16 without ZeRO (DeepSpeed's FP16_UnfusedOptimizer): each trainable parameter paired with the
+    fp32 copy the torch optimizer steps, of the same shape."""
     if hasattr(optimizer, "sub_group_to_group_id") or not hasattr(optimizer, "fp32_groups"):
         return None
     pairs = [list(zip(lp, hp)) for lp, hp in zip(optimizer.fp16_groups, optimizer.fp32_groups)]
     if any(lp.shape != hp.shape for group in pairs for lp, hp in group):
-        raise HfBackendError(f"DeepSpeed's {type(optimizer).__name__} keeps flat fp32 copies that hf_backend cannot "
-                             "map to parameters; use ZeRO stage 1 or more for bf16")
+        raise HfBackendError(f"DeepSpeed's {type(optimizer).__name__} keeps flat fp32 copies that "
+                             "hf_backend cannot map to parameters; use ZeRO stage 1 or more for "
+                             "bf16")
     return pairs
 
 
 def _lp_groups(optimizer: Any) -> list[list[torch.nn.Parameter]] | None:
-    """The module's trainable parameters in each param group of the torch optimizer DeepSpeed wraps."""
+    """The module's trainable parameters in each param group of the torch optimizer DeepSpeed wraps.
+    """
     for attribute in ("bit16_groups", "bf16_groups"):  # ZeRO-1/2; bf16 without ZeRO
         if hasattr(optimizer, attribute):
             return [list(group) for group in getattr(optimizer, attribute)]
@@ -59,8 +64,8 @@ def _lp_groups(optimizer: Any) -> list[list[torch.nn.Parameter]] | None:
 
 
 def _flats(optimizer: Any) -> list[list[torch.Tensor]]:
-    """The fp32 partitions (the tensors the torch optimizer's state is keyed by) of each param group. ZeRO-3 puts
-    each sub group's into its param group only while it steps that sub group."""
+    """The fp32 partitions (the tensors the torch optimizer's state is keyed by) of each param group.
+    ZeRO-3 puts each sub group's into its param group only while it steps that sub group."""
     inner = optimizer.optimizer
     if hasattr(optimizer, "sub_group_to_group_id"):
         flats: list[list[torch.Tensor]] = [[] for _ in inner.param_groups]
@@ -71,14 +76,15 @@ def _flats(optimizer: Any) -> list[list[torch.Tensor]]:
 
 
 def _numel(param: torch.nn.Parameter) -> int:
-    return int(getattr(param, "ds_numel", param.numel()))  # ZeRO-3 leaves an empty tensor in the module
+    # ZeRO-3 leaves an empty tensor in the module
+    return int(getattr(param, "ds_numel", param.numel()))
 
 
-# -- weights ---------------------------------------------------------------------------------------------------------
+# -- weights ---------------------------------------------------------------------------------------
 def full_weights(engine: Any, stage: int, trainable_only: bool = False) -> dict[str, torch.Tensor]:
-    """The module's state dict with every trainable parameter's fp32 master weight in place of its (16-bit) module
-    copy; `trainable_only`: the trainable parameters alone (a frozen base is not gathered). Collective; under ZeRO-3
-    only the main process gets a non-empty dict."""
+    """The module's state dict with every trainable parameter's fp32 master weight in place of its
+    (16-bit) module copy; `trainable_only`: the trainable parameters alone (a frozen base is not
+    gathered). Collective; under ZeRO-3 only the main process gets a non-empty dict."""
     from deepspeed.utils import safe_get_full_fp32_param
 
     module = engine.module
@@ -103,8 +109,8 @@ def full_weights(engine: Any, stage: int, trainable_only: bool = False) -> dict[
 
 
 def load_full_weights(engine: Any, stage: int, state_dict: dict[str, torch.Tensor]) -> LoadResult:
-    """Full weights into the module (cast to its dtype; under ZeRO-3 gathered, loaded and partitioned again) and into
-    the fp32 master partitions the optimizer steps."""
+    """Full weights into the module (cast to its dtype; under ZeRO-3 gathered, loaded and partitioned
+    again) and into the fp32 master partitions the optimizer steps."""
     import deepspeed
     from deepspeed.utils import safe_set_full_fp32_param
 
@@ -124,8 +130,9 @@ def load_full_weights(engine: Any, stage: int, state_dict: dict[str, torch.Tenso
 
 
 def weights_template(engine: Any) -> dict[str, torch.Tensor]:
-    """Full-size tensors for every key of the module's state dict (fp32 for parameters), on every process: what a
-    sharded (DCP) checkpoint of another strategy is read into before `load_full_weights`. Not collective."""
+    """Full-size tensors for every key of the module's state dict (fp32 for parameters), on every
+    process: what a sharded (DCP) checkpoint of another strategy is read into before
+    `load_full_weights`. Not collective."""
     template = {}
     for name, value in engine.module.state_dict(keep_vars=True).items():
         if isinstance(value, torch.nn.Parameter):
@@ -136,8 +143,9 @@ def weights_template(engine: Any) -> dict[str, torch.Tensor]:
 
 
 def optimizer_template(engine: Any) -> dict[str, Any]:
-    """`full_optimizer_state`'s structure with full-size tensors, for reading a sharded checkpoint into. The state
-    keys are the optimizer class's own, found by stepping a copy of it on a one-element parameter."""
+    """`full_optimizer_state`'s structure with full-size tensors, for reading a sharded checkpoint
+    into. The state keys are the optimizer class's own, found by stepping a copy of it on a
+    one-element parameter."""
     optimizer, names = engine.optimizer, _names(engine.module)
     inner = optimizer.optimizer
     probe = torch.zeros(1, requires_grad=True)
@@ -159,11 +167,11 @@ def optimizer_template(engine: Any) -> dict[str, Any]:
     return {"state": state, "param_groups": param_groups}
 
 
-# -- optimizer ---------------------------------------------------------------------------------------------------------
+# -- optimizer -------------------------------------------------------------------------------------
 def full_optimizer_state(engine: Any) -> dict[str, Any]:
-    """`{"state": {name: {key: tensor}}, "param_groups": [{..., "params": [names]}]}` from the partitions: each
-    moment gathered whole per parameter, the step (one per partition in ZeRO) repeated for each parameter.
-    Collective."""
+    """`{"state": {name: {key: tensor}}, "param_groups": [{..., "params": [names]}]}` from the
+    partitions: each moment gathered whole per parameter, the step (one per partition in ZeRO)
+    repeated for each parameter. Collective."""
     from deepspeed.utils import safe_get_full_optimizer_state
 
     optimizer, names = engine.optimizer, _names(engine.module)
@@ -192,9 +200,10 @@ def full_optimizer_state(engine: Any) -> dict[str, Any]:
 
 
 def _link_fragments(optimizer: Any) -> None:
-    """ZeRO-1/2 and bf16: point each parameter's fragment at its partition's optimizer state again. DeepSpeed links
-    them once, right after the first param group's first step, when the other groups' states do not exist yet: with
-    several groups (the Trainer's decay / no-decay) their fragments would stay empty."""
+    """ZeRO-1/2 and bf16: point each parameter's fragment at its partition's optimizer state again.
+    DeepSpeed links them once, right after the first param group's first step, when the other
+    groups' states do not exist yet: with several groups (the Trainer's decay / no-decay) their
+    fragments would stay empty."""
     if hasattr(optimizer, "_hp_optimizer_states_linked"):
         optimizer._hp_optimizer_states_linked = False
         optimizer._lazy_init_hp_params_optimizer_state()
@@ -202,7 +211,8 @@ def _link_fragments(optimizer: Any) -> None:
 
 def load_full_optimizer_state(engine: Any, state_dict: dict[str, Any], source: str) -> None:
     """A state keyed by parameter name (from any strategy) into the engine's partitions: each group's
-    hyperparameters, each parameter's moments into its fragments, the step into each partition's state."""
+    hyperparameters, each parameter's moments into its fragments, the step into each partition's
+    state."""
     from deepspeed.utils import safe_set_full_optimizer_state
 
     optimizer, names = engine.optimizer, _names(engine.module)
@@ -241,9 +251,10 @@ def load_full_optimizer_state(engine: Any, state_dict: dict[str, Any], source: s
 
 
 def _set_full(setter: Any, param: torch.nn.Parameter, value: torch.Tensor, key: str | None = None) -> None:
-    """DeepSpeed's `safe_set_full_*` (not collective), except for a ZeRO-3 parameter whose partitions are padded
-    (its size does not divide by the processes): DeepSpeed 0.19.8 reads the last partition past the end of the
-    value there, so that partition is written here, zero-padded, through the same internals."""
+    """DeepSpeed's `safe_set_full_*` (not collective), except for a ZeRO-3 parameter whose partitions
+    are padded (its size does not divide by the processes): DeepSpeed 0.19.8 reads the last
+    partition past the end of the value there, so that partition is written here, zero-padded,
+    through the same internals."""
     optimizer = getattr(param, "_z3_optimizer", None)
     if optimizer is None or param.partition_numel() * optimizer._get_param_partition_world_size(param) == \
             param.ds_numel:
@@ -257,12 +268,14 @@ def _set_full(setter: Any, param: torch.nn.Parameter, value: torch.Tensor, key: 
 
 
 def _take_hyperparameters(group: dict[str, Any], keys: list[str], state_dict: dict[str, Any], source: str) -> None:
-    """The saved param group holding exactly these parameters gives its learning rate, betas, ... to `group`."""
+    """The saved param group holding exactly these parameters gives its learning rate, betas, ... to
+    `group`."""
     group_of = {name: i for i, saved in enumerate(state_dict.get("param_groups", [])) for name in saved["params"]}
     indices = {group_of.get(k) for k in keys}
     if len(indices) != 1 or None in indices:
-        raise HfBackendError(f"load_state: {source} groups the parameters differently from this optimizer (or lacks "
-                             "some); resume with the optimizer's param groups set up as when it was saved")
+        raise HfBackendError(f"load_state: {source} groups the parameters differently from this "
+                             "optimizer (or lacks some); resume with the optimizer's param groups "
+                             "set up as when it was saved")
     group.update({k: v for k, v in state_dict["param_groups"][indices.pop()].items() if k != "params"})
 
 
@@ -280,15 +293,16 @@ def _copy(value: Any) -> Any:
 
 def _scalars(entries: list[tuple[torch.nn.Parameter, dict[str, Any]]], moments: list[str],
              source: str) -> dict[str, Any]:
-    """The per-parameter scalars (Adam's `step`) of one group, which ZeRO keeps once per partition: they must agree."""
+    """The per-parameter scalars (Adam's `step`) of one group, which ZeRO keeps once per partition:
+    they must agree."""
     found: dict[str, Any] = {}
     for _, entry in entries:
         for key, value in entry.items():
             if key in moments:
                 continue
             if key in found and not _equal(found[key], value):
-                note(f"load_state: {source}: the parameters of one group have different '{key}' values; ZeRO keeps "
-                     "one per group, the first is used")
+                note(f"load_state: {source}: the parameters of one group have different '{key}' "
+                     "values; ZeRO keeps one per group, the first is used")
                 continue
             found.setdefault(key, value)
     return found

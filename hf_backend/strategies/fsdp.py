@@ -1,12 +1,14 @@
-"""The native N-D path: parallelisms applied to the model over one DeviceMesh (strategies/mesh.py), the torchtitan
-way, in one order: tensor parallelism from the model's tp_plan, activation checkpointing, then FSDP2's `fully_shard`
-over the data-parallel dimensions, each block of the wrap policy on its own, then the root. Parameters become
-DTensors; their state goes through torch's distributed state-dict API whatever the mesh.
+"""The native N-D path: parallelisms applied to the model over one DeviceMesh (strategies/mesh.py), the
+torchtitan way, in one order: tensor parallelism from the model's tp_plan, activation checkpointing,
+then FSDP2's `fully_shard` over the data-parallel dimensions, each block of the wrap policy on its
+own, then the root. Parameters become DTensors; their state goes through torch's distributed
+state-dict API whatever the mesh.
 
-The mesh's shape comes from a ParallelismConfig, or from FSDP1-era options: FULL_SHARD / SHARD_GRAD_OP shard over
-every process (`reshard_after_forward` True / False), NO_SHARD and HYBRID_SHARD replicate across a dimension of the
-mesh. Forward prefetch is an explicit block-to-block chain. Checkpoints: SHARDED_STATE_DICT writes DCP directories
-(each rank its shards); FULL_STATE_DICT gathers full states to rank 0.
+The mesh's shape comes from a ParallelismConfig, or from FSDP1-era options: FULL_SHARD /
+SHARD_GRAD_OP shard over every process (`reshard_after_forward` True / False), NO_SHARD and
+HYBRID_SHARD replicate across a dimension of the mesh. Forward prefetch is an explicit
+block-to-block chain. Checkpoints: SHARDED_STATE_DICT writes DCP directories (each rank its shards);
+FULL_STATE_DICT gathers full states to rank 0.
 """
 
 from __future__ import annotations
@@ -55,39 +57,49 @@ class FSDPStrategy(Strategy, ValueClipping):
         self._sequences_split = False  # inside maybe_context_parallel
         self.sharded_checkpoints = self.options.state_dict_type != "FULL_STATE_DICT"
         self.receives_rank0_weights = self.options.cpu_ram_efficient_loading
-        self._new_params: dict[int, torch.nn.Parameter] = {}  # id(parameter before sharding) -> sharded one
+        # id(parameter before sharding) -> sharded one
+        self._new_params: dict[int, torch.nn.Parameter] = {}
         if self.options.backward_prefetch != "BACKWARD_PRE":
-            note(f"fsdp backward_prefetch={self.options.backward_prefetch}: FSDP2 always prefetches the next "
-                 "block in backward (BACKWARD_PRE)")
+            note(f"fsdp backward_prefetch={self.options.backward_prefetch}: FSDP2 always "
+                 "prefetches the next block in backward (BACKWARD_PRE)")
 
 
-    # -- wrapping ----------------------------------------------------------------------------------------------------
+    # -- wrapping ----------------------------------------------------------------------------------
     def setup_model(self, model: torch.nn.Module, device_placement: bool = True,
                     evaluation_mode: bool = False) -> torch.nn.Module:
-        if isinstance(model, FSDPModule):  # sharded by an earlier prepare (transformers evaluates, frees, trains),
-            self.precision.wrap_forward(model)  # or by from_pretrained(distributed_config=...) on this grid
+        # sharded by an earlier prepare (transformers evaluates, frees, trains),
+        if isinstance(model, FSDPModule):
+            # or by from_pretrained(distributed_config=...) on this grid
+            self.precision.wrap_forward(model)
             return model
         sharded_by_transformers = is_tensor_parallel(model, self.mesh["tp"] if self.shape.tp > 1 else None)
-        before = list(model.parameters())  # what an optimizer built before prepare holds; mapped to the shards below
+        # what an optimizer built before prepare holds; mapped to the shards below
+        before = list(model.parameters())
         efficient = self.receives_rank0_weights
         main = self.process.is_main_process
         on_meta = any(p.is_meta for p in model.parameters())
         if on_meta and (main or not efficient):
-            raise HfBackendError("prepare(): the model is on the meta device; build it with real weights on rank 0 "
-                                 "and set cpu_ram_efficient_loading so the other ranks receive them")
+            raise HfBackendError("prepare(): the model is on the meta device; build it with real "
+                                 "weights on rank 0 and set cpu_ram_efficient_loading so the other "
+                                 "ranks receive them")
         if efficient and sharded_by_transformers:
-            raise HfBackendError("prepare(): cpu_ram_efficient_loading needs rank 0's full weights, and this model was "
-                                 "split across processes by from_pretrained(tp_plan=...); turn one of them off")
+            raise HfBackendError("prepare(): cpu_ram_efficient_loading needs rank 0's full "
+                                 "weights, and this model was split across processes by "
+                                 "from_pretrained(tp_plan=...); turn one of them off")
         full = model.state_dict() if efficient and main else {}  # rank 0 holds the only full copy
         kept_buffers = {name: b for name, b in model.named_buffers()} if efficient and main else {}
-        if efficient and not on_meta:  # every rank shards an empty model; the shards are filled from `full`, so
-            model = model.to("meta")   # rank 0 never holds a second full copy (placed, or upcast for fp32 masters)
+        # every rank shards an empty model; the shards are filled from `full`, so
+        if efficient and not on_meta:
+            # rank 0 never holds a second full copy (placed, or upcast for fp32 masters)
+            model = model.to("meta")
         model = super().setup_model(model, device_placement and not efficient)
         if not evaluation_mode:  # on every rank (meta included), so that all shards have one dtype
             self.precision.keep_fp32_masters(model, sharded=True, param_dtype=self._mp_policy().param_dtype)
         if self.options.sync_module_states and not efficient:
-            for tensor in [*model.parameters(), *model.buffers()]:  # ranks that seeded differently train one model
-                if not isinstance(tensor, DTensor):  # tensor-parallel shards differ by rank, read from the weights
+            # ranks that seeded differently train one model
+            for tensor in [*model.parameters(), *model.buffers()]:
+                # tensor-parallel shards differ by rank, read from the weights
+                if not isinstance(tensor, DTensor):
                     torch.distributed.broadcast(tensor.data, src=0)
         if self.shape.tp > 1 and not sharded_by_transformers:
             apply_tensor_parallel(model, self.mesh["tp"])
@@ -104,8 +116,10 @@ class FSDPStrategy(Strategy, ValueClipping):
         fully_shard(model, **kwargs)
         if efficient:
             self._receive_rank0_weights(model, full, kept_buffers)
-        on_cpu = self.process.device.type == "cpu" and not self.options.cpu_offload  # offloading: left to FSDP2
-        prefetch = self.options.forward_prefetch  # unset: where nothing else overlaps forward's all-gathers
+        # offloading: left to FSDP2
+        on_cpu = self.process.device.type == "cpu" and not self.options.cpu_offload
+        # unset: where nothing else overlaps forward's all-gathers
+        prefetch = self.options.forward_prefetch
         schedule(model, blocks, reshard_after_forward=self.options.reshard_after_forward,
                  forward_prefetch=on_cpu if prefetch is None else prefetch, on_cpu=on_cpu,
                  replicated=kwargs["mesh"].ndim > 1)
@@ -114,8 +128,9 @@ class FSDPStrategy(Strategy, ValueClipping):
 
     def _receive_rank0_weights(self, model: torch.nn.Module, full: dict[str, torch.Tensor],
                                kept_buffers: dict[str, torch.Tensor]) -> None:
-        """Every rank's empty shards get rank 0's weights (`full`, on rank 0 only), cast to the shards' dtype; then
-        rank 0's buffers (`kept_buffers`: not sharded, and non-persistent ones are in no state dict)."""
+        """Every rank's empty shards get rank 0's weights (`full`, on rank 0 only), cast to the shards'
+        dtype; then rank 0's buffers (`kept_buffers`: not sharded, and non-persistent ones are in no
+        state dict)."""
         model.to_empty(device=self.process.device)
         set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
         with torch.no_grad():
@@ -131,9 +146,11 @@ class FSDPStrategy(Strategy, ValueClipping):
     def _mp_policy(self) -> MixedPrecisionPolicy:
         policy = self.options.mixed_precision_policy
         if policy is None:
-            return MixedPrecisionPolicy()  # autocast (Precision) handles mixed precision, as in the other strategies
+            # autocast (Precision) handles mixed precision, as in the other strategies
+            return MixedPrecisionPolicy()
         if isinstance(policy, dict):
-            return MixedPrecisionPolicy(**{k: dtype_of(v, f"mixed_precision_policy {k}") for k, v in policy.items()})
+            return MixedPrecisionPolicy(**{k: dtype_of(v, "mixed_precision_policy "
+                                                          f"{k}") for k, v in policy.items()})
         if not isinstance(policy, MixedPrecisionPolicy):
             return MixedPrecisionPolicy(
                 param_dtype=dtype_of(getattr(policy, "param_dtype", None), "mixed_precision_policy param_dtype"),
@@ -163,29 +180,31 @@ class FSDPStrategy(Strategy, ValueClipping):
                                  if isinstance(m, torch.nn.Module) and _is_block_like(m)})
             what = f"{', '.join(missing)} not in the model" if missing else "no layer class given and the model " \
                 "has no _no_split_modules"
-            raise HfBackendError(f"fsdp transformer_layer_cls_to_wrap: {what}; its block classes are "
-                                 f"{', '.join(candidates) or '(none found)'}")
+            raise HfBackendError(f"fsdp transformer_layer_cls_to_wrap: {what}; its block classes "
+                                 f"are {', '.join(candidates) or '(none found)'}")
         return [m for m in model.modules() if type(m).__name__ in wanted and m is not model]
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         if optimizer.state:
-            raise HfBackendError("prepare(): the optimizer has already stepped; create it before training starts "
-                                 "and prepare it together with the model")
+            raise HfBackendError("prepare(): the optimizer has already stepped; create it before "
+                                 "training starts and prepare it together with the model")
         for group in optimizer.param_groups:
             group["params"] = [self._new_params.get(id(p), p) for p in group["params"]]
         if any(not isinstance(p, DTensor) for group in optimizer.param_groups for p in group["params"]):
-            raise HfBackendError("prepare(): the optimizer holds parameters of a model that is not sharded (built "
-                                 "before a prepare that free_memory has since forgotten?); create the optimizer from "
-                                 "the prepared model's parameters, or prepare model and optimizer in one call")
+            raise HfBackendError("prepare(): the optimizer holds parameters of a model that is not "
+                                 "sharded (built before a prepare that free_memory has since "
+                                 "forgotten?); create the optimizer from the prepared model's "
+                                 "parameters, or prepare model and optimizer in one call")
         return optimizer
 
-    # -- training step -----------------------------------------------------------------------------------------------
+    # -- training step -----------------------------------------------------------------------------
     @contextlib.contextmanager
     def no_sync(self, model: torch.nn.Module) -> Iterator[None]:
         if not isinstance(model, FSDPModule):
             yield
             return
-        model.set_requires_gradient_sync(False)  # keep unsharded gradients: no reduce-scatter this micro step
+        # keep unsharded gradients: no reduce-scatter this micro step
+        model.set_requires_gradient_sync(False)
         try:
             yield
         finally:
@@ -218,15 +237,15 @@ class FSDPStrategy(Strategy, ValueClipping):
                 local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
                 local.clamp_(-clip_value, clip_value)
 
-    # -- state -------------------------------------------------------------------------------------------------------
-    # Full states are gathered one parameter at a time onto rank 0's CPU (other ranks get empty dicts); loading a
-    # full state gives every rank the whole tensors to keep its shard of.
+    # -- state -------------------------------------------------------------------------------------
+    # Full states are gathered one parameter at a time onto rank 0's CPU (other ranks get empty
+    # dicts); loading a full state gives every rank the whole tensors to keep its shard of.
     save_options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     load_options = StateDictOptions(full_state_dict=True, strict=False)
 
     def load_model_state_dict(self, model: torch.nn.Module, state_dict: dict[str, Any], sharded: bool = False) -> Any:
-        """A full state is scattered into the shards by torch's state-dict API (the module's own `load_state_dict`
-        knows nothing of them)."""
+        """A full state is scattered into the shards by torch's state-dict API (the module's own
+        `load_state_dict` knows nothing of them)."""
         return set_model_state_dict(model, state_dict, options=StateDictOptions() if sharded else self.load_options)
 
     def reset(self) -> None:
@@ -234,12 +253,14 @@ class FSDPStrategy(Strategy, ValueClipping):
 
 
 def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """Clip gradients that are DTensors on any meshes (FSDP and tensor-parallel shards, `_StridedShard` included)
-    or plain tensors, or a mix; returns the total norm, the one a single process computes over the full gradients.
+    """Clip gradients that are DTensors on any meshes (FSDP and tensor-parallel shards, `_StridedShard`
+    included) or plain tensors, or a mix; returns the total norm, the one a single process computes
+    over the full gradients.
 
-    Each gradient's local shard contributes its norm^p; the sums are all-reduced over the mesh dimensions each
-    group of gradients is sharded on (never over those it is replicated on), then added up. One all-reduce of a
-    scalar per distinct sharding, and no DTensor dispatch per gradient; the shards are then scaled in place."""
+    Each gradient's local shard contributes its norm^p; the sums are all-reduced over the mesh
+    dimensions each group of gradients is sharded on (never over those it is replicated on), then
+    added up. One all-reduce of a scalar per distinct sharding, and no DTensor dispatch per
+    gradient; the shards are then scaled in place."""
     grads = [p.grad for p in parameters if p.grad is not None]
     norm_type = float(norm_type)
     if not (norm_type == math.inf or norm_type > 0):

@@ -1,14 +1,18 @@
-"""When FSDP2's collectives run relative to compute, as the FSDP strategy sets it up (docs/fsdp.md, "Step cost").
+"""When FSDP2's collectives run relative to compute, as the FSDP strategy sets it up (docs/fsdp.md,
+"Step cost").
 
-On GPUs FSDP2 overlaps communication through CUDA streams. On the CPU there are no streams: FSDP2's all-gathers and
-reduce-scatters are blocking gloo calls unless they are issued with `async_op`, in which case gloo runs them in its
-own threads. So on the CPU the engine
-- issues the all-gathers FSDP2 prefetches (the previous block's in backward, the next block's in forward when
-  `fsdp_forward_prefetch` is on) asynchronously, so they run while the current block computes;
-- lets each block's reduce-scatter run while the previous block's backward computes (at most one in flight, waited
-  for before the next one starts and when backward ends), where FSDP2 does not read its result at once.
-On every device, when parameters are resharded after forward (FULL_SHARD), the root and the last block keep theirs
-gathered after a forward that a backward follows: backward would gather them again at once.
+On GPUs FSDP2 overlaps communication through CUDA streams. On the CPU there are no streams: FSDP2's
+all-gathers and reduce-scatters are blocking gloo calls unless they are issued with `async_op`, in
+which case gloo runs them in its own threads. So on the CPU the engine
+- issues the all-gathers FSDP2 prefetches (the previous block's in backward, the next block's in
+  forward when `fsdp_forward_prefetch` is on) asynchronously, so they run while the current block
+  computes;
+- lets each block's reduce-scatter run while the previous block's backward computes (at most one in
+  flight, waited for before the next one starts and when backward ends), where FSDP2 does not read
+  its result at once.
+On every device, when parameters are resharded after forward (FULL_SHARD), the root and the last
+block keep theirs gathered after a forward that a backward follows: backward would gather them again
+at once.
 """
 
 from __future__ import annotations
@@ -19,14 +23,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-# What the gradients are reduce-scattered with (a module attribute so a test can defer its completion).
+# What the gradients are reduce-scattered with (a module attribute so a test can defer its
+# completion).
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def schedule(model: FSDPModule, blocks: list[FSDPModule], *, reshard_after_forward: bool, forward_prefetch: bool,
              on_cpu: bool, replicated: bool) -> None:
-    """Set up prefetching, resharding and overlap for a model sharded block by block, then at the root (its
-    weights final). `replicated`: a 2-D mesh, whose reduce-scatter FSDP2 follows with an all-reduce of its output."""
+    """Set up prefetching, resharding and overlap for a model sharded block by block, then at the root
+    (its weights final). `replicated`: a 2-D mesh, whose reduce-scatter FSDP2 follows with an
+    all-reduce of its output."""
     if reshard_after_forward:
         _keep_gathered_for_backward(model, [model, *blocks[-1:]])
     if forward_prefetch:
@@ -34,7 +40,8 @@ def schedule(model: FSDPModule, blocks: list[FSDPModule], *, reshard_after_forwa
             block.set_modules_to_forward_prefetch([following])
     if not on_cpu:
         return
-    if hasattr(model, "_set_unshard_async_op"):  # private in FSDP2 (torch >= 2.5); without it gathers block
+    # private in FSDP2 (torch >= 2.5); without it gathers block
+    if hasattr(model, "_set_unshard_async_op"):
         model._set_unshard_async_op(True)
     if not replicated and hasattr(model, "set_custom_reduce_scatter"):
         in_flight = _InFlight()
@@ -43,8 +50,9 @@ def schedule(model: FSDPModule, blocks: list[FSDPModule], *, reshard_after_forwa
 
 
 def _keep_gathered_for_backward(root: FSDPModule, units: list[FSDPModule]) -> None:
-    """No reshard after a forward with grad enabled (as FSDP2's own default does for the root); after one without
-    (evaluation), reshard as asked, so gathered parameters are not kept around until some later backward."""
+    """No reshard after a forward with grad enabled (as FSDP2's own default does for the root); after
+    one without (evaluation), reshard as asked, so gathered parameters are not kept around until
+    some later backward."""
     kept: bool | None = None
 
     def before_forward(module: torch.nn.Module, args: Any) -> None:
@@ -76,12 +84,14 @@ class _InFlight:
 
 
 class _OverlappedReduceScatter:
-    """FSDP2's reduce-scatter hook (`set_custom_reduce_scatter`) for one unit, issuing it asynchronously.
+    """FSDP2's reduce-scatter hook (`set_custom_reduce_scatter`) for one unit, issuing it
+    asynchronously.
 
-    After the reduce-scatter FSDP2 reads its output straight away when it divides after reducing (fp16), casts to the
-    parameters' dtype, adds to a gradient the parameter already has, or runs a post-accumulate-grad hook. Then this
-    waits at once; otherwise the output is only viewed as the new sharded gradients, and it is complete before the
-    next unit's reduce-scatter starts and when backward ends (an autograd callback), before anything reads them.
+    After the reduce-scatter FSDP2 reads its output straight away when it divides after reducing
+    (fp16), casts to the parameters' dtype, adds to a gradient the parameter already has, or runs a
+    post-accumulate-grad hook. Then this waits at once; otherwise the output is only viewed as the
+    new sharded gradients, and it is complete before the next unit's reduce-scatter starts and when
+    backward ends (an autograd callback), before anything reads them.
     """
 
     def __init__(self, parameters: list[torch.nn.Parameter], in_flight: _InFlight) -> None:

@@ -20,5 +20,6 @@ class SingleDeviceStrategy(Strategy, Joinable, ValueClipping):
                     evaluation_mode: bool = False) -> torch.nn.Module:
         model = super().setup_model(model, device_placement)
         if not evaluation_mode:
-            self.precision.keep_fp32_masters(model)  # a bf16/fp16-loaded model: fp32 masters under mixed precision
+            # a bf16/fp16-loaded model: fp32 masters under mixed precision
+            self.precision.keep_fp32_masters(model)
         return model

@@ -1,8 +1,10 @@
-"""Tensor parallelism from a transformers model's own `tp_plan`, applied with torch's `parallelize_module`.
+"""Tensor parallelism from a transformers model's own `tp_plan`, applied with torch's
+`parallelize_module`.
 
-A plan maps module paths (`layers.*.self_attn.q_proj`) to style names; each name becomes a torch ParallelStyle.
-Colwise layers keep their output sharded on the last dimension (each rank computes its own attention heads and MLP
-columns), rowwise layers all-reduce it back, so nothing between them changes but the number of local heads.
+A plan maps module paths (`layers.*.self_attn.q_proj`) to style names; each name becomes a torch
+ParallelStyle. Colwise layers keep their output sharded on the last dimension (each rank computes
+its own attention heads and MLP columns), rowwise layers all-reduce it back, so nothing between them
+changes but the number of local heads.
 """
 
 from __future__ import annotations
@@ -25,28 +27,31 @@ STYLES: dict[str, Callable[[], ParallelStyle]] = {
     "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
     "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
     "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
-    "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),  # an nn.Embedding: vocabulary rows
+    # an nn.Embedding: vocabulary rows
+    "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
     "replicate": lambda: None,  # every rank keeps the whole module
 }
 
 
 def is_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh | None) -> bool:
-    """Whether `from_pretrained(..., tp_plan="auto")` sharded the model already over a mesh equal to the run's
-    tensor-parallel dimension (transformers lays its own mesh over every process: so when tp_size is the world
-    size): prepare then takes it as it is. Sharded over any other mesh, it cannot join the run's: one line."""
+    """Whether `from_pretrained(..., tp_plan="auto")` sharded the model already over a mesh equal to
+    the run's tensor-parallel dimension (transformers lays its own mesh over every process: so when
+    tp_size is the world size): prepare then takes it as it is. Sharded over any other mesh, it
+    cannot join the run's: one line."""
     meshes = {id(p.device_mesh): p.device_mesh for p in model.parameters() if isinstance(p, DTensor)}
     if not meshes:
         return False
     if tp_mesh is None or any(mesh != tp_mesh for mesh in meshes.values()):
-        raise HfBackendError("prepare(): the model was sharded by from_pretrained(tp_plan=...) over a mesh that is not "
-                             "this run's tensor-parallel dimension (transformers spans every process); load it "
-                             "without tp_plan and set tp_size: prepare applies the model's tp_plan over the run's mesh")
+        raise HfBackendError("prepare(): the model was sharded by from_pretrained(tp_plan=...) "
+                             "over a mesh that is not this run's tensor-parallel dimension "
+                             "(transformers spans every process); load it without tp_plan and set "
+                             "tp_size: prepare applies the model's tp_plan over the run's mesh")
     return True
 
 
 def tp_plan(model: torch.nn.Module) -> dict[str, str]:
-    """The model's plan with full module paths: the base model's (from its config) under its prefix, then the
-    head's own (`lm_head`)."""
+    """The model's plan with full module paths: the base model's (from its config) under its prefix,
+    then the head's own (`lm_head`)."""
     config = getattr(model, "config", None)
     base_plan = dict(getattr(config, "base_model_tp_plan", None) or {})
     prefix = getattr(model, "base_model_prefix", "")
@@ -61,17 +66,18 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh) -> None:
     size = tp_mesh.size()
     name = type(model).__name__
     if hasattr(model, "peft_config"):
-        raise HfBackendError(f"tensor parallelism: {name} carries a PEFT adapter; apply tensor parallelism to the base "
-                             "model (adapters on sharded layers are not supported yet) or train the adapter with "
-                             "FSDP (dp_shard_size) alone")
+        raise HfBackendError(f"tensor parallelism: {name} carries a PEFT adapter; apply tensor "
+                             "parallelism to the base model (adapters on sharded layers are not "
+                             "supported yet) or train the adapter with FSDP (dp_shard_size) alone")
     plan = tp_plan(model)
     if not plan:
-        raise HfBackendError(f"tensor parallelism: {name} has no tp_plan (BERT and GPT-2 have none); set tp_size=1 "
-                             "and shard with dp_shard_size (FSDP) instead")
+        raise HfBackendError(f"tensor parallelism: {name} has no tp_plan (BERT and GPT-2 have "
+                             "none); set tp_size=1 and shard with dp_shard_size (FSDP) instead")
     unknown = sorted({style for style in plan.values() if style not in STYLES})
     if unknown:
-        raise HfBackendError(f"tensor parallelism: {name}'s tp_plan uses style {unknown[0]!r}, which hf_backend does "
-                             f"not apply (it applies {', '.join(STYLES)}); set tp_size=1")
+        raise HfBackendError(f"tensor parallelism: {name}'s tp_plan uses style {unknown[0]!r}, "
+                             f"which hf_backend does not apply (it applies {', '.join(STYLES)}); "
+                             "set tp_size=1")
     _check_divisible(model, size)
     output = getattr(model, "get_output_embeddings", lambda: None)()
     tied = output is not None and any(output.weight is p for p in _input_weights(model))
@@ -81,15 +87,16 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh) -> None:
         if made is None:
             continue
         if tied and path.rsplit(".", 1)[-1] == "lm_head":
-            note("tensor parallelism: lm_head shares its weight with the input embeddings, so it stays whole on every "
-                 "rank")
+            note("tensor parallelism: lm_head shares its weight with the input embeddings, so it "
+                 "stays whole on every rank")
             continue
         styles[path] = made
     parallelize_module(model, tp_mesh, styles)
     sharded = sum(1 for p in model.parameters() if isinstance(p, DTensor) and any(isinstance(pl, Shard)
                                                                                   for pl in p.placements))
     if not sharded:
-        raise HfBackendError(f"tensor parallelism: {name}'s tp_plan matched none of its modules; set tp_size=1")
+        raise HfBackendError(f"tensor parallelism: {name}'s tp_plan matched none of its modules; "
+                             "set tp_size=1")
 
 
 def _input_weights(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -98,11 +105,13 @@ def _input_weights(model: torch.nn.Module) -> list[torch.Tensor]:
 
 
 def _check_divisible(model: torch.nn.Module, size: int) -> None:
-    """Heads and MLP width split evenly across the tensor-parallel ranks, or the local attention reshapes fail."""
+    """Heads and MLP width split evenly across the tensor-parallel ranks, or the local attention
+    reshapes fail."""
     config: Any = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         value = getattr(text, field, None)
         if isinstance(value, int) and value % size:
-            raise HfBackendError(f"tensor parallelism: {type(model).__name__} has {field}={value}, which does not "
-                                 f"split over tp_size={size}; use a tp_size that divides it")
+            raise HfBackendError(f"tensor parallelism: {type(model).__name__} has {field}={value}, "
+                                 f"which does not split over tp_size={size}; use a tp_size that "
+                                 "divides it")

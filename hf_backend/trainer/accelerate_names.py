@@ -1,13 +1,14 @@
-"""transformers' Trainer and TrainingArguments code, run with the engine's object for each name it imports from
-accelerate.
+"""transformers' Trainer and TrainingArguments code, run with the engine's object for each name it
+imports from accelerate.
 
-transformers' trainer.py and training_args.py import a dozen names from the accelerate package (`DistributedType`,
-`skip_first_batches`, `AcceleratorState`, `clear_device_cache`, ...) only when it is installed, and their methods look
-them up as module globals: without accelerate those methods end in a NameError. `engine_named(cls)` is `cls` with
-each method that uses one of those names copied (the same code object) onto globals where the name is the engine's
-object of the same meaning, so the Trainer runs the same code whether accelerate is installed or not, and never
-reaches Accelerate's process state. `unmapped` says which inherited method still uses a name with no engine object
-here (tests/test_trainer_compat.py keeps that list empty).
+transformers' trainer.py and training_args.py import a dozen names from the accelerate package
+(`DistributedType`, `skip_first_batches`, `AcceleratorState`, `clear_device_cache`, ...) only when
+it is installed, and their methods look them up as module globals: without accelerate those methods
+end in a NameError. `engine_named(cls)` is `cls` with each method that uses one of those names
+copied (the same code object) onto globals where the name is the engine's object of the same
+meaning, so the Trainer runs the same code whether accelerate is installed or not, and never reaches
+Accelerate's process state. `unmapped` says which inherited method still uses a name with no engine
+object here (tests/test_trainer_compat.py keeps that list empty).
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ from .transformers_compat import with_globals
 
 
 def _skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
-    """Accelerate's `skip_first_batches`, which transformers' epoch loop calls when it resumes: the prepared loader
-    starts its next pass at that batch (an absolute position, consistent with the one a checkpoint restored). A stream
-    split across processes keeps the position its checkpoint restored: transformers counts a stream's steps as if the
-    run were still in its first pass, and that position also holds each process's dataset state."""
+    """Accelerate's `skip_first_batches`, which transformers' epoch loop calls when it resumes: the
+    prepared loader starts its next pass at that batch (an absolute position, consistent with the
+    one a checkpoint restored). A stream split across processes keeps the position its checkpoint
+    restored: transformers counts a stream's steps as if the run were still in its first pass, and
+    that position also holds each process's dataset state."""
     if dataloader.resuming and dataloader.source.restores_its_own_position:
         return dataloader
     return dataloader.skip_first_batches(num_batches)
@@ -40,8 +42,8 @@ def _skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
 
 def _find_executable_batch_size(function: Callable | None = None, starting_batch_size: int = 128,
                                 auto_find_batch_size: bool = False) -> Callable:
-    """transformers.trainer_utils' `find_executable_batch_size` (whose search imports accelerate's): the engine's
-    search with `auto_find_batch_size`, else the function at the starting size."""
+    """transformers.trainer_utils' `find_executable_batch_size` (whose search imports accelerate's):
+    the engine's search with `auto_find_batch_size`, else the function at the starting size."""
     if function is None:
         return functools.partial(_find_executable_batch_size, starting_batch_size=starting_batch_size,
                                  auto_find_batch_size=auto_find_batch_size)
@@ -50,9 +52,9 @@ def _find_executable_batch_size(function: Callable | None = None, starting_batch
     return functools.partial(function, batch_size=starting_batch_size)
 
 
-# Each name transformers imports from accelerate (and `find_executable_batch_size`, whose transformers version imports
-# accelerate's), and the engine's object of that name. AcceleratorConfig is transformers' own class, imported there
-# only when accelerate is installed.
+# Each name transformers imports from accelerate (and `find_executable_batch_size`, whose
+# transformers version imports accelerate's), and the engine's object of that name.
+# AcceleratorConfig is transformers' own class, imported there only when accelerate is installed.
 ENGINE_OBJECTS: dict[str, Any] = {
     "Accelerator": Accelerator,
     "AcceleratorConfig": AcceleratorConfig,
@@ -76,7 +78,8 @@ _ALSO_REACHING_ACCELERATE = ("find_executable_batch_size",)
 @functools.cache
 def imported_from_accelerate(module_name: str) -> frozenset[str]:
     """The module-level names a module imports from the accelerate package, or imports at all under an
-    `if is_accelerate_available(...)`; read from its source, so the answer is the same with accelerate or without."""
+    `if is_accelerate_available(...)`; read from its source, so the answer is the same with
+    accelerate or without."""
     names: set[str] = set()
 
     def visit(statements: list[ast.stmt], guarded: bool) -> None:
@@ -138,8 +141,9 @@ def _rebound(member: Any, names: dict[str, Any]) -> Any:
 
 
 def engine_named(cls: type) -> type:
-    """A subclass of `cls` (transformers' Trainer or TrainingArguments) whose methods that use a name imported from
-    accelerate run with the engine's object of each such name that ENGINE_OBJECTS has."""
+    """A subclass of `cls` (transformers' Trainer or TrainingArguments) whose methods that use a name
+    imported from accelerate run with the engine's object of each such name that ENGINE_OBJECTS has.
+    """
     namespace: dict[str, Any] = {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__}
     for name, member in vars(cls).items():
         names = {n: ENGINE_OBJECTS[n] for n in _accelerate_names(member) if n in ENGINE_OBJECTS}
@@ -150,8 +154,9 @@ def engine_named(cls: type) -> type:
 
 
 def unmapped(cls: type, engine_class: type) -> dict[str, list[str]]:
-    """Each member of transformers' `cls` that `engine_class` inherits (does not override) and that uses a name
-    imported from accelerate with no engine object in ENGINE_OBJECTS: without accelerate it ends in a NameError."""
+    """Each member of transformers' `cls` that `engine_class` inherits (does not override) and that
+    uses a name imported from accelerate with no engine object in ENGINE_OBJECTS: without accelerate
+    it ends in a NameError."""
     found = {}
     for name, member in vars(cls).items():
         missing = sorted(_accelerate_names(member) - set(ENGINE_OBJECTS))

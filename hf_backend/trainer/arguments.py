@@ -2,12 +2,13 @@
 
 What differs from transformers.TrainingArguments:
 - processes and device come from hf_backend's process state (never Accelerate's `PartialState`);
-- `fsdp_config` also takes the YAML that `hf-backend config` / `accelerate config` write and plugin objects, and
-  `deepspeed` takes a DeepSpeedPlugin (see config/training_arguments.py); with neither set, the FSDP or DeepSpeed
-  choice of `hf-backend launch` applies, and so does its mixed precision;
-- contradictions (fsdp and deepspeed both set, a bad option) and `push_to_hub` without a reachable Hub fail here,
-  at construction, in one line;
-- `bf16=True` on a machine without a GPU trains in bf16 on the CPU (transformers demands `use_cpu=True`).
+- `fsdp_config` also takes the YAML that `hf-backend config` / `accelerate config` write and plugin
+  objects, and `deepspeed` takes a DeepSpeedPlugin (see config/training_arguments.py); with neither
+  set, the FSDP or DeepSpeed choice of `hf-backend launch` applies, and so does its mixed precision;
+- contradictions (fsdp and deepspeed both set, a bad option) and `push_to_hub` without a reachable
+  Hub fail here, at construction, in one line;
+- `bf16=True` on a machine without a GPU trains in bf16 on the CPU (transformers demands
+  `use_cpu=True`).
 """
 
 from __future__ import annotations
@@ -42,33 +43,39 @@ from .accelerate_names import engine_named
 @dataclass
 class TrainingArguments(engine_named(transformers.TrainingArguments)):
     async_save: bool = dataclasses.field(default=False, metadata={"help": (
-        "hf_backend: a checkpoint's large files are copied to host memory and written in the background while "
-        "training goes on; the checkpoint counts (trainer_state.json, rotation) once every file is written")})
+        "hf_backend: a checkpoint's large files are copied to host memory and written in the "
+        "background while training goes on; the checkpoint counts (trainer_state.json, rotation) "
+        "once every file is written")})
     fsdp_options = None  # config.fsdp.FsdpOptions, resolved once by _process_fsdp_args
 
     def __post_init__(self) -> None:
         for name in ("gradient_accumulation_steps", "per_device_train_batch_size", "per_device_eval_batch_size"):
             checks.whole(getattr(self, name), f"TrainingArguments.{name}", minimum=1)
-        if self.parallelism_config is not None:  # Accelerate's (what transformers' docs pass), ours or a dict
+        # Accelerate's (what transformers' docs pass), ours or a dict
+        if self.parallelism_config is not None:
             self.parallelism_config = ParallelismConfig.of(self.parallelism_config,
                                                            "TrainingArguments.parallelism_config")
         self.accelerator_config = _accelerator_config(self.accelerator_config)
-        # fsdp / fsdp_config / deepspeed given here win (and are read below, once transformers has parsed them);
-        # without them the launcher's FSDP or DeepSpeed options, read by choose_backend, apply.
+        # fsdp / fsdp_config / deepspeed given here win (and are read below, once transformers has
+        # parsed them); without them the launcher's FSDP or DeepSpeed options, read by
+        # choose_backend, apply.
         wants_fsdp = bool(self.fsdp) or self.fsdp_config not in (None, {})
         self._backend = choose_backend(True if wants_fsdp else None, self.deepspeed or None,
                                        caller=TRAINING_ARGUMENTS)
         if self.push_to_hub:
             _check_hub_reachable()
         if (self.bf16 or self.bf16_full_eval) and not self.use_cpu and not torch.cuda.is_available():
-            self.use_cpu = True  # the CPU is the device anyway; transformers would ask for use_cpu=True to allow bf16
-        # transformers would turn `deepspeed` into Accelerate's DeepSpeedPlugin; it is read after the rest, below.
+            # the CPU is the device anyway; transformers would ask for use_cpu=True to allow bf16
+            self.use_cpu = True
+        # transformers would turn `deepspeed` into Accelerate's DeepSpeedPlugin; it is read after
+        # the rest, below.
         deepspeed = self._backend.deepspeed if self._backend.deepspeed is not None else self.deepspeed
         self.deepspeed = None
         super().__post_init__()
         self.deepspeed_plugin = self._deepspeed_plugin(deepspeed) if deepspeed else None
         if deepspeed and not isinstance(deepspeed, (str, os.PathLike, dict)):
-            deepspeed = self.hf_deepspeed_config.config  # a plugin object is kept as its (serializable) config
+            # a plugin object is kept as its (serializable) config
+            deepspeed = self.hf_deepspeed_config.config
         self.deepspeed = deepspeed
         if not (self.fp16 or self.bf16) and "ACCELERATE_MIXED_PRECISION" not in os.environ:
             self.mixed_precision = env.resolve("mixed_precision")
@@ -81,16 +88,20 @@ class TrainingArguments(engine_named(transformers.TrainingArguments)):
         if configured and not process_state_is_set_up():
             # transformers' phrase is kept, so code matching on it still works
             raise ConfigError(
-                "accelerator_config use_configured_state=True: Passing `'use_configured_state':True` to the "
-                "AcceleratorConfig requires a pre-configured `AcceleratorState` or `PartialState` to be defined "
-                "before calling `TrainingArguments`; create an hf_backend Accelerator or PartialState first, or drop "
-                "use_configured_state")
+                "accelerator_config use_configured_state=True: Passing "
+                "`'use_configured_state':True` to the AcceleratorConfig requires a pre-configured "
+                "`AcceleratorState` or `PartialState` to be defined before calling "
+                "`TrainingArguments`; create an hf_backend Accelerator or PartialState first, or "
+                "drop use_configured_state")
         cpu = env.resolve("cpu", True if self.use_cpu else None)
         timeout = datetime.timedelta(seconds=self.ddp_timeout) if self.ddp_timeout else None
-        # Read by transformers through the attribute names of Accelerate's PartialState, which ProcessState shares.
+        # Read by transformers through the attribute names of Accelerate's PartialState, which
+        # ProcessState shares.
         self.distributed_state = get_process_state(cpu=cpu, timeout=timeout, backend=self.ddp_backend)
-        accelerate_state.tell_process(self.distributed_state)  # loaded since the state was set up, by TRL say
-        self._n_gpu = 1 if self.distributed_state.device.type == "cuda" else 0  # never torch's DataParallel
+        # loaded since the state was set up, by TRL say
+        accelerate_state.tell_process(self.distributed_state)
+        # never torch's DataParallel
+        self._n_gpu = 1 if self.distributed_state.device.type == "cuda" else 0
         return self.distributed_state.device
 
     @property
@@ -108,7 +119,8 @@ class TrainingArguments(engine_named(transformers.TrainingArguments)):
         if options is None:
             return None
         self.fsdp_config = options.to_dict()
-        # transformers' Trainer refuses FSDP in one process; the engine trains unsharded there, with a note.
+        # transformers' Trainer refuses FSDP in one process; the engine trains unsharded there, with
+        # a note.
         self.fsdp = self.world_size > 1
         return None
 
@@ -119,32 +131,38 @@ class TrainingArguments(engine_named(transformers.TrainingArguments)):
 
         from ..strategies.deepspeed import attach_deepspeed_comm
 
-        attach_deepspeed_comm()  # before a ZeRO-3 from_pretrained, which builds the model partitioned
+        # before a ZeRO-3 from_pretrained, which builds the model partitioned
+        attach_deepspeed_comm()
 
-        # transformers fills the config's "auto" values from these arguments, and later from the model.
+        # transformers fills the config's "auto" values from these arguments, and later from the
+        # model.
         self.hf_deepspeed_config = HfTrainerDeepSpeedConfig(deepspeed_config_from_argument(deepspeed))
         self.hf_deepspeed_config.trainer_config_process(self)
         is_config = isinstance(deepspeed, (str, os.PathLike, dict))
-        plugin = DeepSpeedPlugin() if is_config else DeepSpeedPlugin.from_object(deepspeed)  # keeps zero3_init_flag
+        # keeps zero3_init_flag
+        plugin = DeepSpeedPlugin() if is_config else DeepSpeedPlugin.from_object(deepspeed)
         return dataclasses.replace(plugin, hf_ds_config=self.hf_deepspeed_config)
 
 
 _DEEPSPEED_NEEDS_ACCELERATE = (
-    "TrainingArguments(deepspeed=...): transformers' DeepSpeed integration (HfTrainerDeepSpeedConfig) imports the "
-    "accelerate package, which is not installed; pip install 'hf-backend[deepspeed]' (it brings accelerate)")
+    "TrainingArguments(deepspeed=...): transformers' DeepSpeed integration "
+    "(HfTrainerDeepSpeedConfig) imports the accelerate package, which is not installed; pip "
+    "install 'hf-backend[deepspeed]' (it brings accelerate)")
 
 
 def _accelerator_config(value: Any) -> AcceleratorConfig:
-    """transformers' reading of `accelerator_config` (None, a dict, a JSON file's path, the object), which it does
-    only when the accelerate package is installed: the engine needs its values either way."""
+    """transformers' reading of `accelerator_config` (None, a dict, a JSON file's path, the object),
+    which it does only when the accelerate package is installed: the engine needs its values either
+    way."""
     if isinstance(value, AcceleratorConfig):
         return value
     if value is None or isinstance(value, dict):
         return AcceleratorConfig(**(value or {}))
     if isinstance(value, (str, os.PathLike)):
         return AcceleratorConfig.from_json_file(value)
-    raise ConfigError(f"TrainingArguments.accelerator_config: {value!r} is neither a dict, a JSON file's path nor an "
-                      "AcceleratorConfig(); pass one of those (an AcceleratorConfig instance, not the class)")
+    raise ConfigError(f"TrainingArguments.accelerator_config: {value!r} is neither a dict, a JSON "
+                      "file's path nor an AcceleratorConfig(); pass one of those (an "
+                      "AcceleratorConfig instance, not the class)")
 
 
 def _check_hub_reachable() -> None:
@@ -158,5 +176,5 @@ def _check_hub_reachable() -> None:
     try:
         socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout=5).close()
     except OSError as err:
-        raise HfBackendError(f"push_to_hub=True but the Hub at {endpoint} is not reachable from this machine "
-                             f"({err.__class__.__name__}: {err}); {fix}") from None
+        raise HfBackendError(f"push_to_hub=True but the Hub at {endpoint} is not reachable from "
+                             f"this machine ({err.__class__.__name__}: {err}); {fix}") from None

@@ -1,12 +1,13 @@
 """hf_backend.Trainer's async checkpoints (`TrainingArguments(async_save=True)`).
 
-transformers' `_save_checkpoint` runs as usual, except that its large writes (the weights, the optimizer state; under
-FSDP the engine's shards) are snapshotted into host memory and queued on checkpoint/async_save.py's writer, and the
-two steps that make a Trainer checkpoint count are held back until every rank's files are written: the
-`trainer_state.json` that marks a `checkpoint-{step}` complete (resume passes over one without it) and the
-rotation of old checkpoints (`save_total_limit`), so a failed async save never costs an older complete checkpoint.
-They run in `TrainerCheckpoint.commit`, on the main thread, at the next save, at the end of `train()`, before the
-best model is loaded, or at `accelerator.wait_for_checkpoint()` / `end_training()`.
+transformers' `_save_checkpoint` runs as usual, except that its large writes (the weights, the
+optimizer state; under FSDP the engine's shards) are snapshotted into host memory and queued on
+checkpoint/async_save.py's writer, and the two steps that make a Trainer checkpoint count are held
+back until every rank's files are written: the `trainer_state.json` that marks a `checkpoint-{step}`
+complete (resume passes over one without it) and the rotation of old checkpoints
+(`save_total_limit`), so a failed async save never costs an older complete checkpoint. They run in
+`TrainerCheckpoint.commit`, on the main thread, at the next save, at the end of `train()`, before
+the best model is loaded, or at `accelerator.wait_for_checkpoint()` / `end_training()`.
 """
 
 from __future__ import annotations
@@ -24,19 +25,22 @@ from ..checkpoint import durable, layout, manifest
 from ..checkpoint.async_save import PendingSave, Writes
 from ..checkpoint.directories import Staging
 
-_HELD = ".incomplete"  # trainer_state.json is written under this suffix and renamed when every file is in place
+# trainer_state.json is written under this suffix and renamed when every file is in place
+_HELD = ".incomplete"
 
 
 @dataclasses.dataclass
 class TrainerCheckpoint(Staging):
-    """A `checkpoint-{step}` written in place in the background (`path` is `target`), which `PendingSave` commits
-    or abandons: its trainer_state.json, held back until then, marks it complete."""
+    """A `checkpoint-{step}` written in place in the background (`path` is `target`), which
+    `PendingSave` commits or abandons: its trainer_state.json, held back until then, marks it
+    complete."""
 
     rotate: Callable[[], None] = lambda: None
 
     def finish(self, seal: Callable[[Path], None]) -> None:
-        """The main process, every file written and fsynced: trainer_state.json put in place, the manifest of every
-        file sealed (as a synchronous Trainer checkpoint has), old checkpoints rotated."""
+        """The main process, every file written and fsynced: trainer_state.json put in place, the
+        manifest of every file sealed (as a synchronous Trainer checkpoint has), old checkpoints
+        rotated."""
         held = self.path / (layout.TRAINER_STATE + _HELD)
         if held.is_file():
             os.replace(held, self.path / layout.TRAINER_STATE)
@@ -47,8 +51,8 @@ class TrainerCheckpoint(Staging):
 
 @contextlib.contextmanager
 def deferred(trainer: Any, trial: Any) -> Iterator[Writes]:
-    """Around transformers' `_save_checkpoint`: the writes it routes through the returned `Writes` run in the
-    background; its trainer_state.json and rotation wait for them (module docstring)."""
+    """Around transformers' `_save_checkpoint`: the writes it routes through the returned `Writes` run
+    in the background; its trainer_state.json and rotation wait for them (module docstring)."""
     io = trainer.accelerator.checkpoint_io
     io.wait()  # one checkpoint under way at a time
     writes = Writes(True, io.save_group() if io.sharded else None)
@@ -57,7 +61,8 @@ def deferred(trainer: Any, trial: Any) -> Iterator[Writes]:
     args, state = trainer.args, trainer.state
     limit, save_to_json = args.save_total_limit, state.save_to_json
     state.save_to_json = lambda json_path: save_to_json(str(json_path) + _HELD)
-    args.save_total_limit = None  # transformers' rotation now could count this unfinished checkpoint
+    # transformers' rotation now could count this unfinished checkpoint
+    args.save_total_limit = None
     trainer._async_writes = writes
     try:
         yield writes

@@ -1,25 +1,31 @@
 """`Trainer`: transformers' Trainer with hf_backend's Accelerator underneath.
 
-The training loop, logging, callbacks, evaluation and the checkpoint directories (`output_dir/checkpoint-{step}`
-with `trainer_state.json` and RNG files, their rotation) are transformers' own code. Overridden, and only these:
+The training loop, logging, callbacks, evaluation and the checkpoint directories
+(`output_dir/checkpoint-{step}` with `trainer_state.json` and RNG files, their rotation) are
+transformers' own code. Overridden, and only these:
 - `create_accelerator_and_postprocess`: builds hf_backend.Accelerator from the TrainingArguments;
-- `_get_num_items_in_batch`: decides once whether the model's loss honours `num_items_in_batch` (see there);
-- `floating_point_ops`: the same estimate, with the model's parameters counted once rather than at every step;
+- `_get_num_items_in_batch`: decides once whether the model's loss honours `num_items_in_batch` (see
+  there);
+- `floating_point_ops`: the same estimate, with the model's parameters counted once rather than at
+  every step;
 - `_run_epoch`: transformers' loop with `logging_nan_inf_filter` computed on the device
   (`_loss_to_log`), where transformers' test waits for the device after every backward
   (transformers_compat.loss_filter_on_device);
-- checkpoint I/O: one layout under every strategy (checkpoint/layout.py), written and read by the engine's
-  CheckpointIO. The weights (full `model.safetensors`, FSDP's shards under SHARDED_STATE_DICT, or a PEFT model's
-  adapter), the optimizer (`optimizer.pt` keyed by parameter names, or shards) and `scheduler.pt`, the train loader's
-  position and `hf_backend_checkpoint.json`: a checkpoint resumes under any strategy and world size with the exact
-  batch order, and (one process, DDP) under transformers.Trainer too. transformers still writes and reads its own
-  files around them (trainer_state.json, RNG, scaler, arguments, config).
-- `_save_checkpoint` seals a manifest of every file into the checkpoint; `train(resume_from_checkpoint=...)`
-  verifies it before loading anything, and `True` resumes the newest *complete and intact* checkpoint.
-transformers' methods that use names it imports from accelerate (`skip_first_batches` in the epoch loop,
-`DistributedType`, ...) run unchanged with the engine's objects of those names (accelerate_names.py): the Trainer
-needs no accelerate package. docs/trainer.md lists the transformers internals this relies on;
-transformers_compat.py, what differs between the transformers versions it supports.
+- checkpoint I/O: one layout under every strategy (checkpoint/layout.py), written and read by the
+  engine's CheckpointIO. The weights (full `model.safetensors`, FSDP's shards under
+  SHARDED_STATE_DICT, or a PEFT model's adapter), the optimizer (`optimizer.pt` keyed by parameter
+  names, or shards) and `scheduler.pt`, the train loader's position and
+  `hf_backend_checkpoint.json`: a checkpoint resumes under any strategy and world size with the
+  exact batch order, and (one process, DDP) under transformers.Trainer too. transformers still
+  writes and reads its own files around them (trainer_state.json, RNG, scaler, arguments, config).
+- `_save_checkpoint` seals a manifest of every file into the checkpoint;
+  `train(resume_from_checkpoint=...)` verifies it before loading anything, and `True` resumes the
+  newest *complete and intact* checkpoint.
+transformers' methods that use names it imports from accelerate (`skip_first_batches` in the epoch
+loop, `DistributedType`, ...) run unchanged with the engine's objects of those names
+(accelerate_names.py): the Trainer needs no accelerate package. docs/trainer.md lists the
+transformers internals this relies on; transformers_compat.py, what differs between the transformers
+versions it supports.
 """
 
 from __future__ import annotations
@@ -57,14 +63,17 @@ from .accelerate_names import engine_named
 from .arguments import TrainingArguments
 from .jit_checkpoint import JITCheckpoint
 
-compat.check_version()  # older than transformers_compat.OLDEST is an ImportError, newer than NEWEST a warning
+# older than transformers_compat.OLDEST is an ImportError, newer than NEWEST a warning
+compat.check_version()
 
 
-_TRAINER_PARAMETERS = list(inspect.signature(transformers.Trainer.__init__).parameters)[3:]  # after self, model, args
+# after self, model, args
+_TRAINER_PARAMETERS = list(inspect.signature(transformers.Trainer.__init__).parameters)[3:]
 
 
-# Config fields of transformers models whose set of used parameters changes from step to step: dropped layers and
-# routed experts. For those, unset ddp_find_unused_parameters keeps transformers' True: one step cannot tell.
+# Config fields of transformers models whose set of used parameters changes from step to step:
+# dropped layers and routed experts. For those, unset ddp_find_unused_parameters keeps transformers'
+# True: one step cannot tell.
 _VARYING_GRAPH_FIELDS = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop", "num_experts", "num_local_experts",
                          "n_routed_experts", "moe_num_experts")
 
@@ -85,30 +94,36 @@ class Trainer(_EngineNamed):
             args = TrainingArguments(output_dir="tmp_trainer")
         if not isinstance(args, TrainingArguments):
             what = type(args).__name__
-            fix = ("build them with hf_backend.TrainingArguments" if type(args) is transformers.TrainingArguments
+            fix = ("build them with "
+                   "hf_backend.TrainingArguments" if type(args) is transformers.TrainingArguments
                    else f"put its class on the engine too: `{what} = hf_backend.on_engine({what})`")
-            raise HfBackendError(f"{type(self).__name__} on hf_backend's engine got {what} arguments, which are not "
-                                 f"on the engine; {fix} (docs/llm.md)")
-        # Handed on by name: the next class in a subclass's order may take other parameters in other places
-        # (TRL's preference trainers take ref_model second).
+            raise HfBackendError(f"{type(self).__name__} on hf_backend's engine got {what} "
+                                 f"arguments, which are not on the engine; {fix} (docs/llm.md)")
+        # Handed on by name: the next class in a subclass's order may take other parameters in other
+        # places (TRL's preference trainers take ref_model second).
         twice = sorted(set(_TRAINER_PARAMETERS[:len(rest)]) & set(kwargs))
         if twice or len(rest) > len(_TRAINER_PARAMETERS):
-            raise TypeError(f"{type(self).__name__}() got {len(rest) + 2} positional arguments where transformers' "
-                            f"Trainer takes {len(_TRAINER_PARAMETERS) + 2}" if not twice else
-                            f"{type(self).__name__}() got multiple values for argument {twice[0]!r}")
+            raise TypeError(f"{type(self).__name__}() got {len(rest) + 2} positional arguments "
+                            "where transformers' Trainer takes "
+                            f"{len(_TRAINER_PARAMETERS) + 2}" if not twice else
+                            f"{type(self).__name__}() got multiple values for argument "
+                            f"{twice[0]!r}")
         kwargs.update(zip(_TRAINER_PARAMETERS, rest))
         self._train_loader: Any = None
         self._loss_checked = False
-        self._counted_model: Any = None  # floating_point_ops: the model whose parameters were counted, and how many
+        # floating_point_ops: the model whose parameters were counted, and how many
+        self._counted_model: Any = None
         self._counted_parameters = 0
-        self._resume_index: checkpoint.CheckpointIndex | None = None  # the checkpoint train() verified (hashed once)
+        # the checkpoint train() verified (hashed once)
+        self._resume_index: checkpoint.CheckpointIndex | None = None
         with _checkpoints_allowed(model, args):
             super().__init__(model=model, args=args, **kwargs)
         if args.enable_jit_checkpoint:
             self._coordinate_jit_checkpoint()
 
     def _coordinate_jit_checkpoint(self) -> None:
-        """transformers' per-process SIGTERM callback is replaced by one all processes act on together."""
+        """transformers' per-process SIGTERM callback is replaced by one all processes act on together.
+        """
         from transformers.trainer_jit_checkpoint import JITCheckpointCallback
 
         for callback in list(self.callback_handler.callbacks):
@@ -119,34 +134,42 @@ class Trainer(_EngineNamed):
                     signal.signal(signal.SIGTERM, manager._original_sigterm_handler)
         self.add_callback(JITCheckpoint(self))
 
-    # -- the engine ------------------------------------------------------------------------------------------------
+    # -- the engine --------------------------------------------------------------------------------
     def create_accelerator_and_postprocess(self) -> None:
         args = self.args
         parallelism = args.parallelism_config
-        loaded = loaded_shape(self.model)  # sharded by from_pretrained(distributed_config= / tp_plan=...)
-        if loaded is not None and parallelism is None:  # as transformers does: the grid the model was loaded for
+        # sharded by from_pretrained(distributed_config= / tp_plan=...)
+        loaded = loaded_shape(self.model)
+        # as transformers does: the grid the model was loaded for
+        if loaded is not None and parallelism is None:
             parallelism = loaded.as_config()
         elif loaded is not None and MeshShape.of(parallelism, args.world_size) != loaded:
             raise ConfigError(_loaded_elsewhere(loaded, MeshShape.of(parallelism, args.world_size)))
         quantizer = getattr(self.model, "hf_quantizer", None)  # a PEFT model answers for its base
         if quantizer is not None:
             method = getattr(getattr(quantizer, "quantization_config", None), "quant_method", "quantized")
-            raise ConfigError(f"the model was loaded quantized ({getattr(method, 'value', method)}); hf_backend has "
-                              "not been tested with quantized (4/8-bit) bases and does not train them: load the base "
-                              "unquantized (bf16 with a LoRA adapter), docs/llm.md")
+            raise ConfigError("the model was loaded quantized "
+                              f"({getattr(method, 'value', method)}); hf_backend has not been "
+                              "tested with quantized (4/8-bit) bases and does not train them: "
+                              "load the base unquantized (bf16 with a LoRA adapter), docs/llm.md")
         config = args.accelerator_config
         accumulation = dict(config.gradient_accumulation_kwargs or {})
         if "num_steps" in accumulation:
-            if args.gradient_accumulation_steps > 1:  # transformers' phrase is kept: code may match on it
-                raise ConfigError("The `AcceleratorConfig`'s `num_steps` is set but `gradient_accumulation_steps` is "
-                                  "greater than 1 in the passed `TrainingArguments`: keep one of them "
+            # transformers' phrase is kept: code may match on it
+            if args.gradient_accumulation_steps > 1:
+                raise ConfigError("The `AcceleratorConfig`'s `num_steps` is set but "
+                                  "`gradient_accumulation_steps` is greater than 1 in the passed "
+                                  "`TrainingArguments`: keep one of them "
                                   "(gradient_accumulation_steps)")
             args.gradient_accumulation_steps = accumulation["num_steps"]
-        accumulation["num_steps"] = 1  # the Trainer accumulates itself and tells the engine when to sync
+        # the Trainer accumulates itself and tells the engine when to sync
+        accumulation["num_steps"] = 1
         if config.dispatch_batches:
-            note("accelerator_config dispatch_batches=True: every process reads its own shard in hf_backend")
+            note("accelerator_config dispatch_batches=True: every process reads its own shard in "
+                 "hf_backend")
         if not config.use_seedable_sampler:
-            note("accelerator_config use_seedable_sampler=False: hf_backend's epoch order is always seedable")
+            note("accelerator_config use_seedable_sampler=False: hf_backend's epoch order is "
+                 "always seedable")
         self.accelerator = Accelerator(
             mixed_precision=args.mixed_precision,
             dataloader_config=DataLoaderConfiguration(
@@ -172,9 +195,10 @@ class Trainer(_EngineNamed):
         args = self.args
         find_unused = args.ddp_find_unused_parameters
         if find_unused is None:
-            # transformers' default is True except for a PreTrainedModel with activation checkpointing, where DDP's
-            # search breaks reentrant checkpointing. hf_backend's None: DDP finds the unused parameters on the first
-            # step and keeps searching on every step only if there were some (strategies/ddp.py)
+            # transformers' default is True except for a PreTrainedModel with activation
+            # checkpointing, where DDP's search breaks reentrant checkpointing. hf_backend's None:
+            # DDP finds the unused parameters on the first step and keeps searching on every step
+            # only if there were some (strategies/ddp.py)
             model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
             checkpointing = isinstance(model, transformers.PreTrainedModel) and (
                 compat.model_activation_checkpointing(model) or compat.activation_checkpointing(args))
@@ -189,22 +213,24 @@ class Trainer(_EngineNamed):
         args, state = self.args, self.accelerator.state
         if (self.is_fsdp_enabled and state.fsdp_plugin.activation_checkpointing
                 and compat.activation_checkpointing(args)):
-            raise HfBackendError(f"fsdp_config activation_checkpointing and the "
-                                 f"{compat.ACTIVATION_CHECKPOINTING_ARGUMENT} argument are both set; keep FSDP's "
-                                 "(fsdp_config) under FSDP")
+            raise HfBackendError("fsdp_config activation_checkpointing and the "
+                                 f"{compat.ACTIVATION_CHECKPOINTING_ARGUMENT} argument are both "
+                                 "set; keep FSDP's (fsdp_config) under FSDP")
         # before training, not at the first save
         self.accelerator.checkpoint_io.check_on_each_node(args.save_on_each_node, "save_on_each_node")
         if args.save_only_model and self._sharded_weights():
-            raise HfBackendError("save_only_model does not go with FSDP's SHARDED_STATE_DICT; use FULL_STATE_DICT")
+            raise HfBackendError("save_only_model does not go with FSDP's SHARDED_STATE_DICT; use "
+                                 "FULL_STATE_DICT")
         if self.is_deepspeed_enabled and state.deepspeed_plugin.zero_stage == 3 and args.auto_find_batch_size:
-            raise HfBackendError("auto_find_batch_size does not work with DeepSpeed ZeRO-3; set the batch size")
+            raise HfBackendError("auto_find_batch_size does not work with DeepSpeed ZeRO-3; set "
+                                 "the batch size")
 
     def _sharded_weights(self) -> bool:
         return self.accelerator.checkpoint_io.sharded and not self._adapter_weights()
 
     def _adapter_weights(self) -> bool:
-        """A PEFT model's weights are its adapter, in PEFT's files, under every strategy: the engine gathers and
-        writes only the trainable parameters."""
+        """A PEFT model's weights are its adapter, in PEFT's files, under every strategy: the engine
+        gathers and writes only the trainable parameters."""
         return checkpoint.adapters.is_peft_model(self.accelerator.unwrap_model(self.model))
 
     def get_train_dataloader(self) -> Any:
@@ -229,24 +255,26 @@ class Trainer(_EngineNamed):
         since = 1 + self.state.global_step - self._globalstep_last_logged
         return torch.where(torch.isfinite(loss), loss, self._tr_loss / since)
 
-    # -- loss normalization ----------------------------------------------------------------------------------------
+    # -- loss normalization ------------------------------------------------------------------------
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> Any:
-        """transformers passes models whose forward takes **kwargs the item count of the whole accumulated global
-        batch and multiplies their loss by the number of processes, assuming the loss is a sum divided by that
-        count. Many heads (BERT-family sequence classification among them) ignore the count and return a mean:
-        transformers then reports, and backpropagates, the loss times the world size (and, with gradient
-        accumulation, times the accumulation steps). So the first time it matters, ask the model once: without
-        that behaviour it is treated as taking no loss kwargs, and its mean loss is averaged as for any other."""
+        """transformers passes models whose forward takes **kwargs the item count of the whole
+        accumulated global batch and multiplies their loss by the number of processes, assuming the
+        loss is a sum divided by that count. Many heads (BERT-family sequence classification among
+        them) ignore the count and return a mean: transformers then reports, and backpropagates, the
+        loss times the world size (and, with gradient accumulation, times the accumulation steps).
+        So the first time it matters, ask the model once: without that behaviour it is treated as
+        taking no loss kwargs, and its mean loss is averaged as for any other."""
         if self._loss_check_needed(batch_samples):
             self._loss_checked = True
             self.model_accepts_loss_kwargs = self._loss_divides_by_item_count(batch_samples[0])
             if not self.model_accepts_loss_kwargs:
-                note("the model's loss ignores num_items_in_batch (a mean per batch): averaged over processes and "
-                     "accumulation steps as such")
+                note("the model's loss ignores num_items_in_batch (a mean per batch): averaged "
+                     "over processes and accumulation steps as such")
         return super()._get_num_items_in_batch(batch_samples, device)
 
     def _loss_check_needed(self, batch_samples: list) -> bool:
-        """Called every step: settled for the run at the first call where nothing can make the check matter."""
+        """Called every step: settled for the run at the first call where nothing can make the check
+        matter."""
         if self._loss_checked or not self.model_accepts_loss_kwargs:
             return False
         spread = self.args.world_size > 1 or self.args.gradient_accumulation_steps > 1
@@ -259,17 +287,18 @@ class Trainer(_EngineNamed):
 
     @torch.no_grad()
     def _loss_divides_by_item_count(self, batch: Mapping[str, Any]) -> bool:
-        """Evaluate the loss of one batch with the item count and with twice the count: a loss that divides by it
-        halves. Dropout is off and the random state is kept, so training continues exactly as without the check.
-        Under context parallelism the model runs on its slices, as in training (on copies: the batch is trained
-        on next)."""
+        """Evaluate the loss of one batch with the item count and with twice the count: a loss that
+        divides by it halves. Dropout is off and the random state is kept, so training continues
+        exactly as without the check. Under context parallelism the model runs on its slices, as in
+        training (on copies: the batch is trained on next)."""
         model = self.model_wrapped
         inputs = self._prepare_inputs(batch)
         count = inputs["labels"].ne(-100).sum()
 
         def loss(count: torch.Tensor) -> torch.Tensor:
             copy = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-            context, copy = self._prepare_context_parallel_inputs(model, copy)  # cp: splits the copy in place
+            # cp: splits the copy in place
+            context, copy = self._prepare_context_parallel_inputs(model, copy)
             with context():
                 return _loss_of(model(**copy, num_items_in_batch=count))
 
@@ -284,8 +313,9 @@ class Trainer(_EngineNamed):
         return bool(self.accelerator.gather(torch.tensor([divides], device=self.args.device)).all())
 
     def floating_point_ops(self, inputs: dict[str, Any]) -> int:
-        """transformers' estimate (6 x input tokens x non-embedding parameters), with the parameters counted once per
-        model instead of at every step (a walk over every module and parameter: 80 us a step for a 2-layer BERT)."""
+        """transformers' estimate (6 x input tokens x non-embedding parameters), with the parameters
+        counted once per model instead of at every step (a walk over every module and parameter: 80
+        us a step for a 2-layer BERT)."""
         model = self.model
         main_input = getattr(model, "main_input_name", "input_ids")
         if main_input not in inputs or not hasattr(model, "num_parameters"):
@@ -294,13 +324,14 @@ class Trainer(_EngineNamed):
             self._counted_model, self._counted_parameters = model, model.num_parameters(exclude_embeddings=True)
         return 6 * inputs[main_input].numel() * self._counted_parameters
 
-    # -- checkpoints -----------------------------------------------------------------------------------------------
+    # -- checkpoints -------------------------------------------------------------------------------
     _async_writes: Any = None  # while an async checkpoint is being saved: where its large writes go
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
-        """A checkpoint is verified (its manifest) before anything of it is loaded; `True` resumes the newest one
-        that is complete and verifies, passing over newer ones with a note. An async checkpoint still being written
-        is finished first, and the last one is complete when `train()` returns."""
+        """A checkpoint is verified (its manifest) before anything of it is loaded; `True` resumes the
+        newest one that is complete and verifies, passing over newer ones with a note. An async
+        checkpoint still being written is finished first, and the last one is complete when
+        `train()` returns."""
         self.accelerator.checkpoint_io.wait()
         self._resume_index = None
 
@@ -308,23 +339,26 @@ class Trainer(_EngineNamed):
             self._resume_index = checkpoint.check_trainer_checkpoint(
                 directory, fresh_optimizer=self.args.save_only_model, caller=RESUME)
 
-        if resume_from_checkpoint is True:  # under torch elastic a first start has none yet: it starts fresh
+        # under torch elastic a first start has none yet: it starts fresh
+        if resume_from_checkpoint is True:
             resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir, usable, elastic.under_elastic())
         elif resume_from_checkpoint and os.path.isdir(resume_from_checkpoint):
             usable(resume_from_checkpoint)
         elif resume_from_checkpoint:  # transformers' phrase is kept: code may match on it
-            raise ConfigError(f"{RESUME}: Can't find a valid checkpoint at {resume_from_checkpoint}: no such "
-                              "directory; pass a checkpoint-* directory, or True for the newest in output_dir")
+            raise ConfigError(f"{RESUME}: Can't find a valid checkpoint at "
+                              f"{resume_from_checkpoint}: no such directory; pass a checkpoint-* "
+                              "directory, or True for the newest in output_dir")
         result = super().train(resume_from_checkpoint, *args, **kwargs)
         self.accelerator.checkpoint_io.wait()
         return result
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
-        """transformers' save, then the manifest of every file in the checkpoint (once every process has written).
-        With save_only_model the train loader's position is written too, so the manifest has its metadata. A
-        directory of the same step left by an earlier run (one a resume passed over) is removed first: transformers
-        would write into it, among its stale or damaged files. With async_save the large files are written in the
-        background and the manifest is sealed when they are (trainer/async_checkpoint.py)."""
+        """transformers' save, then the manifest of every file in the checkpoint (once every process
+        has written). With save_only_model the train loader's position is written too, so the
+        manifest has its metadata. A directory of the same step left by an earlier run (one a resume
+        passed over) is removed first: transformers would write into it, among its stale or damaged
+        files. With async_save the large files are written in the background and the manifest is
+        sealed when they are (trainer/async_checkpoint.py)."""
         output_dir = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
         if self.args.should_save and os.path.lexists(output_dir):
             note(f"removing {output_dir}, left by an earlier run, before saving this step again")
@@ -344,9 +378,10 @@ class Trainer(_EngineNamed):
             checkpoint.manifest.seal(Path(output_dir))
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """A PEFT model's adapter (only the trainable parameters gathered), else the full weights `from_pretrained`
-        reads, gathered under every strategy. A checkpoint's weights (`_internal_call`) are written as CheckpointIO
-        writes them: shards under FSDP's SHARDED_STATE_DICT, in the background with async_save."""
+        """A PEFT model's adapter (only the trainable parameters gathered), else the full weights
+        `from_pretrained` reads, gathered under every strategy. A checkpoint's weights
+        (`_internal_call`) are written as CheckpointIO writes them: shards under FSDP's
+        SHARDED_STATE_DICT, in the background with async_save."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         io, adapter = self.accelerator.checkpoint_io, self._adapter_weights()
         if _internal_call and not adapter:
@@ -355,18 +390,20 @@ class Trainer(_EngineNamed):
             self._save_model_files(output_dir)
             return
         if getattr(self.model, "is_distributed_loading_by_transformers", False) and not adapter:
-            self._save(output_dir)  # on every process: save_pretrained gathers the model transformers sharded itself
+            # on every process: save_pretrained gathers the model transformers sharded itself
+            self._save(output_dir)
         else:
             state_dict = io.trainable_weights(self.model_wrapped) if adapter else \
                 self.accelerator.get_state_dict(self.model_wrapped)
-            if self.args.should_save:  # before 5.23 transformers' _save writes from every process (compat)
+            # before 5.23 transformers' _save writes from every process (compat)
+            if self.args.should_save:
                 self._save(output_dir, state_dict=state_dict)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def _save_model_files(self, output_dir: str) -> None:
-        """What `_save` writes besides the weights: model and generation config, tokenizer or processor, training
-        arguments."""
+        """What `_save` writes besides the weights: model and generation config, tokenizer or
+        processor, training arguments."""
         if not self.args.should_save:
             return
         model = self.accelerator.unwrap_model(self.model)
@@ -388,17 +425,18 @@ class Trainer(_EngineNamed):
                                              on_each_node=self.args.save_on_each_node, writes=self._async_writes)
 
     def _engine_objects(self, optimizer_and_scheduler: bool) -> PreparedObjects:
-        """The train loader position, with the optimizer and scheduler; transformers writes the RNG and scaler
-        files, save_model the weights."""
+        """The train loader position, with the optimizer and scheduler; transformers writes the RNG and
+        scaler files, save_model the weights."""
         loaders = [self._train_loader] if self._train_loader is not None else []
         if not optimizer_and_scheduler:
             return PreparedObjects(dataloaders=loaders)
         return PreparedObjects(optimizers=[self.optimizer], schedulers=[self.lr_scheduler], dataloaders=loaders)
 
     def _prepare_for_training(self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: str | None) -> Any:
-        """transformers' preparation, then the checkpoint read into the prepared objects by the engine, the same way
-        under every strategy (transformers would read DeepSpeed's own files here, and other strategies' weights
-        before preparing: `_load_from_checkpoint` passes over that call)."""
+        """transformers' preparation, then the checkpoint read into the prepared objects by the engine,
+        the same way under every strategy (transformers would read DeepSpeed's own files here, and
+        other strategies' weights before preparing: `_load_from_checkpoint` passes over that call).
+        """
         prepared = super()._prepare_for_training(max_steps, train_dataloader, None)
         if resume_from_checkpoint is not None:
             self._load_weights(self.model_wrapped, resume_from_checkpoint)
@@ -407,7 +445,8 @@ class Trainer(_EngineNamed):
         return prepared
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
-        if model is not None:  # transformers' call before preparing has none: read after it (_prepare_for_training)
+        # transformers' call before preparing has none: read after it (_prepare_for_training)
+        if model is not None:
             self._load_weights(model, resume_from_checkpoint)
 
     def _load_optimizer_and_scheduler(self, checkpoint_dir: str | None) -> None:
@@ -415,16 +454,19 @@ class Trainer(_EngineNamed):
             return
         io, index = self.accelerator.checkpoint_io, self._index(checkpoint_dir)
         if index is None:  # written by transformers.Trainer
-            if checkpoint.layout.holds_trainer_optimizer(checkpoint_dir):  # (none: saved with save_only_model)
+            # (none: saved with save_only_model)
+            if checkpoint.layout.holds_trainer_optimizer(checkpoint_dir):
                 io.read_trainer_optimizer(self.optimizer, self.lr_scheduler, checkpoint_dir)
             return
         with_optimizer = index.counts.get("optimizers", 0) > 0  # none: saved with save_only_model
         io.read(index, self._engine_objects(with_optimizer), rng=False, scaler=False)
         if self.args.ignore_data_skip and self._train_loader is not None:
-            self._train_loader.skip_first_batches(0)  # the resumed epoch from its first batch, as transformers
+            # the resumed epoch from its first batch, as transformers
+            self._train_loader.skip_first_batches(0)
 
     def _load_best_model(self) -> None:
-        self.accelerator.checkpoint_io.wait()  # the best checkpoint may be the one still being written
+        # the best checkpoint may be the one still being written
+        self.accelerator.checkpoint_io.wait()
         best = self.state.best_model_checkpoint
         note(f"loading the best model from {best} (score: {self.state.best_metric})")
         self._load_weights(self.model_wrapped, best)
@@ -437,8 +479,8 @@ class Trainer(_EngineNamed):
             io.load_weights(model, self._index(directory) or directory)
 
     def _index(self, directory: str | os.PathLike) -> checkpoint.CheckpointIndex | None:
-        """The index of an hf_backend checkpoint (the one `train()` verified is not read again), None for one
-        transformers.Trainer wrote (full files, no engine metadata)."""
+        """The index of an hf_backend checkpoint (the one `train()` verified is not read again), None
+        for one transformers.Trainer wrote (full files, no engine metadata)."""
         if self._resume_index is not None and self._resume_index.directory == Path(directory):
             return self._resume_index
         if not checkpoint.layout.holds_engine_state(directory):
@@ -448,10 +490,11 @@ class Trainer(_EngineNamed):
 
 @contextlib.contextmanager
 def _checkpoints_allowed(model: Any, args: TrainingArguments) -> Iterator[None]:
-    """transformers.Trainer refuses checkpoints of a model sharded at load time (`from_pretrained(distributed_config=
-    ...)`): its own checkpoint code cannot write their optimizer state. The engine's writes and reads it like any
-    sharded model's, so that refusal is passed over: transformers' constructor sees `save_only_model`, which nothing
-    else there reads, and the argument is put back right after."""
+    """transformers.Trainer refuses checkpoints of a model sharded at load time
+    (`from_pretrained(distributed_config= ...)`): its own checkpoint code cannot write their
+    optimizer state. The engine's writes and reads it like any sharded model's, so that refusal is
+    passed over: transformers' constructor sees `save_only_model`, which nothing else there reads,
+    and the argument is put back right after."""
     if not getattr(model, "is_distributed_loading_by_transformers", False) or args.save_only_model:
         yield
         return
@@ -463,10 +506,11 @@ def _checkpoints_allowed(model: Any, args: TrainingArguments) -> Iterator[None]:
 
 
 def _loaded_elsewhere(loaded: MeshShape, asked: MeshShape) -> str:
-    return (f"the model was sharded over {loaded.describe()} by from_pretrained (tp_plan= or distributed_config=: "
-            f"transformers' own mesh over every process, whatever device_mesh says) but parallelism_config asks for "
-            f"{asked.describe()}; drop parallelism_config (the model's grid becomes the run's), or load the model "
-            "whole: the Trainer applies its tp_plan over the run's mesh (docs/parallelism.md)")
+    return (f"the model was sharded over {loaded.describe()} by from_pretrained (tp_plan= or "
+            "distributed_config=: transformers' own mesh over every process, whatever device_mesh "
+            f"says) but parallelism_config asks for {asked.describe()}; drop parallelism_config "
+            "(the model's grid becomes the run's), or load the model whole: the Trainer applies "
+            "its tp_plan over the run's mesh (docs/parallelism.md)")
 
 
 def _loss_of(outputs: Any) -> torch.Tensor:
@@ -478,9 +522,10 @@ RESUME = "resume_from_checkpoint"
 
 def last_complete_checkpoint(output_dir: str, usable: Callable[[str], None] | None = None,
                              none_ok: bool = False) -> str | None:
-    """The newest `checkpoint-{step}` in `output_dir` whose save finished (and that `usable` accepts); newer,
-    interrupted or damaged ones are passed over with a note. None when there is none and `none_ok` (a process
-    started by torch elastic, whose first start has no checkpoint yet), else an error as transformers raises."""
+    """The newest `checkpoint-{step}` in `output_dir` whose save finished (and that `usable` accepts);
+    newer, interrupted or damaged ones are passed over with a note. None when there is none and
+    `none_ok` (a process started by torch elastic, whose first start has no checkpoint yet), else an
+    error as transformers raises."""
     found = checkpoint.last_complete_trainer_checkpoint(output_dir, usable)
     if found is not None:
         return str(found)
@@ -488,5 +533,6 @@ def last_complete_checkpoint(output_dir: str, usable: Callable[[str], None] | No
         note(f"resume_from_checkpoint=True: no complete checkpoint in {output_dir} yet (restart "
              f"{elastic.restart_count()}); training from the beginning")
         return None
-    raise ConfigError(f"resume_from_checkpoint=True: No valid checkpoint found in output directory ({output_dir}): "
-                      "no complete checkpoint-* directory there; train without resuming or pass a checkpoint path")
+    raise ConfigError("resume_from_checkpoint=True: No valid checkpoint found in output directory "
+                      f"({output_dir}): no complete checkpoint-* directory there; train without "
+                      "resuming or pass a checkpoint path")

@@ -1,7 +1,7 @@
 """The transformers versions hf_backend.Trainer supports, and what differs between them, in one place.
 
-trainer.py builds on Trainer internals (docs/trainer.md lists them). From 5.17 to 5.24 these changed, and the rest of
-hf_backend asks here instead of looking at transformers' version:
+trainer.py builds on Trainer internals (docs/trainer.md lists them). From 5.17 to 5.24 these
+changed, and the rest of hf_backend asks here instead of looking at transformers' version:
 
 | internal | 5.17, 5.18 | 5.19 - 5.22 | 5.23, 5.24 |
 |---|---|---|---|
@@ -12,14 +12,15 @@ hf_backend asks here instead of looking at transformers' version:
 | `Trainer._save` on a process that must not write | writes | same | returns (trainer.py asks `should_save`) |
 | transformers.Trainer resumes an optimizer under DDP on CPU | 5.17: no (1) | yes | yes |
 
-(5.23 keeps the old names as deprecated aliases that warn.) (1): transformers' own Trainer, not this one: 5.17 loads
-`optimizer.pt` with map_location "cpu:0", which torch cannot restore (fixed in 5.18); only the tests ask.
+(5.23 keeps the old names as deprecated aliases that warn.) (1): transformers' own Trainer, not this
+one: 5.17 loads `optimizer.pt` with map_location "cpu:0", which torch cannot restore (fixed in
+5.18); only the tests ask.
 
-`Trainer._run_epoch` runs with the engine's `skip_first_batches` in place of Accelerate's (accelerate_names.py), and
-how a run resumes rests on it: RUN_EPOCH_FINGERPRINTS records it for each supported minor;
-tests/test_trainer_compat.py fails when the installed one differs, and a differing one warns at import: review what
-changed, then record the new fingerprint. One statement of it, the same in every supported
-version, runs in another form: the step loss added to the logged sum, whose
+`Trainer._run_epoch` runs with the engine's `skip_first_batches` in place of Accelerate's
+(accelerate_names.py), and how a run resumes rests on it: RUN_EPOCH_FINGERPRINTS records it for each
+supported minor; tests/test_trainer_compat.py fails when the installed one differs, and a differing
+one warns at import: review what changed, then record the new fingerprint. One statement of it, the
+same in every supported version, runs in another form: the step loss added to the logged sum, whose
 `logging_nan_inf_filter` test waits for the device after every backward (`loss_filter_on_device`).
 """
 
@@ -42,7 +43,8 @@ from ..notes import warn
 
 OLDEST, NEWEST = (5, 17), (5, 24)
 _RELEASE = Version(transformers.__version__).release[:2]
-# fingerprint(transformers.Trainer._run_epoch) of each supported minor (the same in every patch release of it).
+# fingerprint(transformers.Trainer._run_epoch) of each supported minor (the same in every patch
+# release of it).
 RUN_EPOCH_FINGERPRINTS = {
     **dict.fromkeys(("5.17", "5.18", "5.19", "5.20", "5.21", "5.22"), "02f7d1200db9626b"),
     # 5.23: a branch for models sharded at load time (FSDP's gradient reduction deferred)
@@ -64,19 +66,21 @@ def _span() -> str:
 
 
 def check_version() -> None:
-    """At import: older than OLDEST is an error; newer than NEWEST, or a `_run_epoch` not recorded, a warning."""
+    """At import: older than OLDEST is an error; newer than NEWEST, or a `_run_epoch` not recorded, a
+    warning."""
     installed, release = transformers.__version__, _RELEASE
     missing = [name for name in _NEEDED if not hasattr(transformers.Trainer, name)]
     if release < OLDEST or missing:
-        raise ImportError(f"hf_backend.Trainer needs transformers {_span()} (it builds on Trainer internals that older "
-                          f"versions lack); you have {installed}: "
-                          f"pip install 'transformers>={OLDEST[0]}.{OLDEST[1]},<{NEWEST[0]}.{NEWEST[1] + 1}'")
+        raise ImportError(f"hf_backend.Trainer needs transformers {_span()} (it builds on Trainer "
+                          f"internals that older versions lack); you have {installed}: pip install "
+                          f"'transformers>={OLDEST[0]}.{OLDEST[1]},<{NEWEST[0]}.{NEWEST[1] + 1}'")
     if release > NEWEST:
-        warn(f"hf_backend.Trainer is tested with transformers {_span()}; you have {installed} (docs/trainer.md lists "
-             "the internals it relies on)")
+        warn(f"hf_backend.Trainer is tested with transformers {_span()}; you have {installed} "
+             "(docs/trainer.md lists the internals it relies on)")
     elif fingerprint(transformers.Trainer._run_epoch) != RUN_EPOCH_FINGERPRINTS[minor(installed)]:
-        warn(f"transformers {installed}'s Trainer._run_epoch is not the one hf_backend.Trainer was tested with for "
-             f"{minor(installed)} (it runs that loop); report it with `hf-backend env`")
+        warn(f"transformers {installed}'s Trainer._run_epoch is not the one hf_backend.Trainer was "
+             f"tested with for {minor(installed)} (it runs that loop); report it with `hf-backend "
+             "env`")
 
 
 def fingerprint(function: Any) -> str:
@@ -85,8 +89,8 @@ def fingerprint(function: Any) -> str:
 
 
 def source_fingerprint(source: str) -> str:
-    """A hash of `source` with comments, trailing spaces and blank lines left out: the same under every Python version
-    (tokenize only finds the comments)."""
+    """A hash of `source` with comments, trailing spaces and blank lines left out: the same under every
+    Python version (tokenize only finds the comments)."""
     source = textwrap.dedent(source)
     lines = source.splitlines()
     for token in tokenize.generate_tokens(io.StringIO(source).readline):
@@ -98,7 +102,8 @@ def source_fingerprint(source: str) -> str:
 
 
 def with_globals(function: types.FunctionType, **names: Any) -> types.FunctionType:
-    """`function` (unchanged code) looking up `names` in place of its module's globals of the same names."""
+    """`function` (unchanged code) looking up `names` in place of its module's globals of the same
+    names."""
     rebound = types.FunctionType(function.__code__, {**function.__globals__, **names}, function.__name__,
                                  function.__defaults__, function.__closure__)
     rebound.__kwdefaults__ = function.__kwdefaults__
@@ -107,7 +112,7 @@ def with_globals(function: types.FunctionType, **names: Any) -> types.FunctionTy
     return rebound
 
 
-# -- names that changed ------------------------------------------------------------------------------------------------
+# -- names that changed ----------------------------------------------------------------------------
 _ARGUMENT_FIELDS = {field.name for field in dataclasses.fields(transformers.TrainingArguments)}
 # The TrainingArguments field that turns on activation checkpointing (5.23 renamed it).
 ACTIVATION_CHECKPOINTING_ARGUMENT = ("activation_checkpointing" if "activation_checkpointing" in _ARGUMENT_FIELDS
@@ -131,7 +136,8 @@ def model_activation_checkpointing(model: Any) -> bool:
 
 
 def loss_is_scaled_for_ga(trainer: Any) -> bool | None:
-    """`Trainer.loss_is_scaled_for_ga` (5.19 on; before, None: the Trainer decided from the model's loss kwargs)."""
+    """`Trainer.loss_is_scaled_for_ga` (5.19 on; before, None: the Trainer decided from the model's
+    loss kwargs)."""
     return getattr(trainer, "loss_is_scaled_for_ga", None)
 
 
