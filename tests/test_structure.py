@@ -98,3 +98,10 @@ def test_long_lines_are_few():
     lines = [line for path in MODULES.values() for line in path.read_text().splitlines()]
     long = sum(len(line) > 100 for line in lines)
     assert long <= 0.08 * len(lines), f"{long} of {len(lines)} lines are over 100 characters"
+
+
+def test_the_architecture_page_names_every_module():
+    page = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    unnamed = sorted(str(path.relative_to(PACKAGE)) for path in MODULES.values()
+                     if path.name != "__init__.py" and f" {path.name} " not in page and f" {path.name}\n" not in page)
+    assert unnamed == []
