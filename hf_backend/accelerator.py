@@ -35,7 +35,6 @@ from .optim import (
     as_placeholder,
 )
 from .options import (
-    KWARGS_HANDLERS,
     DataLoaderConfiguration,
     GradientAccumulationPlugin,
     Handlers,
@@ -57,8 +56,6 @@ from .strategies import select_strategy
 from .strategies.capabilities import Joinable, ValueClipping, capability
 from .trigger import Trigger, uneven_inputs
 from .unwrap import is_compiled_module
-
-_HANDLER_SLOTS = dict(zip(KWARGS_HANDLERS, ("ddp", "scaler", "init", "autocast", "profile")))
 
 
 class Accelerator(ProcessView, compat.AccelerateMembers, elastic.ElasticMembers):
@@ -96,21 +93,9 @@ class Accelerator(ProcessView, compat.AccelerateMembers, elastic.ElasticMembers)
             checks.flag(flag, name, optional=True)  # None: the launcher's or the default
         checks.flag(device_placement, "device_placement")
         checks.flag(step_scheduler_with_optimizer, "step_scheduler_with_optimizer")
-        if kwargs_handlers is not None and not isinstance(kwargs_handlers, (list, tuple)):
-            raise HfBackendError(f"kwargs_handlers={checks.show(kwargs_handlers)} must be a list "
-                                 "of handlers, e.g. [DistributedDataParallelKwargs(...)]")
-        self.handlers = Handlers()
-        for handler in kwargs_handlers or []:
-            if isinstance(handler, ProcessGroupPlugin):  # hf_backend.hang_watch.HangWatch
-                add_process_group_plugin(handler)
-                continue
-            slot = _HANDLER_SLOTS.get(type(handler))
-            if slot is None:
-                raise HfBackendError(f"kwargs_handlers: {type(handler).__name__} is not supported; "
-                                     "use one of "
-                                     f"{', '.join(c.__name__ for c in KWARGS_HANDLERS)}, or "
-                                     "HangWatch")
-            setattr(self.handlers, slot, handler)
+        self.handlers, plugins = Handlers.of(kwargs_handlers, passed_through=ProcessGroupPlugin)
+        for plugin in plugins:  # hf_backend.hang_watch.HangWatch
+            add_process_group_plugin(plugin)
 
         cpu = env.resolve("cpu", cpu)
         init = self.handlers.init

@@ -219,3 +219,25 @@ class Handlers:
     init: InitProcessGroupKwargs = field(default_factory=InitProcessGroupKwargs)
     autocast: AutocastKwargs = field(default_factory=AutocastKwargs)
     profile: ProfileKwargs = field(default_factory=ProfileKwargs)
+
+    @classmethod
+    def of(cls, given: Any, passed_through: type) -> tuple[Handlers, list[Any]]:
+        """`Accelerator(kwargs_handlers=...)`: each handler in its slot, and apart, in order, those
+        that are a `passed_through` (the process-group plugins: a HangWatch)."""
+        if given is not None and not isinstance(given, (list, tuple)):
+            raise HfBackendError(_NOT_A_LIST.format(shown=checks.show(given)))
+        handlers, passed = cls(), []
+        for handler in given or []:
+            if isinstance(handler, passed_through):
+                passed.append(handler)
+            elif type(handler) in _SLOTS:
+                setattr(handlers, _SLOTS[type(handler)], handler)
+            else:
+                names = ", ".join(c.__name__ for c in KWARGS_HANDLERS)
+                raise HfBackendError(_UNSUPPORTED.format(name=type(handler).__name__, names=names))
+        return handlers, passed
+
+
+_SLOTS = dict(zip(KWARGS_HANDLERS, ("ddp", "scaler", "init", "autocast", "profile"), strict=True))
+_NOT_A_LIST = "kwargs_handlers={shown} must be a list of handlers, e.g. [DistributedDataParallelKwargs(...)]"
+_UNSUPPORTED = "kwargs_handlers: {name} is not supported; use one of {names}, or HangWatch"
