@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
-from torch.utils.hooks import RemovableHandle
 
 from . import accelerate_state, checkpoint, checks, collectives, compat, elastic, rank0_loading
 from .config import environment as env
@@ -26,7 +25,6 @@ from .data import PreparedDataLoader, prepare_dataloader, skip_first_batches
 from .errors import HfBackendError
 from .gradient_state import GradientState
 from .memory import release_memory
-from .notes import note
 from .optim import (
     AcceleratedOptimizer,
     AcceleratedScheduler,
@@ -42,6 +40,7 @@ from .options import (
 )
 from .precision import Precision
 from .prepared import PreparedObjects
+from .saving import SavingMembers
 from .state import (
     AcceleratorState,
     DistributedType,
@@ -58,7 +57,7 @@ from .trigger import Trigger, uneven_inputs
 from .unwrap import is_compiled_module
 
 
-class Accelerator(ProcessView, compat.AccelerateMembers, elastic.ElasticMembers):
+class Accelerator(ProcessView, SavingMembers, compat.AccelerateMembers, elastic.ElasticMembers):
     def __init__(
         self,
         device_placement: bool = True,
@@ -217,11 +216,19 @@ class Accelerator(ProcessView, compat.AccelerateMembers, elastic.ElasticMembers)
 
     # -- prepare -----------------------------------------------------------------------------------
     def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
-        """Prepare models, optimizers, dataloaders and schedulers; returns them in the order given.
+        """Prepare models, optimizers, dataloaders and schedulers for this run.
 
         What is not prepared yet goes to the strategy in one joint `setup` call (models first:
         optimizers may need the wrapped parameters; DeepSpeed builds one engine from all of it). An
-        object that is already prepared comes back as it is.
+        object that is already prepared comes back as it is; anything else passes through.
+
+        Args:
+            *args: the objects, in any order.
+            device_placement: per object, whether to move it to this process's device (None: the
+                Accelerator's `device_placement`).
+
+        Returns:
+            the prepared objects in the order given (one object alone, not a tuple).
         """
         placement = device_placement or [None] * len(args)
         if len(placement) != len(args):
@@ -319,6 +326,13 @@ class Accelerator(ProcessView, compat.AccelerateMembers, elastic.ElasticMembers)
 
     # -- training step -----------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """`loss.backward()` for the prepared model: divided by the accumulation steps, scaled
+        under fp16, through the engine under DeepSpeed.
+
+        Args:
+            loss: the micro batch's loss tensor.
+            **kwargs: passed on to torch's `backward` (e.g. `retain_graph`).
+        """
         if not self._objects.models:
             raise HfBackendError("backward() before prepare(): call model, optimizer, ... = "
                                  "accelerator.prepare(...) first")
@@ -368,8 +382,17 @@ class Accelerator(ProcessView, compat.AccelerateMembers, elastic.ElasticMembers)
 
     def clip_grad_norm_(self, parameters: Iterable[torch.nn.Parameter], max_norm: float,
                         norm_type: float = 2.0) -> torch.Tensor | None:
-        """Clip the synchronized gradients; returns their total norm. On a non-sync micro step it does
-        nothing and returns None: clipping a partial sum is never what accumulation means."""
+        """Clip the synchronized gradients by their total norm, over every shard.
+
+        Args:
+            parameters: the prepared model's parameters.
+            max_norm: the largest total norm kept.
+            norm_type: the p of the p-norm (inf for the largest value).
+
+        Returns:
+            the total norm before clipping; None on a micro step that does not sync (clipping a
+            partial sum is never what accumulation means), where nothing is done.
+        """
         checks.number(max_norm, "clip_grad_norm_ max_norm", positive=True)
         if not self.sync_gradients:
             return None
@@ -389,15 +412,28 @@ class Accelerator(ProcessView, compat.AccelerateMembers, elastic.ElasticMembers)
 
     # -- collectives -------------------------------------------------------------------------------
     def gather(self, tensor: Any) -> Any:
+        """Every process's `tensor` (or nested structure of tensors) concatenated along the first
+        dimension, on every process; same shapes on every process (see `pad_across_processes`)."""
         return collectives.gather(tensor)
 
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
-        """Gather predictions or labels of an evaluation batch: exactly one row per dataset item over
-        the whole loop (the padding a short last batch got is dropped)."""
+        """Gather predictions or labels of an evaluation batch.
+
+        Args:
+            input_data: this process's tensors (or nested structure); any objects with
+                `use_gather_object`.
+            use_gather_object: gather Python objects rather than tensors.
+
+        Returns:
+            every process's rows, exactly one per dataset item over the whole loop (the padding a
+            short last batch got is dropped).
+        """
         return collectives.gather_for_metrics(input_data, self.gradient_state, use_gather_object,
                                               self.strategy.data_shard)
 
     def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
+        """`tensor` (or a nested structure) summed ("sum") or averaged ("mean") over the processes,
+        times `scale`, on every process."""
         return collectives.reduce(tensor, reduction, scale)
 
     def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
@@ -406,89 +442,17 @@ class Accelerator(ProcessView, compat.AccelerateMembers, elastic.ElasticMembers)
     # -- models and saving -------------------------------------------------------------------------
     def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True,
                      keep_torch_compile: bool = False) -> torch.nn.Module:
+        """The user's module inside a prepared model: no DDP / FSDP / DeepSpeed wrapper and, unless
+        `keep_torch_compile`, no torch.compile wrapper; `keep_fp32_wrapper=False` also removes the
+        autocast forward of mixed precision."""
         inner = self.strategy.unwrap_model(model, keep_torch_compile=keep_torch_compile)
         if not keep_fp32_wrapper:
             Precision.unwrap_forward(inner)
         return inner
 
-    def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
-        """The full state dict (gathered when sharded: call it on every process)."""
-        return self.strategy.model_state_dict(model) if unwrap else model.state_dict()
-
-    def save(self, obj: Any, f: str | os.PathLike, safe_serialization: bool = False) -> None:
-        """Save `obj` from the main process only (safetensors for a dict of tensors when asked)."""
-        if self.is_main_process:
-            checkpoint.save_object(obj, f, safe_serialization)
-
-    def save_model(self, model: torch.nn.Module, save_directory: str | os.PathLike,
-                   max_shard_size: int | str = "10GB", safe_serialization: bool = True) -> None:
-        """Write the full weights in the layout `from_pretrained` reads (with config.json for
-        transformers models)."""
-        self.checkpoint_io.save_pretrained(model, save_directory, max_shard_size, safe_serialization)
-
-    def register_save_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
-        """`hook(models, weights, output_dir)` runs before `save_state` writes; a model whose state
-        dict it removes from `weights` is not written (the hook saves it its own way). Returns a
-        handle with `.remove()`."""
-        handle = RemovableHandle(self._save_state_pre_hooks)
-        self._save_state_pre_hooks[handle.id] = hook
-        return handle
-
-    def register_load_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
-        """`hook(models, input_dir)` runs before `load_state` reads; a model it removes from `models`
-        is not loaded (the hook loads it its own way)."""
-        handle = RemovableHandle(self._load_state_pre_hooks)
-        self._load_state_pre_hooks[handle.id] = hook
-        return handle
-
-    def register_for_checkpointing(self, *objects: Any) -> None:
-        bad = [type(o).__name__ for o in objects if not (hasattr(o, "state_dict") and hasattr(o, "load_state_dict"))]
-        if bad:
-            raise HfBackendError(f"register_for_checkpointing: {', '.join(bad)} lack "
-                                 "state_dict()/load_state_dict(); give them both methods")
-        self._objects.custom.extend(objects)
-
-    def save_state(self, output_dir: str | os.PathLike | None = None, safe_serialization: bool = True,
-                   async_save: bool | None = None) -> str:
-        """Save everything needed to continue training exactly where it stands; returns the directory.
-        `async_save` (default ProjectConfiguration.async_save): return once it is in host memory,
-        writing it in the background."""
-        config, automatic = self.project_configuration, output_dir is None
-        target = checkpoint.automatic_dir(config) if automatic else output_dir
-        objects = checkpoint.apply_save_hooks(self._save_state_pre_hooks.values(), self._objects, target,
-                                              functools.partial(self.get_state_dict, unwrap=False))
-        return str(self.checkpoint_io.save(target, objects, config, automatic=automatic,
-                                           safe_serialization=safe_serialization, async_save=async_save))
-
-    def wait_for_checkpoint(self) -> None:
-        """Block until an async `save_state` is on disk (every process); its failure raises here."""
-        self.checkpoint_io.wait()
-
     def _progress(self) -> dict[str, Any]:
-        """The counters a checkpoint keeps besides the objects' states (restored by `load_state`).
-        """
+        """The counters a checkpoint keeps besides the objects' states (restored by `load_state`)."""
         return {"accumulation_step": self.step, **self._elastic_progress()}
-
-    def load_state(self, input_dir: str | os.PathLike | None = None) -> None:
-        """Restore what `save_state` wrote. The next pass over each prepared dataloader continues with
-        the batch after the last one seen, in the same order: no manual skipping."""
-        self.checkpoint_io.wait()  # a save under way is finished first
-        config = self.project_configuration
-        newest = input_dir is None  # the newest automatic checkpoint that verifies
-        # the processes of a machine divide the checksums
-        sharing = checkpoint.manifest.machine_sharing()
-        index = checkpoint.latest_automatic_checkpoint(config, sharing) if newest else \
-            checkpoint.read_index(input_dir, sharing=sharing)
-        objects = checkpoint.apply_load_hooks(self._load_state_pre_hooks.values(), self._objects, index.directory)
-        index = self.checkpoint_io.read(index, objects,
-                                        models_taken_by_hooks=len(objects.models) < len(self._objects.models))
-        if index.meta["num_processes"] != self.num_processes:
-            note(f"load_state: {index.directory} was saved by {index.meta['num_processes']} "
-                 f"processes and is resumed by {self.num_processes}; random states of processes "
-                 "the checkpoint lacks start fresh")
-        self.step = index.meta.get("accumulation_step", 0)
-        if config.automatic_checkpoint_naming:  # continue the numbering after the checkpoint loaded
-            config.iteration = max(config.iteration, index.meta.get("iteration", -1) + 1)
 
     # -- coordination between processes ------------------------------------------------------------
     @contextlib.contextmanager
