@@ -12,7 +12,7 @@ import pytest
 import torch
 from helpers import DOCS_FSDP_YAML
 
-from hf_backend import DeepSpeedPlugin, FullyShardedDataParallelPlugin, HfBackendError, log
+from hf_backend import DeepSpeedPlugin, FullyShardedDataParallelPlugin, HfBackendError, notes
 from hf_backend.config import backend as backend_module
 from hf_backend.config import environment as env
 from hf_backend.config.backend import ACCELERATOR, TRAINING_ARGUMENTS, choose_backend
@@ -34,7 +34,7 @@ def _launched(kind: str, **sections) -> object:
 @pytest.fixture(autouse=True)
 def own_notes(monkeypatch) -> None:
     """Notes are said once per process: these tests' own must not hide them from tests that assert on them."""
-    monkeypatch.setattr(log, "_said", set())
+    monkeypatch.setattr(notes, "_said", set())
 
 
 @pytest.fixture
