@@ -451,7 +451,8 @@ class Accelerator(ProcessView, SavingMembers, compat.AccelerateMembers, elastic.
         return inner
 
     def _progress(self) -> dict[str, Any]:
-        """The counters a checkpoint keeps besides the objects' states (restored by `load_state`)."""
+        """The counters a checkpoint keeps besides the objects' states (restored by `load_state`).
+        """
         return {"accumulation_step": self.step, **self._elastic_progress()}
 
     # -- coordination between processes ------------------------------------------------------------

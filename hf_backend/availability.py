@@ -90,8 +90,8 @@ def compare_versions(library_or_version: str | Version, operation: str, requirem
     ops = {">": Version.__gt__, ">=": Version.__ge__, "==": Version.__eq__, "!=": Version.__ne__,
            "<=": Version.__le__, "<": Version.__lt__}
     if operation not in ops:
-        raise HfBackendError(f"compare_versions: operation {operation!r} is not one of "
-                             f"{', '.join(ops)}")
+        raise HfBackendError(f"compare_versions: operation {operation!r} "
+                             f"is not one of {', '.join(ops)}")
     if isinstance(library_or_version, str) and not library_or_version[:1].isdigit():
         library_or_version = importlib.metadata.version(library_or_version)
     return ops[operation](Version(str(library_or_version)), Version(requirement_version))

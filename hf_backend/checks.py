@@ -67,8 +67,8 @@ def whole(value: Any, name: str, minimum: int = 0, maximum: int | None = None, o
 
 def number(value: Any, name: str, positive: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or (positive and not value > 0):
-        raise HfBackendError(f"{name}={show(value)} must be a{' positive' if positive else ''} "
-                             "number")
+        raise HfBackendError(f"{name}={show(value)} must be "
+                             f"a{' positive' if positive else ''} number")
     return float(value)
 
 

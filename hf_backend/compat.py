@@ -50,15 +50,15 @@ def check_accelerator_arguments(other: dict[str, Any], deepspeed_plugin: Any) ->
     if plugins is not None:
         plugins = list(plugins.values()) if isinstance(plugins, dict) else [plugins]
         if len(plugins) != 1 or deepspeed_plugin is not None:
-            raise HfBackendError("Accelerator(deepspeed_plugins=...): hf_backend runs one "
-                                 "DeepSpeed plugin per Accelerator; pass deepspeed_plugin=<the one "
-                                 "to use>")
+            raise HfBackendError("Accelerator(deepspeed_plugins=...): hf_backend "
+                                 "runs one DeepSpeed plugin per Accelerator; "
+                                 "pass deepspeed_plugin=<the one to use>")
         deepspeed_plugin = plugins[0]
     unknown = sorted(set(other) - {"dispatch_batches", "use_seedable_sampler"})
     if unknown:
-        raise HfBackendError(f"Accelerator() does not support {', '.join(unknown)} in hf_backend; "
-                             "remove the argument (docs/compat.md lists every Accelerate argument "
-                             "and member)")
+        raise HfBackendError(f"Accelerator() does not support {', '.join(unknown)} "
+                             "in hf_backend; remove the argument (docs/compat.md "
+                             "lists every Accelerate argument and member)")
     return deepspeed_plugin
 
 

@@ -89,8 +89,8 @@ class ElasticMembers:
         index = self.checkpoint_io.last_read
         if keep_global_batch:
             self._keep_global_batch(index.meta)
-        note(f"resumed from {index.directory} (restart {self.restart_count}, {self.num_processes} "
-             "processes)")
+        note(f"resumed from {index.directory} (restart "
+             f"{self.restart_count}, {self.num_processes} processes)")
         return str(index.directory)
 
     def _elastic_progress(self) -> dict[str, Any]:

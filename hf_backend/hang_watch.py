@@ -443,8 +443,8 @@ def _explain(text: str, tb: TracebackType | None) -> str | None:
     for peer in sorted(records.keys() | pending):
         record = records.get(peer)
         if record is None:
-            parts.append(f"rank {peer} in no collective (it did not answer in {EXCHANGE_SECONDS:g} "
-                         "s)")
+            parts.append(f"rank {peer} in no collective (it did "
+                         f"not answer in {EXCHANGE_SECONDS:g} s)")
         elif record.get("state") == "exited":
             parts.append(f"rank {peer} exited")
         elif record.get("state") == "waiting":

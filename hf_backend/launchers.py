@@ -82,8 +82,8 @@ def _launch(name: str, function: Callable[..., Any], args: Iterable[Any], num_pr
                              f"{', '.join(_RDZV_BACKENDS)}")
     restarts = _integer(name, "max_restarts", max_restarts, minimum=0)
     if not isinstance(monitor_interval, (int, float)) or monitor_interval <= 0:
-        raise HfBackendError(f"{name}: monitor_interval={monitor_interval!r} must be a number of "
-                             "seconds above 0")
+        raise HfBackendError(f"{name}: monitor_interval={monitor_interval!r} "
+                             "must be a number of seconds above 0")
 
     cuda = not cpu and _cuda_present()
     world = nproc * nodes
@@ -149,9 +149,9 @@ def _run_elastic(name: str, function: Callable[..., Any], args: tuple, threads: 
     except Exception as err:
         text = str(err)
         if "EADDRINUSE" in text or "EADDRINUSE" in str(err.__cause__):
-            raise HfBackendError(f"{name}: {endpoint} is in use (another job, or a worker left "
-                                 "from an earlier launch); pass another use_port, or use_port=0 "
-                                 "for a free one") from None
+            raise HfBackendError(f"{name}: {endpoint} is in use (another job, or a "
+                                 "worker left from an earlier launch); pass another "
+                                 "use_port, or use_port=0 for a free one") from None
         if type(err).__module__.startswith("torch.distributed"):
             first = next((line.strip() for line in text.splitlines() if line.strip()), type(err).__name__)
             raise HfBackendError(f"{name}: the {backend} rendezvous at {endpoint} failed: {first}; "

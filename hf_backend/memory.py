@@ -57,8 +57,8 @@ def find_executable_batch_size(function: Callable | None = None, starting_batch_
                                  reduce_batch_size_fn=reduce_batch_size_fn)
     if not isinstance(starting_batch_size, int) or starting_batch_size < 1:
         raise HfBackendError("find_executable_batch_size: "
-                             f"starting_batch_size={starting_batch_size!r} must be a positive "
-                             "integer")
+                             f"starting_batch_size={starting_batch_size!r} "
+                             "must be a positive integer")
     batch_size = starting_batch_size
 
     def smaller() -> int:

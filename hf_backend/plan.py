@@ -75,9 +75,9 @@ def plan_memory(model: torch.nn.Module, strategy: str, num_processes: int = 1, *
         shape = MeshShape(dp_shard=num_processes) if strategy == "fsdp" else MeshShape(dp_replicate=num_processes)
     if shape.world != num_processes:
         raise HfBackendError("plan: the parallelism sizes "
-                             f"{dict(zip(MeshShape.DIMS, shape.sizes))} make {shape.world} "
-                             f"processes, not {num_processes}; make them multiply to "
-                             f"{num_processes}")
+                             f"{dict(zip(MeshShape.DIMS, shape.sizes))} make "
+                             f"{shape.world} processes, not {num_processes}; "
+                             f"make them multiply to {num_processes}")
     if shape.needs_mesh and strategy not in ("fsdp",):
         raise HfBackendError("plan: dp_shard, cp and tp sizes run under FSDP (the engine's mesh), "
                              f"not {strategy}; pass --strategy fsdp")
@@ -156,8 +156,8 @@ def _tp_dims(model: torch.nn.Module) -> dict[str, int]:
 
     plan = tp_plan(model)
     if not plan:
-        raise HfBackendError(f"plan: {type(model).__name__} has no tp_plan (BERT and GPT-2 have "
-                             "none); drop tp")
+        raise HfBackendError(f"plan: {type(model).__name__} has no tp_plan "
+                             "(BERT and GPT-2 have none); drop tp")
     patterns = [(re.compile(path.replace(".", r"\.").replace("*", r"[^.]+")), style) for path, style in plan.items()]
     dims: dict[str, int] = {}
     for module_name, module in model.named_modules():
@@ -204,16 +204,16 @@ def build_on_meta(source: str, lora_rank: int = 0, lora_targets: list[str] | Non
 
     path = Path(source)
     if not path.exists():
-        raise HfBackendError(f"plan: {source} does not exist; pass a model directory or its "
-                             "config.json")
+        raise HfBackendError(f"plan: {source} does not exist; pass "
+                             "a model directory or its config.json")
     config = transformers.AutoConfig.from_pretrained(path.parent if path.is_file() else path)
     names = getattr(config, "architectures", None) or []
     cls = getattr(transformers, names[0], None) if names else None
     chosen = dtype or str(getattr(config, "dtype", None) or "float32")
     torch_dtype = getattr(torch, chosen.replace("torch.", ""), None)
     if not isinstance(torch_dtype, torch.dtype):
-        raise HfBackendError(f"plan: dtype {chosen!r} is not a torch dtype; pass float32, bfloat16 "
-                             "or float16")
+        raise HfBackendError(f"plan: dtype {chosen!r} is not a torch "
+                             "dtype; pass float32, bfloat16 or float16")
     with torch.device("meta"):
         if cls is None:
             model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch_dtype)

@@ -47,8 +47,8 @@ def _ray_train() -> Any:
     try:
         import ray.train
     except ImportError:
-        raise HfBackendError("hf_backend.ray_train needs Ray Train: pip install "
-                             "'hf_backend[ray]'") from None
+        raise HfBackendError("hf_backend.ray_train needs Ray Train: "
+                             "pip install 'hf_backend[ray]'") from None
     return ray.train
 
 

@@ -58,8 +58,8 @@ _REFUSED_GROUPS: dict[str, tuple[str, ...]] = {
         "SAFE_MODEL_NAME", "SAFE_WEIGHTS_NAME", "SAFE_WEIGHTS_INDEX_NAME", "SAFE_WEIGHTS_PATTERN_NAME", "WEIGHTS_NAME",
         "WEIGHTS_INDEX_NAME", "WEIGHTS_PATTERN_NAME", "PROFILE_PATTERN_NAME", "TORCH_DISTRIBUTED_OPERATION_TYPES",
         "MITA_PROFILING_AVAILABLE_PYTORCH_VERSION", "XPU_PROFILING_AVAILABLE_PYTORCH_VERSION"),
-    "an internal helper of Accelerate's with no counterpart in hf_backend; use torch or the "
-    "standard library": (
+    "an internal helper of Accelerate's with no counterpart "
+    "in hf_backend; use torch or the standard library": (
         "CannotPadNestedTensorWarning", "TensorInformation", "is_tensor_information", "initialize_tensors",
         "get_data_structure", "copy_tensor_to_devices", "pad_input_tensors", "slice_tensors",
         "convert_outputs_to_fp32", "convert_to_fp32", "find_device", "ignorant_find_batch_size", "honor_type",

@@ -23,8 +23,8 @@ from .options import ProjectConfiguration
 from .prepared import PreparedObjects
 from .strategies.base import Strategy
 
-_NOT_CHECKPOINTABLE = ("register_for_checkpointing: {names} lack state_dict()/load_state_dict(); give "
-                       "them both methods")
+_NOT_CHECKPOINTABLE = ("register_for_checkpointing: {names} lack "
+                       "state_dict()/load_state_dict(); give them both methods")
 _OTHER_WORLD = ("load_state: {directory} was saved by {saved} processes and is resumed by {now}; "
                 "random states of processes the checkpoint lacks start fresh")
 
@@ -133,7 +133,8 @@ class SavingMembers:
         """
         self.checkpoint_io.wait()  # a save under way is finished first
         config = self.project_configuration
-        sharing = checkpoint.manifest.machine_sharing()  # a machine's processes divide the checksums
+        # a machine's processes divide the checksums
+        sharing = checkpoint.manifest.machine_sharing()
         index = checkpoint.latest_automatic_checkpoint(config, sharing) if input_dir is None else \
             checkpoint.read_index(input_dir, sharing=sharing)
         objects = checkpoint.apply_load_hooks(self._load_state_pre_hooks.values(), self._objects,

@@ -16,8 +16,8 @@ def set_seed(seed: int, device_specific: bool = False, deterministic: bool = Fal
     """Seed python, numpy and torch (all devices); `device_specific` adds the process index to the
     seed."""
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-        raise HfBackendError(f"set_seed: seed must be an integer, got {type(seed).__name__} "
-                             f"{seed!r}")
+        raise HfBackendError("set_seed: seed must be an integer, "
+                             f"got {type(seed).__name__} {seed!r}")
     seed = int(seed)
     if device_specific:
         from .state import get_process_state
@@ -50,8 +50,8 @@ def synchronize_rng_state(rng_type: str | None = None, generator: torch.Generato
                                  "torch.Generator to share>")
         get, put = generator.get_state, generator.set_state
     else:
-        raise HfBackendError(f"synchronize_rng_state: rng type {rng_type!r} is not one of torch, "
-                             "cuda, generator")
+        raise HfBackendError(f"synchronize_rng_state: rng type {rng_type!r} "
+                             "is not one of torch, cuda, generator")
     if world_size() > 1:
         put(broadcast_object_list([get()])[0])
 

@@ -347,8 +347,8 @@ def _env_int(name: str, default: int) -> int:
     try:
         return int(value)
     except ValueError:
-        raise HfBackendError(f"environment variable {name}={value!r} is not an integer; unset it "
-                             "or fix it") from None
+        raise HfBackendError(f"environment variable {name}={value!r} is not "
+                             "an integer; unset it or fix it") from None
 
 
 def _pick_device(cpu: bool, local_rank: int) -> torch.device:

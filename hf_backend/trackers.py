@@ -78,8 +78,8 @@ class GeneralTracker:
         if type(self).tracker is GeneralTracker.tracker:
             missing.append("tracker")
         if missing:
-            raise HfBackendError(f"{type(self).__name__} must define {', '.join(missing)} (see "
-                                 "GeneralTracker)")
+            raise HfBackendError(f"{type(self).__name__} must define "
+                                 f"{', '.join(missing)} (see GeneralTracker)")
 
     @property
     def tracker(self) -> Any:

@@ -77,8 +77,8 @@ class Tracking:
                 names.append(str(item).lower())
             elif not isinstance(item, GeneralTracker):
                 hint = f"; pass an instance, {item.__name__}(...)" if isinstance(item, type) else ""
-                raise HfBackendError(f"log_with={item!r} is not a tracker name or a GeneralTracker "
-                                     f"instance{hint}")
+                raise HfBackendError(f"log_with={item!r} is not a tracker name "
+                                     f"or a GeneralTracker instance{hint}")
             elif getattr(item, "name", None) and hasattr(item, "requires_logging_directory"):
                 instances.append(item)
             else:
@@ -142,8 +142,8 @@ class Tracking:
             raise HfBackendError(f"init_trackers(project_name={checks.show(project_name)}): give "
                                  "the run a name (a non-empty string)")
         if config is not None and not isinstance(config, Mapping):
-            raise HfBackendError(f"init_trackers(config={checks.show(config)}): pass a dict of "
-                                 "hyperparameters")
+            raise HfBackendError(f"init_trackers(config={checks.show(config)}): "
+                                 "pass a dict of hyperparameters")
         init_kwargs = self._by_tracker(init_kwargs, "init_kwargs")
         trackers: list[GeneralTracker] = []
         for spec in self._specs:

@@ -146,8 +146,8 @@ def str_to_bool(value: str, to_bool: bool = False) -> int | bool:
         return True if to_bool else 1
     if value in ("n", "no", "f", "false", "off", "0"):
         return False if to_bool else 0
-    raise HfBackendError(f"str_to_bool: {value!r} is not a truth value; use yes/no, true/false, "
-                         "on/off or 1/0")
+    raise HfBackendError(f"str_to_bool: {value!r} is not a truth value; "
+                         "use yes/no, true/false, on/off or 1/0")
 
 
 def parse_flag_from_env(key: str, default: bool = False) -> bool:

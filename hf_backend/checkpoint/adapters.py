@@ -37,7 +37,7 @@ def to_model_names(model: torch.nn.Module, saved: dict[str, torch.Tensor],
     names: dict[str, Any] = {saved_name: name_of.get(id(tensor)) for saved_name, tensor in exported.items()}
     unknown = [key for key in saved if names.get(key) is None]
     if unknown:
-        raise HfBackendError(f"{source} holds {unknown[0]}, which adapter {adapter!r} of this "
-                             "model has no place for; resume with the PEFT configuration that "
-                             "wrote it")
+        raise HfBackendError(f"{source} holds {unknown[0]}, which adapter "
+                             f"{adapter!r} of this model has no place for; "
+                             "resume with the PEFT configuration that wrote it")
     return {names[key]: tensor for key, tensor in saved.items()}

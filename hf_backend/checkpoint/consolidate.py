@@ -50,9 +50,9 @@ def model_weights(directory: str | os.PathLike, stem: str = "model", what: str =
         from .deepspeed_files import native_weights
 
         return native_weights(directory, (directory / "latest").read_text().strip())
-    raise HfBackendError(f"{what}: {directory} holds no weights of {stem} (no {layout.METADATA}, "
-                         f"{stem}.safetensors or DeepSpeed's `latest`); pass a checkpoint "
-                         "directory")
+    raise HfBackendError(f"{what}: {directory} holds no weights of {stem} (no "
+                         f"{layout.METADATA}, {stem}.safetensors or "
+                         "DeepSpeed's `latest`); pass a checkpoint directory")
 
 
 def _checkpoint_weights(index: CheckpointIndex, stem: str, what: str) -> dict[str, Any]:
@@ -75,8 +75,8 @@ def _dcp_state(shards: Path, key: str, what: str) -> Any:
 
 def _fresh(out: Path, what: str) -> Path:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise HfBackendError(f"{what}: {out} exists and is not an empty directory; pass a new "
-                             "directory")
+        raise HfBackendError(f"{what}: {out} exists and is not an "
+                             "empty directory; pass a new directory")
     staging = layout.staging_dir(out)
     if staging.exists():
         shutil.rmtree(staging)
@@ -99,8 +99,8 @@ def consolidate(directory: str | os.PathLike, out: str | os.PathLike, *, max_sha
     default the adapter's base_model_name_or_path)."""
     directory, out = Path(directory), Path(out)
     if not directory.is_dir():
-        raise HfBackendError(f"consolidate: {directory} is not a directory; pass a checkpoint "
-                             "directory")
+        raise HfBackendError(f"consolidate: {directory} is not a "
+                             "directory; pass a checkpoint directory")
     if layout.adapter_weights_file(directory) is not None:
         return _merge_adapter(directory, out, base, max_shard_size)
     if base is not None:
@@ -135,9 +135,9 @@ def _merge_adapter(directory: Path, out: Path, base: str | os.PathLike | None,
     adapter = PeftConfig.from_pretrained(str(directory))
     base = base if base is not None else adapter.base_model_name_or_path
     if not base:
-        raise HfBackendError(f"consolidate: {directory} holds a PEFT adapter whose base model is "
-                             "not named in its adapter_config.json; pass --base with the base "
-                             "model's directory")
+        raise HfBackendError(f"consolidate: {directory} holds a PEFT adapter whose "
+                             "base model is not named in its adapter_config.json; "
+                             "pass --base with the base model's directory")
     try:
         model_config = transformers.AutoConfig.from_pretrained(str(base))
         model_class = getattr(transformers, (model_config.architectures or ["AutoModel"])[0])
@@ -172,8 +172,8 @@ def _config_source(directory: Path, config: str | os.PathLike | None) -> Path | 
     try:
         json.loads(path.read_text())
     except ValueError:
-        raise HfBackendError(f"consolidate: {path} is not JSON; pass the model's "
-                             "config.json") from None
+        raise HfBackendError(f"consolidate: {path} is not JSON; pass "
+                             "the model's config.json") from None
     return path
 
 

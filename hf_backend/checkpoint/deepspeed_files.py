@@ -47,8 +47,8 @@ def safe_load(path: str | Path, map_location: Any = None, **_: Any) -> Any:
     one line."""
     path = Path(path)
     if not path.is_file():
-        raise HfBackendError(f"load_state: {path} is missing; the checkpoint is incomplete, use "
-                             "another one")
+        raise HfBackendError(f"load_state: {path} is missing; the "
+                             "checkpoint is incomplete, use another one")
     try:
         with torch.serialization.safe_globals(_allowed_globals()):
             return torch.load(path, map_location=map_location if map_location is not None else "cpu",
@@ -69,8 +69,8 @@ def _safe_zero_to_fp32() -> Any:
     docstring)."""
     spec = importlib.util.find_spec("deepspeed.utils.zero_to_fp32")
     if spec is None or spec.loader is None:
-        raise HfBackendError("consolidate: DeepSpeed's zero_to_fp32 is not installed; pip install "
-                             "deepspeed")
+        raise HfBackendError("consolidate: DeepSpeed's zero_to_fp32 "
+                             "is not installed; pip install deepspeed")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     safe_torch = types.SimpleNamespace(**{name: getattr(torch, name) for name in dir(torch)

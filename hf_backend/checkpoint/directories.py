@@ -139,8 +139,8 @@ def last_complete_trainer_checkpoint(output_dir: str, usable: Callable[[Path], N
                 continue
             json.loads(state.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-            note(f"{state} is damaged or unreadable ({type(err).__name__}); resuming from an older "
-                 "checkpoint")
+            note(f"{state} is damaged or unreadable ({type(err).__name__}); "
+                 "resuming from an older checkpoint")
             continue
         try:
             if usable is not None:
@@ -179,8 +179,8 @@ def check_trainer_checkpoint(directory: str | os.PathLike, fresh_optimizer: bool
     try:
         json.loads(state.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise HfBackendError(f"{caller}: {state} is damaged ({type(err).__name__}); use another "
-                             "checkpoint") from None
+        raise HfBackendError(f"{caller}: {state} is damaged ({type(err).__name__}); "
+                             "use another checkpoint") from None
     if fresh_optimizer or meta.get("counts", {}).get("optimizers", 0) > 0 or layout.holds_trainer_optimizer(directory):
         return index
     if not meta and any(directory.glob(layout.TRAINER_DEEPSPEED_GLOB)):
@@ -191,8 +191,8 @@ def check_trainer_checkpoint(directory: str | os.PathLike, fresh_optimizer: bool
                              "its weights with a fresh optimizer")
     what = (f"{directory / layout.METADATA} is missing, and so is "
             f"{layout.TRAINER_OPTIMIZER}" if not meta else
-            f"no {layout.TRAINER_OPTIMIZER}, and {layout.METADATA} lists none: saved with "
-            "save_only_model")
+            f"no {layout.TRAINER_OPTIMIZER}, and {layout.METADATA} "
+            "lists none: saved with save_only_model")
     raise HfBackendError(f"{caller}: {directory} holds no optimizer state ({what}); pass "
                          "save_only_model=True to resume its weights with a fresh optimizer, or "
                          "use another checkpoint")

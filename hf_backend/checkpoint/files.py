@@ -52,8 +52,8 @@ def read_weights(directory: str | os.PathLike, filename_stem: str = "model") -> 
     for name in files:
         path = directory / name
         if not path.is_file():
-            raise HfBackendError(f"{path} is missing; the checkpoint is incomplete, use another "
-                                 "one")
+            raise HfBackendError(f"{path} is missing; the checkpoint "
+                                 "is incomplete, use another one")
         state.update(load_safetensors(path) if ext == ".safetensors" else torch_load(path))
     return state
 

@@ -61,8 +61,8 @@ def read_index(source: str | os.PathLike, checksums: bool = True, caller: str = 
     naming the file (`caller` starts it)."""
     source = _interrupted_overwrite(Path(source))
     if not source.is_dir():
-        raise HfBackendError(f"{caller}: no checkpoint directory at {source}; pass the directory "
-                             "save_state wrote")
+        raise HfBackendError(f"{caller}: no checkpoint directory at "
+                             f"{source}; pass the directory save_state wrote")
     meta_path = source / layout.METADATA
     path = source
     try:
@@ -82,9 +82,9 @@ def read_index(source: str | os.PathLike, checksums: bool = True, caller: str = 
                              "hf_backend before 2026-11-27); this hf_backend reads formats "
                              f"{_readable()}: load it with the hf_backend that wrote it")
     if version not in layout.READABLE_FORMATS:
-        raise HfBackendError(f"{caller}: {meta_path} has format_version {version}; this hf_backend "
-                             f"reads formats {_readable()}: load it with the hf_backend that wrote "
-                             "it, or upgrade")
+        raise HfBackendError(f"{caller}: {meta_path} has format_version {version}; "
+                             f"this hf_backend reads formats {_readable()}: load "
+                             "it with the hf_backend that wrote it, or upgrade")
     # after the version: a newer format may seal otherwise
     manifest.check_metadata(meta_path, meta, caller)
     for key, kind in (("num_processes", int), ("counts", dict), ("files", dict)):
@@ -121,8 +121,8 @@ def _read_metadata_file(meta_path: Path, source: Path, caller: str) -> str:
     try:
         return meta_path.read_bytes().decode()
     except UnicodeDecodeError:
-        raise HfBackendError(f"{caller}: {meta_path} is corrupt (not UTF-8 text); use another "
-                             "checkpoint") from None
+        raise HfBackendError(f"{caller}: {meta_path} is corrupt (not UTF-8 "
+                             "text); use another checkpoint") from None
 
 
 def _parse_metadata(meta_path: Path, text: str, caller: str) -> dict[str, Any]:
@@ -131,12 +131,12 @@ def _parse_metadata(meta_path: Path, text: str, caller: str) -> dict[str, Any]:
     try:
         meta = json.loads(text)
     except json.JSONDecodeError as err:
-        raise HfBackendError(f"{caller}: {meta_path} is corrupt (line {err.lineno}); use another "
-                             "checkpoint") \
+        raise HfBackendError(f"{caller}: {meta_path} is corrupt (line "
+                             f"{err.lineno}); use another checkpoint") \
             from None
     if not isinstance(meta, dict):
-        raise HfBackendError(f"{caller}: {meta_path} is corrupt (not a JSON object); use another "
-                             "checkpoint")
+        raise HfBackendError(f"{caller}: {meta_path} is corrupt (not "
+                             "a JSON object); use another checkpoint")
     return meta
 
 

@@ -202,9 +202,9 @@ def verify(directory: Path, files: Any, checksums: bool = True, caller: str = "l
         raise HfBackendError(f"{caller}: {directory / first} {problems[first]}; the checkpoint is "
                              "damaged, use another one")
     if resaved:
-        note(f"{caller}: the weights in {directory} were written again after the checkpoint was "
-             f"sealed ({resaved}); they are checked for completeness, not against the manifest's "
-             "checksums")
+        note(f"{caller}: the weights in {directory} were written again after "
+             f"the checkpoint was sealed ({resaved}); they are checked for "
+             "completeness, not against the manifest's checksums")
 
 
 def _resaved_weights(directory: Path) -> str | None:

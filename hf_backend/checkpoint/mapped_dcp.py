@@ -166,9 +166,9 @@ class MappedReader(FileSystemReader):
                     target = planner.resolve_tensor(item).detach()
                     part = narrow_tensor_by_index(stored, item.storage_offsets, item.lengths)
                     if target.size() != part.size():
-                        raise ValueError(f"{relative_path}: {item.storage_index.fqn} has size "
-                                         f"{tuple(part.size())} where {tuple(target.size())} was "
-                                         "expected")
+                        raise ValueError(f"{relative_path}: {item.storage_index.fqn} "
+                                         f"has size {tuple(part.size())} where "
+                                         f"{tuple(target.size())} was expected")
                     target.copy_(part)
                     planner.commit_tensor(item, target)
                     del stored, part

@@ -29,9 +29,9 @@ def group_map(saved: list[int], current: list[int], path: Path) -> GroupMap | No
         return None
     full_saved = [j for j, count in enumerate(saved) if count]
     if len(full_saved) != sum(1 for count in current if count):
-        raise HfBackendError(f"{path}: its optimizer has param groups of {saved} parameters, this "
-                             f"one {current}; resume with the optimizer set up as when it was "
-                             "saved")
+        raise HfBackendError(f"{path}: its optimizer has param groups of "
+                             f"{saved} parameters, this one {current}; resume "
+                             "with the optimizer set up as when it was saved")
     taken = iter(full_saved)
     return [next(taken) if count else None for count in current]
 

@@ -51,8 +51,8 @@ def torch_load(path: str | os.PathLike, what: str = "load_state", mmap: bool = F
     format is read whole."""
     path = Path(path)
     if not path.is_file():
-        raise HfBackendError(f"{what}: {path} is missing; the checkpoint is incomplete, use "
-                             "another one")
+        raise HfBackendError(f"{what}: {path} is missing; the checkpoint "
+                             "is incomplete, use another one")
     try:
         with _numpy_arrays():
             if mmap and _zip_format(path):
@@ -108,9 +108,9 @@ def refusal(path: str | os.PathLike, err: BaseException, what: str = "load_state
             f"file, allow it with torch.serialization.add_safe_globals([{name}]) before loading, "
             "else use another checkpoint")
     if (found := _REDUCE.search(message)) is not None:
-        return HfBackendError(f"{what}: {path} holds a pickled call to {found.group(1).strip()}, "
-                              "which was not run; this is not a checkpoint hf_backend wrote, use "
-                              "another one")
+        return HfBackendError(f"{what}: {path} holds a pickled call to "
+                              f"{found.group(1).strip()}, which was not run; this is "
+                              "not a checkpoint hf_backend wrote, use another one")
     return HfBackendError(f"{what}: {path} holds pickled data that is not plain data "
                           f"({_first_line(err)}) and was not loaded; use another checkpoint")
 
@@ -148,8 +148,8 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         found = self.allowed.get((module, name))
         if found is None:
-            raise pickle.UnpicklingError(f"Unsupported global: GLOBAL {module}.{name} was not an "
-                                         "allowed global")
+            raise pickle.UnpicklingError("Unsupported global: GLOBAL "
+                                         f"{module}.{name} was not an allowed global")
         return found
 
     def persistent_load(self, pid: Any) -> Any:
@@ -161,17 +161,17 @@ def read_dcp_metadata(directory: str | os.PathLike, what: str = "load_state") ->
     """
     path = Path(directory) / ".metadata"
     if not path.is_file():
-        raise HfBackendError(f"{what}: {path} is missing; the checkpoint is incomplete, use "
-                             "another one")
+        raise HfBackendError(f"{what}: {path} is missing; the checkpoint "
+                             "is incomplete, use another one")
     try:
         with open(path, "rb") as f:
             meta = _MetadataUnpickler(f).load()
     except pickle.UnpicklingError as err:
         found = _REFUSED_GLOBAL.search(str(err))
         held = f"a pickled {found.group(1)}" if found else "pickled data other than DCP's metadata"
-        raise HfBackendError(f"{what}: {path} holds {held}, which DCP's metadata never does, and "
-                             "was not loaded (unpickling it could run code); use another "
-                             "checkpoint") from None
+        raise HfBackendError(f"{what}: {path} holds {held}, which DCP's metadata "
+                             "never does, and was not loaded (unpickling it "
+                             "could run code); use another checkpoint") from None
     except (EOFError, AttributeError, TypeError, ValueError, IndexError, KeyError) as err:
         raise HfBackendError(f"{what}: {path} is not DCP metadata ({type(err).__name__}); the "
                              "checkpoint is damaged, use another one") from None
@@ -208,9 +208,9 @@ def check_dcp(directory: str | os.PathLike, what: str = "load_state") -> dcp_met
         except pickle.UnpicklingError as err:
             raise refusal(f"{path} (value {index.fqn})", err, what) from None
         except (OSError, RuntimeError, EOFError, ValueError, TypeError) as err:
-            raise HfBackendError(f"{what}: {path} (value {index.fqn}) cannot be read "
-                                 f"({_first_line(err)}); the checkpoint is damaged, use another "
-                                 "one") from None
+            raise HfBackendError(f"{what}: {path} (value {index.fqn}) cannot be "
+                                 f"read ({_first_line(err)}); the checkpoint is "
+                                 "damaged, use another one") from None
     return meta
 
 
@@ -240,8 +240,8 @@ class _SafeBytes:
         try:
             obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as err:
-            raise refusal(f"{getattr(self, 'directory', 'a DCP directory')} (value "
-                          f"{fqn})", err) from None
+            raise refusal(f"{getattr(self, 'directory', 'a DCP directory')} "
+                          f"(value {fqn})", err) from None
         if self.flatten_state_dict:  # type: ignore[attr-defined]
             from torch.distributed.checkpoint._nested_dict import set_element
 

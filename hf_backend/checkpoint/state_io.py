@@ -260,8 +260,8 @@ class CheckpointIO:
         result = self.strategy.load_model_state_dict(model, state_dict)
         if result.unexpected_keys:
             raise HfBackendError(f"{path} does not fit the model: unexpected "
-                                 f"{list(result.unexpected_keys)[:5]}; resume with the model it "
-                                 "was saved from")
+                                 f"{list(result.unexpected_keys)[:5]}; "
+                                 "resume with the model it was saved from")
 
     def save_optimizer(self, optimizer: Any, directory: str | os.PathLike, stem: str = "optimizer",
                        writes: async_save_.Writes | None = None,
@@ -340,8 +340,8 @@ class CheckpointIO:
         if on_each_node and self.process.num_processes > self.process.local_num_processes:
             raise HfBackendError(f"{what} across "
                                  f"{self.process.num_processes // self.process.local_num_processes} "
-                                 "nodes: checkpoints need a filesystem every node shares; put the "
-                                 "output directory there and set save_on_each_node=False")
+                                 "nodes: checkpoints need a filesystem every node shares; put "
+                                 "the output directory there and set save_on_each_node=False")
 
     def _optimizer_and_model(self, optimizer: Any) -> tuple[torch.optim.Optimizer, torch.nn.Module]:
         """The torch optimizer inside a prepared one, and the prepared model whose parameters it
@@ -354,8 +354,8 @@ class CheckpointIO:
         for model in self.prepared.models:
             if any(id(p) in ids for p in model.parameters()):
                 return inner, getattr(model, "_orig_mod", model)  # inside a torch.compile wrapper
-        raise HfBackendError("an optimizer's parameters belong to no prepared model; prepare the "
-                             "model with it")
+        raise HfBackendError("an optimizer's parameters belong to no "
+                             "prepared model; prepare the model with it")
 
 
 def full_weights(state_dict: dict[str, torch.Tensor], directory: Path, stem: str, safe_serialization: bool,

@@ -43,8 +43,8 @@ def add_parser(sub: Any) -> None:
     conv.add_argument("directory", help="a save_state checkpoint")
     conv.add_argument("out", help="a new directory for the converted checkpoint")
     conv.add_argument("--to", required=True, choices=("full", "sharded"),
-                      help="full: model.safetensors + optimizer.bin; sharded: model_dcp/ + "
-                           "optimizer_dcp/")
+                      help="full: model.safetensors + optimizer.bin; "
+                           "sharded: model_dcp/ + optimizer_dcp/")
     conv.add_argument("--json", action="store_true", help="one JSON object instead of lines")
     conv.set_defaults(func=run_convert)
 

@@ -127,8 +127,8 @@ def run_interactive(args: argparse.Namespace) -> int:
             top["distributed_type"] = "FSDP"
             top["fsdp_config"] = _section(ask, FsdpSection)
         if top["distributed_type"] != "DEEPSPEED" and ask(
-                "Lay the processes out with a ParallelismConfig (tensor parallelism x FSDP)? "
-                "(yes/no)", False, _yes_no):
+                "Lay the processes out with a ParallelismConfig (tensor "
+                "parallelism x FSDP)? (yes/no)", False, _yes_no):
             top["parallelism_config"] = _section(ask, ParallelismSection)
     if machine == "NO":
         _field_question(ask, LaunchConfig, "use_cpu", top)

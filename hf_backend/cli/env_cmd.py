@@ -71,9 +71,9 @@ def _dtype_lines(config: Any) -> list[str]:
         effect = "DeepSpeed keeps fp32 master weights and optimizer state, the module in " + \
             (mode if mode in ("bf16", "fp16") else "the dtype it was loaded in")
     elif mode in ("bf16", "fp16"):
-        effect = ("the optimizer steps fp32 master weights with fp32 state (trainable bf16/fp16 "
-                  f"parameters are upcast at prepare); the forward computes in {mode} under "
-                  "autocast")
+        effect = ("the optimizer steps fp32 master weights with fp32 state "
+                  "(trainable bf16/fp16 parameters are upcast at prepare); "
+                  f"the forward computes in {mode} under autocast")
     else:
         effect = "the optimizer steps the parameters in the dtype they were loaded in, state included"
     return [f"dtypes: torch default {dtype_name(torch.get_default_dtype())}; autocast computes in "

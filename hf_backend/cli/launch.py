@@ -48,8 +48,8 @@ def add_parser(sub: Any) -> None:
                    help="rendezvous options (c10d: join_timeout, last_call_timeout, close_timeout)")
     p.add_argument("--monitor_interval", type=float, default=0.1, help="seconds between the agent's worker checks")
     p.add_argument("--num_cpu_threads_per_process", type=int, default=None,
-                   help="OMP threads per process (default: the cores divided by the processes on "
-                        "this machine)")
+                   help="OMP threads per process (default: the cores "
+                        "divided by the processes on this machine)")
     p.add_argument("--debug", action="store_true", default=None,
                    help="TORCH_DISTRIBUTED_DEBUG=DETAIL: a collective that differs across ranks "
                         "fails at once, in one line naming each rank's operation and call site")
@@ -132,8 +132,8 @@ def elastic_range(text: str) -> tuple[int, int]:
     except ValueError:
         bounds = (0, 0)
     if not 1 <= bounds[0] <= bounds[1]:
-        raise ConfigError(f"launch: --nnodes {text!r} is not MIN:MAX with 1 <= MIN <= MAX; e.g. "
-                          "--nnodes 1:2")
+        raise ConfigError(f"launch: --nnodes {text!r} is not MIN:MAX "
+                          "with 1 <= MIN <= MAX; e.g. --nnodes 1:2")
     return bounds
 
 
@@ -144,9 +144,9 @@ def torchrun_arguments(config: LaunchConfig, args: argparse.Namespace) -> list[s
     nodes = getattr(args, "nnodes", None) or str(config.num_machines)
     static = config.rdzv_backend == "static" and config.num_machines > 1 and ":" not in nodes
     if config.rdzv_backend == "static" and (":" in nodes or (static and args.max_restarts)):
-        raise ConfigError("launch: rdzv_backend static cannot be entered again, so restarts and "
-                          "--nnodes MIN:MAX cannot re-form the group; use --rdzv_backend c10d (the "
-                          "default)")
+        raise ConfigError("launch: rdzv_backend static cannot be entered again, "
+                          "so restarts and --nnodes MIN:MAX cannot re-form the "
+                          "group; use --rdzv_backend c10d (the default)")
     out = [f"--nproc_per_node={per_machine}", f"--nnodes={nodes}", f"--max_restarts={args.max_restarts}",
            f"--monitor_interval={getattr(args, 'monitor_interval', 0.1)}"]
     conf = [getattr(args, "rdzv_conf", None)]
@@ -208,8 +208,8 @@ def run_launch(args: argparse.Namespace) -> int:
 
     config, path = effective_config(args)
     if not args.module and not os.path.isfile(args.training_script):
-        raise ConfigError(f"launch: no script at {args.training_script}; pass a path, or -m for a "
-                          "module")
+        raise ConfigError(f"launch: no script at {args.training_script}; "
+                          "pass a path, or -m for a module")
     os.environ.update(process_environment(config, args, path))
     quiet = _QuietStop()
     for name in _STOP_LOGGERS:
@@ -246,5 +246,5 @@ class _QuietStop(logging.Filter):
         if str(record.msg).startswith("Received %s death signal"):
             self.stopping = True
             return False
-        return not (self.stopping and str(record.msg).startswith("Sending process %s closing "
-                                                                 "signal"))
+        return not (self.stopping and str(record.msg).startswith("Sending process %s "
+                                                                 "closing signal"))

@@ -27,14 +27,14 @@ def add_parser(sub: Any) -> None:
                    help="no (one process), ddp, fsdp (FSDP2), zero1 / zero2 / zero3 (DeepSpeed)")
     p.add_argument("--num_processes", type=int, default=1, help="processes in the run (default 1)")
     p.add_argument("--mixed_precision", choices=("no", "fp16", "bf16"), default="no",
-                   help="autocast: changes the activations, not the fp32 weights, gradients or "
-                        "optimizer state")
+                   help="autocast: changes the activations, not the "
+                        "fp32 weights, gradients or optimizer state")
     p.add_argument("--dtype", default=None, help="the weights' dtype (default: the config's, else float32)")
     p.add_argument("--lora", type=int, default=0, metavar="RANK", help="a LoRA adapter of this rank (peft)")
     p.add_argument("--lora_targets", nargs="+", default=None, help="its target modules (default: q_proj v_proj)")
     p.add_argument("--parallelism", default=None, metavar="SIZES",
-                   help="ParallelismConfig sizes for fsdp, e.g. dp_shard=4,tp=2 (dp_replicate, "
-                        "dp_shard, cp, tp)")
+                   help="ParallelismConfig sizes for fsdp, e.g. "
+                        "dp_shard=4,tp=2 (dp_replicate, dp_shard, cp, tp)")
     p.add_argument("--batch_size", type=int, default=1, help="per process, for the activation estimate")
     p.add_argument("--sequence_length", type=int, default=512, help="for the activation estimate")
     p.add_argument("--activation_checkpointing", action="store_true",
@@ -81,8 +81,8 @@ def run(args: argparse.Namespace) -> int:
           f"{plan.strategy} on {args.num_processes} process(es) ({grid}); per process:")
     rows = [("parameters", plan.parameter_bytes), ("gradients", plan.gradient_bytes),
             ("optimizer state (AdamW)", plan.optimizer_bytes),
-            (f"activations (estimate: batch {args.batch_size} x {args.sequence_length} "
-             "tokens)", plan.activation_bytes),
+            (f"activations (estimate: batch {args.batch_size} x "
+             f"{args.sequence_length} tokens)", plan.activation_bytes),
             ("total", plan.total_bytes)]
     width = max(len(name) for name, _ in rows)
     for name, value in rows:

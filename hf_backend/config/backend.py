@@ -36,12 +36,12 @@ class Caller:
     reads_arguments: bool
 
 
-ACCELERATOR = Caller("Accelerator(): pass fsdp_plugin or deepspeed_plugin, not "
-                     "both", None, reads_arguments=True)
+ACCELERATOR = Caller("Accelerator(): pass fsdp_plugin or deepspeed_plugin, "
+                     "not both", None, reads_arguments=True)
 TRAINING_ARGUMENTS = Caller(
     "TrainingArguments: fsdp and deepspeed are both set; keep one of them",
-    "TrainingArguments ask for {chosen}; the launcher's distributed_type {launched} is not "
-    "used", reads_arguments=False)
+    "TrainingArguments ask for {chosen}; the launcher's "
+    "distributed_type {launched} is not used", reads_arguments=False)
 
 
 @dataclass(frozen=True)

@@ -127,12 +127,12 @@ def resolve(name: str, explicit: Any = None) -> Any:
         try:
             from_env = parse(raw)
         except ValueError:
-            raise HfBackendError(f"environment variable {env_name}={raw!r} is not valid for "
-                                 f"{name}") from None
+            raise HfBackendError(f"environment variable {env_name}={raw!r} "
+                                 f"is not valid for {name}") from None
     if explicit is None:
         return default if from_env is None else from_env
     if from_env is not None and from_env != explicit:
-        warn(f"{name}={explicit!r} given to Accelerator() overrides the launcher's "
-             f"{env_name}={raw}")
+        warn(f"{name}={explicit!r} given to Accelerator() "
+             f"overrides the launcher's {env_name}={raw}")
     return explicit
 

@@ -64,8 +64,8 @@ def read_mapping(path: str | os.PathLike, json_only: bool = False) -> dict[str, 
     anchors/aliases and repeated keys are refused."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"{path}: no such config file; create one with `hf-backend config` or "
-                          "fix the path")
+        raise ConfigError(f"{path}: no such config file; create one "
+                          "with `hf-backend config` or fix the path")
     try:
         with path.open("rb") as handle:
             data = handle.read(MAX_BYTES + 1)
@@ -75,8 +75,8 @@ def read_mapping(path: str | os.PathLike, json_only: bool = False) -> dict[str, 
                               "config file may be; check that this is the config file you meant")
         text = data.decode("utf-8-sig")
     except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(f"{path}: cannot be read ({type(err).__name__}); pass a UTF-8 YAML or "
-                          "JSON file") from None
+        raise ConfigError(f"{path}: cannot be read ({type(err).__name__}); "
+                          "pass a UTF-8 YAML or JSON file") from None
     parsed = _parse_json(text, path) if json_only or path.suffix.lower() == ".json" else _parse_yaml(text, path)
     if parsed is None:
         return {}
@@ -154,8 +154,8 @@ def _parse_yaml(text: str, path: Path) -> Any:
                           "in YAML; remove it")
     # libyaml checks %TAG lines against each other: slow
     if text.count("\n%") + text.startswith("%") > 8:
-        raise ConfigError(f"{path}: more than 8 lines start with % (YAML directives); a config "
-                          "file needs none")
+        raise ConfigError(f"{path}: more than 8 lines start with % "
+                          "(YAML directives); a config file needs none")
     loader = _LOADER(text)
     try:
         return loader.get_single_data()
@@ -224,8 +224,8 @@ class _StrictConstructor(SafeConstructor):
                 except TypeError:
                     continue  # an unhashable key: SafeConstructor refuses it
                 if first is not None:
-                    raise _Refused(line, f"key {show(key)} appears twice (first on line {first}); "
-                                         "keep one of them")
+                    raise _Refused(line, f"key {show(key)} appears twice (first "
+                                         f"on line {first}); keep one of them")
                 lines[key] = line
         return super().construct_mapping(node, deep)
 
@@ -342,8 +342,8 @@ def _check_keys(raw: dict, model: type, source: str, prefix: str) -> tuple[dict[
             hint = f"did you mean '{prefix}{close[0]}'?" if close else "see docs/config.md for the valid keys"
             raise ConfigError(f"{source}: unknown key {shown}; {hint}")
         if name in values:
-            raise ConfigError(f"{source}: '{prefix}{raw_key}' repeats '{prefix}{name}'; keep one "
-                              "of them")
+            raise ConfigError(f"{source}: '{prefix}{raw_key}' repeats "
+                              f"'{prefix}{name}'; keep one of them")
         f = fields[name]
         values[name] = coerce(value, f, f"{source}: {prefix}{raw_key}")
         if f.metadata["unused"]:

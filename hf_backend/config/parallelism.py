@@ -32,8 +32,8 @@ class TorchTensorParallelConfig:
 
     def __post_init__(self) -> None:
         if self.enable_async_tp:
-            note("TorchTensorParallelConfig(enable_async_tp=True): async tensor parallelism is not "
-                 "applied")
+            note("TorchTensorParallelConfig(enable_async_tp=True): "
+                 "async tensor parallelism is not applied")
 
 
 @dataclasses.dataclass
@@ -47,11 +47,11 @@ class TorchContextParallelConfig:
     def __post_init__(self) -> None:
         if self.cp_comm_strategy not in ("allgather", "alltoall"):
             raise ConfigError("TorchContextParallelConfig "
-                              f"cp_comm_strategy={show(self.cp_comm_strategy)}: use 'allgather' or "
-                              "'alltoall'")
+                              f"cp_comm_strategy={show(self.cp_comm_strategy)}: "
+                              "use 'allgather' or 'alltoall'")
         if self.cp_comm_strategy == "alltoall":
-            note("TorchContextParallelConfig(cp_comm_strategy='alltoall'): hf_backend all-gathers "
-                 "keys and values")
+            note("TorchContextParallelConfig(cp_comm_strategy='alltoall'): "
+                 "hf_backend all-gathers keys and values")
 
 
 @dataclasses.dataclass
@@ -81,8 +81,8 @@ class ParallelismConfig:
                 try:
                     value = int(raw)
                 except ValueError:
-                    raise ConfigError(f"environment variable {variable}={raw!r} must be an integer "
-                                      ">= 1") from None
+                    raise ConfigError(f"environment variable {variable}={raw!r} "
+                                      "must be an integer >= 1") from None
             setattr(self, name, whole(value, f"ParallelismConfig {name}", minimum=1))
         self.cp_backend = self.cp_backend or os.environ.get(ENV_PREFIX + "CP_BACKEND") or "torch"
         self.sp_backend = self.sp_backend or os.environ.get(ENV_PREFIX + "SP_BACKEND") or "deepspeed"
@@ -160,9 +160,9 @@ class ParallelismConfig:
                                   "a device_type such as 'cpu' or 'cuda'")
             self.device_mesh = self.build_device_mesh(device_type)
         elif device_type is not None and self.device_mesh.device_type != device_type:
-            raise ConfigError(f"ParallelismConfig.get_device_mesh({device_type!r}): the mesh was "
-                              f"built for {self.device_mesh.device_type!r}; ask for that device "
-                              "type")
+            raise ConfigError(f"ParallelismConfig.get_device_mesh({device_type!r}): the "
+                              f"mesh was built for {self.device_mesh.device_type!r}; "
+                              "ask for that device type")
         return self.device_mesh
 
 
@@ -246,9 +246,9 @@ def loaded_shape(model: Any) -> MeshShape | None:
         for name, what in (("pp_size", "pipeline"), ("ep_size", "expert")):
             if (getattr(config, name, 1) or 1) > 1:
                 raise ConfigError("the model was loaded with "
-                                  f"DistributedConfig({name}={getattr(config, name)}): {what} "
-                                  "parallelism is not supported by hf_backend yet; load it "
-                                  f"without {name}")
+                                  f"DistributedConfig({name}={getattr(config, name)}): "
+                                  f"{what} parallelism is not supported by "
+                                  f"hf_backend yet; load it without {name}")
         return MeshShape(dp_replicate=config.dp_replicate_size or 1, dp_shard=config.fsdp_size or 1,
                          tp=config.tp_size or 1)
     # transformers before DistributedConfig: tp_plan alone

@@ -27,9 +27,9 @@ _POLICY_FUNCTION = ("FullyShardedDataParallelPlugin(auto_wrap_policy=<function>)
                     "by name (TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP, NO_WRAP)")
 _NO_PARAM_INIT = ("FullyShardedDataParallelPlugin.param_init_fn is not called: FSDP2 materializes "
                   "meta-device modules with to_empty() and receives rank 0's weights")
-_NO_IGNORED_MODULES = ("FullyShardedDataParallelPlugin.ignored_modules is not supported by "
-                       "hf_backend's FSDP2 strategy; freeze those parameters (requires_grad=False) "
-                       "instead")
+_NO_IGNORED_MODULES = ("FullyShardedDataParallelPlugin.ignored_modules is "
+                       "not supported by hf_backend's FSDP2 strategy; freeze "
+                       "those parameters (requires_grad=False) instead")
 
 
 @dataclass
@@ -208,9 +208,9 @@ class DeepSpeedPlugin:
     @classmethod
     def from_section(cls, section: DeepSpeedSection) -> DeepSpeedPlugin:
         if section.deepspeed_moe_layer_cls_names:
-            raise ConfigError("deepspeed_config deepspeed_moe_layer_cls_names: mixture-of-experts "
-                              "leaf modules are not supported by hf_backend's DeepSpeed strategy; "
-                              "remove the key")
+            raise ConfigError("deepspeed_config deepspeed_moe_layer_cls_names: "
+                              "mixture-of-experts leaf modules are not supported "
+                              "by hf_backend's DeepSpeed strategy; remove the key")
         steps = section.gradient_accumulation_steps
         return cls(hf_ds_config=section.deepspeed_config_file, zero_stage=section.zero_stage,
                    # 1 (the default): the file's, if any
@@ -261,8 +261,8 @@ class DeepSpeedPlugin:
     def set_mixed_precision(self, mixed_precision: str) -> None:
         """Turn on fp16 or bf16 in the config where it says nothing (or "auto")."""
         if mixed_precision not in ("fp16", "bf16", "no"):
-            raise ConfigError(f"DeepSpeedPlugin.set_mixed_precision: {mixed_precision!r} is not "
-                              "fp16, bf16 or no")
+            raise ConfigError("DeepSpeedPlugin.set_mixed_precision: "
+                              f"{mixed_precision!r} is not fp16, bf16 or no")
         if mixed_precision != "no":
             config = self.config()
             if config.get(mixed_precision, {}).get("enabled", "auto") == "auto":

@@ -44,8 +44,8 @@ class FsdpSection:
         "FULL_SHARD", "how parameters, gradients and optimizer state are sharded (1-5 as accelerate writes them)",
         choices=SHARDING_STRATEGIES, int_choices=dict(enumerate(SHARDING_STRATEGIES, start=1)),
         question="Sharding strategy")
-    fsdp_reshard_after_forward: bool = key(True, "free gathered parameters after forward (FSDP2's "
-                                                 "FULL_SHARD)")
+    fsdp_reshard_after_forward: bool = key(True, "free gathered parameters after "
+                                                 "forward (FSDP2's FULL_SHARD)")
     fsdp_offload_params: bool = key(False, "keep parameters and gradients on the CPU between uses",
                                     aliases=("cpu_offload",), question="Offload parameters to the CPU")
     fsdp_auto_wrap_policy: str = key("TRANSFORMER_BASED_WRAP", "which submodules become their own FSDP unit",
@@ -55,8 +55,8 @@ class FsdpSection:
         None, "comma-separated block class names to wrap (default: the model's _no_split_modules)",
         aliases=("transformer_cls_names_to_wrap",),  # Accelerate's plugin field name
         question="Transformer layer class names to wrap (empty: the model's own)")
-    fsdp_min_num_params: int = key(100_000_000, "smallest module size wrapped by "
-                                                "SIZE_BASED_WRAP", minimum=0,
+    fsdp_min_num_params: int = key(100_000_000, "smallest module size wrapped "
+                                                "by SIZE_BASED_WRAP", minimum=0,
                                    maximum=10**15)
     fsdp_backward_prefetch: str = key("BACKWARD_PRE", "prefetch of the next unit's parameters in backward",
                                       choices=("BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"),
@@ -70,10 +70,10 @@ class FsdpSection:
                                     question="State dict type")
     fsdp_cpu_ram_efficient_loading: bool = key(False, "only rank 0 materializes pretrained weights")
     fsdp_sync_module_states: bool = key(True, "broadcast rank 0's weights at wrap time")
-    fsdp_use_orig_params: bool = key(True, "FSDP1 option; FSDP2 always keeps the original "
-                                           "parameters")
-    fsdp_activation_checkpointing: bool = key(False, "recompute activations of each wrapped block "
-                                                     "in backward")
+    fsdp_use_orig_params: bool = key(True, "FSDP1 option; FSDP2 always "
+                                           "keeps the original parameters")
+    fsdp_activation_checkpointing: bool = key(False, "recompute activations of each "
+                                                     "wrapped block in backward")
 
 
 @dataclass
@@ -91,8 +91,8 @@ class DeepSpeedSection:
     offload_param_nvme_path: str | None = key(None, "NVMe path for parameter offload")
     zero3_init_flag: bool = key(False, "partition parameters while the model is built (ZeRO-3)")
     zero3_save_16bit_model: bool = key(False, "gather 16-bit weights when saving a ZeRO-3 model")
-    deepspeed_config_file: str | None = key(None, "a DeepSpeed JSON config; its values win over "
-                                                  "the keys above")
+    deepspeed_config_file: str | None = key(None, "a DeepSpeed JSON config; its "
+                                                  "values win over the keys above")
     deepspeed_hostfile: str | None = key(None, "DeepSpeed's own multi-node launcher", unused=True)
     deepspeed_inclusion_filter: str | None = key(None, "DeepSpeed's own multi-node "
                                                        "launcher", unused=True)
@@ -109,28 +109,28 @@ class ParallelismSection:
     ParallelismConfig in every process. The sizes multiply to the number of processes (all 1: not
     used)."""
 
-    parallelism_config_dp_replicate_size: int = key(1, "data-parallel replicas (HSDP's replicate "
-                                                       "dimension)",
+    parallelism_config_dp_replicate_size: int = key(1, "data-parallel replicas "
+                                                       "(HSDP's replicate dimension)",
                                                     minimum=1, maximum=MAX_PROCESSES,
                                                     question="Data-parallel replicas "
                                                              "(dp_replicate_size)")
-    parallelism_config_dp_shard_size: int = key(1, "data-parallel shards (FSDP over this "
-                                                   "dimension)", minimum=1,
+    parallelism_config_dp_shard_size: int = key(1, "data-parallel shards (FSDP over "
+                                                   "this dimension)", minimum=1,
                                                 maximum=MAX_PROCESSES, question="FSDP shards "
                                                                                 "(dp_shard_size)")
-    parallelism_config_tp_size: int = key(1, "tensor-parallel shards (from the model's "
-                                             "tp_plan)", minimum=1,
-                                          maximum=MAX_PROCESSES, question="Tensor-parallel size "
-                                                                          "(tp_size)")
-    parallelism_config_cp_size: int = key(1, "context-parallel slices of each sequence (causal "
-                                             "attention)",
+    parallelism_config_tp_size: int = key(1, "tensor-parallel shards (from "
+                                             "the model's tp_plan)", minimum=1,
+                                          maximum=MAX_PROCESSES, question="Tensor-parallel "
+                                                                          "size (tp_size)")
+    parallelism_config_cp_size: int = key(1, "context-parallel slices of each "
+                                             "sequence (causal attention)",
                                           minimum=1, maximum=MAX_PROCESSES,
                                           question="Context-parallel size (cp_size)")
     parallelism_config_cp_backend: str = key("torch", "context parallelism backend", choices=("torch",))
     parallelism_config_cp_comm_strategy: str = key("allgather", "how K/V are exchanged: hf_backend all-gathers them",
                                                    unused=True)
-    parallelism_config_sp_size: int = key(1, "DeepSpeed Ulysses sequence parallelism is not "
-                                             "supported", minimum=1,
+    parallelism_config_sp_size: int = key(1, "DeepSpeed Ulysses sequence parallelism "
+                                             "is not supported", minimum=1,
                                           maximum=1)
     parallelism_config_sp_backend: str = key("deepspeed", "sequence parallelism backend", unused=True)
 
@@ -152,11 +152,11 @@ class LaunchConfig:
     machine_rank: int = key(0, "this machine's index, 0 on the main "
                                "machine", minimum=0, maximum=MAX_MACHINES - 1,
                             question="Rank of this machine")
-    main_process_ip: str | None = key(None, "address of machine 0 (needed with more than one "
-                                            "machine)",
+    main_process_ip: str | None = key(None, "address of machine 0 (needed "
+                                            "with more than one machine)",
                                       question="IP address of machine 0")
-    main_process_port: int | None = key(None, "port on machine 0 (free port chosen on one machine "
-                                              "when unset)",
+    main_process_port: int | None = key(None, "port on machine 0 (free port "
+                                              "chosen on one machine when unset)",
                                         minimum=1, maximum=65535, question="Port on machine 0")
     rdzv_backend: str = key("c10d", "torch elastic rendezvous (static: no restarts across several machines)",
                             choices=("static", "c10d", "etcd", "etcd-v2"))
@@ -174,13 +174,13 @@ class LaunchConfig:
     fsdp_config: dict = key({}, "FSDP settings (see below)")
     deepspeed_config: dict = key({}, "DeepSpeed settings (see below)")
     megatron_lm_config: dict = key({}, "Megatron-LM is not supported", unused=True)
-    dynamo_config: dict = key({}, "mode, fullgraph, dynamic: pass a TorchDynamoPlugin in the "
-                                  "script", unused=True)
+    dynamo_config: dict = key({}, "mode, fullgraph, dynamic: pass a "
+                                  "TorchDynamoPlugin in the script", unused=True)
     ipex_config: dict = key({}, "IPEX is not supported", unused=True)
     mpirun_config: dict = key({}, "processes start through torch elastic, not mpirun", unused=True)
     fp8_config: dict = key({}, "fp8 is not supported", unused=True)
-    parallelism_config: dict = key({}, "the process grid: tensor parallelism x FSDP / HSDP (see "
-                                       "below)")
+    parallelism_config: dict = key({}, "the process grid: tensor parallelism "
+                                       "x FSDP / HSDP (see below)")
     tpu_name: str | None = key(None, "TPU only", unused=True)
     tpu_zone: str | None = key(None, "TPU only", unused=True)
     tpu_use_cluster: bool = key(False, "TPU only", unused=True)

@@ -86,8 +86,8 @@ def _word_options(fsdp: Any, given: dict[str, Any], source: str) -> dict[str, An
                               f"{', '.join(_FSDP_WORDS)}")
         field, value = _FSDP_WORDS[word]
         if given.get(field, value) != value:
-            raise ConfigError(f"fsdp={word!r} contradicts {source}'s {field}={given[field]!r}; "
-                              "keep one")
+            raise ConfigError(f"fsdp={word!r} contradicts {source}'s "
+                              f"{field}={given[field]!r}; keep one")
         options[field] = value
     return options
 

@@ -41,16 +41,16 @@ def select_strategy(process: ProcessState, precision: Precision, handlers: Handl
     if backend.fsdp is not None:
         if process.distributed:
             return FSDPStrategy(process, precision, handlers, backend.fsdp)
-        note("FSDP asked for in a single process: training unsharded (sharded checkpoints still "
-             "load)")
+        note("FSDP asked for in a single process: training "
+             "unsharded (sharded checkpoints still load)")
     if backend.deepspeed is not None:
         if process.distributed:
             return DeepSpeedStrategy(process, precision, handlers, backend.deepspeed, gradient_state, split_batches)
         config = backend.deepspeed.config()  # still report a bad option
         unused = [f"{key} ({config[key].get('type', '?')})" for key in ("optimizer", "scheduler")
                   if isinstance(config.get(key), dict)]
-        note("DeepSpeed asked for in a single process: training without it (ZeRO has nothing to "
-             "partition)"
+        note("DeepSpeed asked for in a single process: training "
+             "without it (ZeRO has nothing to partition)"
              + (f"; the config's {' and '.join(unused)} sections are not used: the script's (or the Trainer's) "
                 "optimizer and scheduler train" if unused else ""))
     cls = DDPStrategy if process.distributed else SingleDeviceStrategy

@@ -82,9 +82,9 @@ class Strategy:
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         if not isinstance(optimizer, torch.optim.Optimizer):
-            raise HfBackendError(f"prepare(): {type(optimizer).__name__} is not a torch optimizer "
-                                 "(DummyOptim stands in for a DeepSpeed config's optimizer and "
-                                 "needs DeepSpeed)")
+            raise HfBackendError(f"prepare(): {type(optimizer).__name__} is not a "
+                                 "torch optimizer (DummyOptim stands in for a "
+                                 "DeepSpeed config's optimizer and needs DeepSpeed)")
         return optimizer
 
     def setup_scheduler(self, scheduler: Any) -> Any:

@@ -79,8 +79,8 @@ class DeepSpeedStrategy(Strategy):
         or torch schedulers, which the loop steps."""
         if not models:
             if optimizers or any(isinstance(s, DummyScheduler) for s in schedulers):
-                raise HfBackendError("DeepSpeed: prepare() the optimizer in the same call as its "
-                                     "model")
+                raise HfBackendError("DeepSpeed: prepare() the optimizer "
+                                     "in the same call as its model")
             return [], [], list(schedulers)
         check_loaded_grid(models, None)
         if len(models) > 1 or (self.engine is not None and optimizers):
@@ -88,8 +88,8 @@ class DeepSpeedStrategy(Strategy):
                                  "with its optimizer")
         if self.engine is None:
             if len(optimizers) > 1:
-                raise HfBackendError("DeepSpeed takes one optimizer; pass param groups to a single "
-                                     "optimizer instead")
+                raise HfBackendError("DeepSpeed takes one optimizer; pass param "
+                                     "groups to a single optimizer instead")
             self._build(models[0], optimizers[0] if optimizers else None, schedulers[0] if schedulers else None,
                         loaders[0] if loaders else None)
         engine = self.engine
@@ -179,8 +179,8 @@ class DeepSpeedStrategy(Strategy):
             for key, value in filled.items():
                 shared.setdefault(key, value)
         cpu_adam.param_groups = groups
-        note(f"DeepSpeed offload_optimizer: {type(optimizer).__name__} runs as DeepSpeed's CPU "
-             "Adam")
+        note(f"DeepSpeed offload_optimizer: {type(optimizer).__name__} "
+             "runs as DeepSpeed's CPU Adam")
         return cpu_adam
 
     def _resolve(self, config: dict[str, Any], model: torch.nn.Module, loader: DataLoader | None) -> dict[str, Any]:
@@ -309,8 +309,8 @@ class DeepSpeedStrategy(Strategy):
         if not deepspeed_state.partitioned(engine):
             super().load_optimizer_state_dict(engine.module, engine.optimizer, state_dict, sharded)
             return
-        deepspeed_state.load_full_optimizer_state(engine, state_dict, "the checkpoint's optimizer "
-                                                                      "state")
+        deepspeed_state.load_full_optimizer_state(engine, state_dict, "the checkpoint's "
+                                                                      "optimizer state")
 
     def _engine_of(self, model: torch.nn.Module) -> Any:
         return model if hasattr(model, "_zero3_consolidated_16bit_state_dict") else self.engine

@@ -43,9 +43,9 @@ def _unfused(optimizer: Any) -> list[list[tuple[torch.nn.Parameter, torch.Tensor
         return None
     pairs = [list(zip(lp, hp)) for lp, hp in zip(optimizer.fp16_groups, optimizer.fp32_groups)]
     if any(lp.shape != hp.shape for group in pairs for lp, hp in group):
-        raise HfBackendError(f"DeepSpeed's {type(optimizer).__name__} keeps flat fp32 copies that "
-                             "hf_backend cannot map to parameters; use ZeRO stage 1 or more for "
-                             "bf16")
+        raise HfBackendError(f"DeepSpeed's {type(optimizer).__name__} keeps "
+                             "flat fp32 copies that hf_backend cannot map to "
+                             "parameters; use ZeRO stage 1 or more for bf16")
     return pairs
 
 

@@ -75,9 +75,9 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh) -> None:
                              "none); set tp_size=1 and shard with dp_shard_size (FSDP) instead")
     unknown = sorted({style for style in plan.values() if style not in STYLES})
     if unknown:
-        raise HfBackendError(f"tensor parallelism: {name}'s tp_plan uses style {unknown[0]!r}, "
-                             f"which hf_backend does not apply (it applies {', '.join(STYLES)}); "
-                             "set tp_size=1")
+        raise HfBackendError(f"tensor parallelism: {name}'s tp_plan uses style "
+                             f"{unknown[0]!r}, which hf_backend does not apply "
+                             f"(it applies {', '.join(STYLES)}); set tp_size=1")
     _check_divisible(model, size)
     output = getattr(model, "get_output_embeddings", lambda: None)()
     tied = output is not None and any(output.weight is p for p in _input_weights(model))
@@ -95,8 +95,8 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh) -> None:
     sharded = sum(1 for p in model.parameters() if isinstance(p, DTensor) and any(isinstance(pl, Shard)
                                                                                   for pl in p.placements))
     if not sharded:
-        raise HfBackendError(f"tensor parallelism: {name}'s tp_plan matched none of its modules; "
-                             "set tp_size=1")
+        raise HfBackendError(f"tensor parallelism: {name}'s tp_plan "
+                             "matched none of its modules; set tp_size=1")
 
 
 def _input_weights(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -112,6 +112,6 @@ def _check_divisible(model: torch.nn.Module, size: int) -> None:
     for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         value = getattr(text, field, None)
         if isinstance(value, int) and value % size:
-            raise HfBackendError(f"tensor parallelism: {type(model).__name__} has {field}={value}, "
-                                 f"which does not split over tp_size={size}; use a tp_size that "
-                                 "divides it")
+            raise HfBackendError(f"tensor parallelism: {type(model).__name__} has "
+                                 f"{field}={value}, which does not split over "
+                                 f"tp_size={size}; use a tp_size that divides it")

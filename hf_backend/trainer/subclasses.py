@@ -39,8 +39,8 @@ def on_engine(trainer_class: type | None = None, arguments_class: type | None = 
     if arguments_class is not None:
         made.append(_on_engine(arguments_class, transformers.TrainingArguments, TrainingArguments, "arguments_class"))
     if not made:
-        raise TypeError("on_engine() needs a Trainer subclass, a TrainingArguments subclass, or "
-                        "both")
+        raise TypeError("on_engine() needs a Trainer subclass, "
+                        "a TrainingArguments subclass, or both")
     return tuple(made) if len(made) == 2 else made[0]
 
 

@@ -106,8 +106,8 @@ class Trainer(_EngineNamed):
             raise TypeError(f"{type(self).__name__}() got {len(rest) + 2} positional arguments "
                             "where transformers' Trainer takes "
                             f"{len(_TRAINER_PARAMETERS) + 2}" if not twice else
-                            f"{type(self).__name__}() got multiple values for argument "
-                            f"{twice[0]!r}")
+                            f"{type(self).__name__}() got multiple "
+                            f"values for argument {twice[0]!r}")
         kwargs.update(zip(_TRAINER_PARAMETERS, rest))
         self._train_loader: Any = None
         self._loss_checked = False
@@ -165,11 +165,11 @@ class Trainer(_EngineNamed):
         # the Trainer accumulates itself and tells the engine when to sync
         accumulation["num_steps"] = 1
         if config.dispatch_batches:
-            note("accelerator_config dispatch_batches=True: every process reads its own shard in "
-                 "hf_backend")
+            note("accelerator_config dispatch_batches=True: every "
+                 "process reads its own shard in hf_backend")
         if not config.use_seedable_sampler:
-            note("accelerator_config use_seedable_sampler=False: hf_backend's epoch order is "
-                 "always seedable")
+            note("accelerator_config use_seedable_sampler=False: "
+                 "hf_backend's epoch order is always seedable")
         self.accelerator = Accelerator(
             mixed_precision=args.mixed_precision,
             dataloader_config=DataLoaderConfiguration(
@@ -219,11 +219,11 @@ class Trainer(_EngineNamed):
         # before training, not at the first save
         self.accelerator.checkpoint_io.check_on_each_node(args.save_on_each_node, "save_on_each_node")
         if args.save_only_model and self._sharded_weights():
-            raise HfBackendError("save_only_model does not go with FSDP's SHARDED_STATE_DICT; use "
-                                 "FULL_STATE_DICT")
+            raise HfBackendError("save_only_model does not go with FSDP's "
+                                 "SHARDED_STATE_DICT; use FULL_STATE_DICT")
         if self.is_deepspeed_enabled and state.deepspeed_plugin.zero_stage == 3 and args.auto_find_batch_size:
-            raise HfBackendError("auto_find_batch_size does not work with DeepSpeed ZeRO-3; set "
-                                 "the batch size")
+            raise HfBackendError("auto_find_batch_size does not work with "
+                                 "DeepSpeed ZeRO-3; set the batch size")
 
     def _sharded_weights(self) -> bool:
         return self.accelerator.checkpoint_io.sharded and not self._adapter_weights()

@@ -78,9 +78,9 @@ def check_version() -> None:
         warn(f"hf_backend.Trainer is tested with transformers {_span()}; you have {installed} "
              "(docs/trainer.md lists the internals it relies on)")
     elif fingerprint(transformers.Trainer._run_epoch) != RUN_EPOCH_FINGERPRINTS[minor(installed)]:
-        warn(f"transformers {installed}'s Trainer._run_epoch is not the one hf_backend.Trainer was "
-             f"tested with for {minor(installed)} (it runs that loop); report it with `hf-backend "
-             "env`")
+        warn(f"transformers {installed}'s Trainer._run_epoch is not the one "
+             f"hf_backend.Trainer was tested with for {minor(installed)} "
+             "(it runs that loop); report it with `hf-backend env`")
 
 
 def fingerprint(function: Any) -> str:
