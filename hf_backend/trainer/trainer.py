@@ -4,13 +4,13 @@ The training loop, logging, callbacks, evaluation and the checkpoint directories
 (`output_dir/checkpoint-{step}` with `trainer_state.json` and RNG files, their rotation) are
 transformers' own code. Overridden, and only these:
 - `create_accelerator_and_postprocess`: builds hf_backend.Accelerator from the TrainingArguments;
-- `_get_num_items_in_batch`: decides once whether the model's loss honours `num_items_in_batch` (see
-  there);
+- `_get_num_items_in_batch`: decides once whether the model's loss honours `num_items_in_batch`
+  (trainer/loss.py);
 - `floating_point_ops`: the same estimate, with the model's parameters counted once rather than at
-  every step;
+  every step (trainer/loss.py);
 - `_run_epoch`: transformers' loop with `logging_nan_inf_filter` computed on the device
-  (`_loss_to_log`), where transformers' test waits for the device after every backward
-  (transformers_compat.loss_filter_on_device);
+  (`_loss_to_log`, trainer/loss.py), where transformers' test waits for the device after every
+  backward (transformers_compat.loss_filter_on_device);
 - checkpoint I/O: one layout under every strategy (checkpoint/layout.py), written and read by the
   engine's CheckpointIO. The weights (full `model.safetensors`, FSDP's shards under
   SHARDED_STATE_DICT, or a PEFT model's adapter), the optimizer (`optimizer.pt` keyed by parameter
@@ -36,13 +36,12 @@ import inspect
 import os
 import shutil
 import signal
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
-from transformers.utils import is_torch_xla_available
 
 from .. import checkpoint, elastic
 from ..accelerator import Accelerator
@@ -62,6 +61,7 @@ from . import transformers_compat as compat
 from .accelerate_names import engine_named
 from .arguments import TrainingArguments
 from .jit_checkpoint import JITCheckpoint
+from .loss import LossMembers
 
 # older than transformers_compat.OLDEST is an ImportError, newer than NEWEST a warning
 compat.check_version()
@@ -88,7 +88,7 @@ def _graph_may_vary(model: Any) -> bool:
 _EngineNamed = engine_named(transformers.Trainer)
 
 
-class Trainer(_EngineNamed):
+class Trainer(LossMembers, _EngineNamed):
     def __init__(self, model: Any = None, args: TrainingArguments | None = None, *rest: Any, **kwargs: Any) -> None:
         if args is None:
             args = TrainingArguments(output_dir="tmp_trainer")
@@ -240,89 +240,6 @@ class Trainer(_EngineNamed):
     # -- the logged loss ---------------------------------------------------------------------------
     # transformers' epoch loop, its NaN/inf filter of the logged loss computed on the device
     _run_epoch = compat.loss_filter_on_device(_EngineNamed._run_epoch)
-
-    def _loss_to_log(self, loss: torch.Tensor) -> torch.Tensor:
-        """What transformers' loop adds to the logged loss sum for a step's loss: the loss itself,
-        or, with `logging_nan_inf_filter` and a NaN or infinite loss, the sum so far divided by the
-        steps since the last log plus one. transformers decides with `torch.isnan(loss) or
-        torch.isinf(loss)` on the host, which waits for the device after every backward; here
-        `torch.where` picks on the device: the same numbers, no wait."""
-        if self._tr_loss.device != loss.device:  # transformers' check (it skips it for a NaN loss)
-            raise ValueError("Calculated loss must be on the original device: "
-                             f"{self._tr_loss.device} but device in use is {loss.device}")
-        if not self.args.logging_nan_inf_filter or is_torch_xla_available():
-            return loss
-        since = 1 + self.state.global_step - self._globalstep_last_logged
-        return torch.where(torch.isfinite(loss), loss, self._tr_loss / since)
-
-    # -- loss normalization ------------------------------------------------------------------------
-    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> Any:
-        """transformers passes models whose forward takes **kwargs the item count of the whole
-        accumulated global batch and multiplies their loss by the number of processes, assuming the
-        loss is a sum divided by that count. Many heads (BERT-family sequence classification among
-        them) ignore the count and return a mean: transformers then reports, and backpropagates, the
-        loss times the world size (and, with gradient accumulation, times the accumulation steps).
-        So the first time it matters, ask the model once: without that behaviour it is treated as
-        taking no loss kwargs, and its mean loss is averaged as for any other."""
-        if self._loss_check_needed(batch_samples):
-            self._loss_checked = True
-            self.model_accepts_loss_kwargs = self._loss_divides_by_item_count(batch_samples[0])
-            if not self.model_accepts_loss_kwargs:
-                note("the model's loss ignores num_items_in_batch (a mean per batch): averaged "
-                     "over processes and accumulation steps as such")
-        return super()._get_num_items_in_batch(batch_samples, device)
-
-    def _loss_check_needed(self, batch_samples: list) -> bool:
-        """Called every step: settled for the run at the first call where nothing can make the check
-        matter."""
-        if self._loss_checked or not self.model_accepts_loss_kwargs:
-            return False
-        spread = self.args.world_size > 1 or self.args.gradient_accumulation_steps > 1
-        declared = hasattr(self.accelerator.unwrap_model(self.model), "accepts_loss_kwargs")
-        if not spread or declared or self.compute_loss_func is not None or \
-                compat.loss_is_scaled_for_ga(self) is not None:
-            self._loss_checked = True
-            return False
-        return len(batch_samples) > 0 and isinstance(batch_samples[0], Mapping) and "labels" in batch_samples[0]
-
-    @torch.no_grad()
-    def _loss_divides_by_item_count(self, batch: Mapping[str, Any]) -> bool:
-        """Evaluate the loss of one batch with the item count and with twice the count: a loss that
-        divides by it halves. Dropout is off and the random state is kept, so training continues
-        exactly as without the check. Under context parallelism the model runs on its slices, as in
-        training (on copies: the batch is trained on next)."""
-        model = self.model_wrapped
-        inputs = self._prepare_inputs(batch)
-        count = inputs["labels"].ne(-100).sum()
-
-        def loss(count: torch.Tensor) -> torch.Tensor:
-            copy = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-            # cp: splits the copy in place
-            context, copy = self._prepare_context_parallel_inputs(model, copy)
-            with context():
-                return _loss_of(model(**copy, num_items_in_batch=count))
-
-        was_training = model.training
-        model.eval()
-        try:
-            with torch.random.fork_rng(devices=[]):
-                one, two = loss(count), loss(count * 2)
-        finally:
-            model.train(was_training)
-        divides = bool(torch.isclose(one, 2 * two, rtol=1e-3)) and not bool(torch.isclose(one, two, rtol=1e-3))
-        return bool(self.accelerator.gather(torch.tensor([divides], device=self.args.device)).all())
-
-    def floating_point_ops(self, inputs: dict[str, Any]) -> int:
-        """transformers' estimate (6 x input tokens x non-embedding parameters), with the parameters
-        counted once per model instead of at every step (a walk over every module and parameter: 80
-        us a step for a 2-layer BERT)."""
-        model = self.model
-        main_input = getattr(model, "main_input_name", "input_ids")
-        if main_input not in inputs or not hasattr(model, "num_parameters"):
-            return 0
-        if self._counted_model is not model:
-            self._counted_model, self._counted_parameters = model, model.num_parameters(exclude_embeddings=True)
-        return 6 * inputs[main_input].numel() * self._counted_parameters
 
     # -- checkpoints -------------------------------------------------------------------------------
     _async_writes: Any = None  # while an async checkpoint is being saved: where its large writes go
@@ -511,10 +428,6 @@ def _loaded_elsewhere(loaded: MeshShape, asked: MeshShape) -> str:
             f"says) but parallelism_config asks for {asked.describe()}; drop parallelism_config "
             "(the model's grid becomes the run's), or load the model whole: the Trainer applies "
             "its tp_plan over the run's mesh (docs/parallelism.md)")
-
-
-def _loss_of(outputs: Any) -> torch.Tensor:
-    return outputs["loss"] if isinstance(outputs, dict) else outputs[0]
 
 
 RESUME = "resume_from_checkpoint"

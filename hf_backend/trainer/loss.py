@@ -1,0 +1,112 @@
+"""hf_backend.Trainer's members about the loss: whether the model's loss honours
+`num_items_in_batch` (asked of the model once), the logged loss's NaN/inf filter on the device, and
+the flop estimate with the parameters counted once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from transformers.utils import is_torch_xla_available
+
+from ..notes import note
+from . import transformers_compat as compat
+
+
+class LossMembers:
+    """Mixed into hf_backend.Trainer, ahead of transformers' Trainer; hf_backend.Trainer's
+    constructor sets what is declared here."""
+
+    _loss_checked: bool
+    _counted_model: Any
+    _counted_parameters: int
+
+    # -- the logged loss ---------------------------------------------------------------------------
+    def _loss_to_log(self, loss: torch.Tensor) -> torch.Tensor:
+        """What transformers' loop adds to the logged loss sum for a step's loss: the loss itself,
+        or, with `logging_nan_inf_filter` and a NaN or infinite loss, the sum so far divided by the
+        steps since the last log plus one. transformers decides with `torch.isnan(loss) or
+        torch.isinf(loss)` on the host, which waits for the device after every backward; here
+        `torch.where` picks on the device: the same numbers, no wait."""
+        if self._tr_loss.device != loss.device:  # transformers' check (it skips it for a NaN loss)
+            raise ValueError("Calculated loss must be on the original device: "
+                             f"{self._tr_loss.device} but device in use is {loss.device}")
+        if not self.args.logging_nan_inf_filter or is_torch_xla_available():
+            return loss
+        since = 1 + self.state.global_step - self._globalstep_last_logged
+        return torch.where(torch.isfinite(loss), loss, self._tr_loss / since)
+
+    # -- loss normalization ------------------------------------------------------------------------
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> Any:
+        """transformers passes models whose forward takes **kwargs the item count of the whole
+        accumulated global batch and multiplies their loss by the number of processes, assuming the
+        loss is a sum divided by that count. Many heads (BERT-family sequence classification among
+        them) ignore the count and return a mean: transformers then reports, and backpropagates, the
+        loss times the world size (and, with gradient accumulation, times the accumulation steps).
+        So the first time it matters, ask the model once: without that behaviour it is treated as
+        taking no loss kwargs, and its mean loss is averaged as for any other."""
+        if self._loss_check_needed(batch_samples):
+            self._loss_checked = True
+            self.model_accepts_loss_kwargs = self._loss_divides_by_item_count(batch_samples[0])
+            if not self.model_accepts_loss_kwargs:
+                note("the model's loss ignores num_items_in_batch (a mean per batch): averaged "
+                     "over processes and accumulation steps as such")
+        return super()._get_num_items_in_batch(batch_samples, device)
+
+    def _loss_check_needed(self, batch_samples: list) -> bool:
+        """Called every step: settled for the run at the first call where nothing can make the check
+        matter."""
+        if self._loss_checked or not self.model_accepts_loss_kwargs:
+            return False
+        spread = self.args.world_size > 1 or self.args.gradient_accumulation_steps > 1
+        declared = hasattr(self.accelerator.unwrap_model(self.model), "accepts_loss_kwargs")
+        if not spread or declared or self.compute_loss_func is not None or \
+                compat.loss_is_scaled_for_ga(self) is not None:
+            self._loss_checked = True
+            return False
+        return len(batch_samples) > 0 and isinstance(batch_samples[0], Mapping) and "labels" in batch_samples[0]
+
+    @torch.no_grad()
+    def _loss_divides_by_item_count(self, batch: Mapping[str, Any]) -> bool:
+        """Evaluate the loss of one batch with the item count and with twice the count: a loss that
+        divides by it halves. Dropout is off and the random state is kept, so training continues
+        exactly as without the check. Under context parallelism the model runs on its slices, as in
+        training (on copies: the batch is trained on next)."""
+        model = self.model_wrapped
+        inputs = self._prepare_inputs(batch)
+        count = inputs["labels"].ne(-100).sum()
+
+        def loss(count: torch.Tensor) -> torch.Tensor:
+            copy = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+            # cp: splits the copy in place
+            context, copy = self._prepare_context_parallel_inputs(model, copy)
+            with context():
+                return _loss_of(model(**copy, num_items_in_batch=count))
+
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.random.fork_rng(devices=[]):
+                one, two = loss(count), loss(count * 2)
+        finally:
+            model.train(was_training)
+        divides = bool(torch.isclose(one, 2 * two, rtol=1e-3)) and not bool(torch.isclose(one, two, rtol=1e-3))
+        return bool(self.accelerator.gather(torch.tensor([divides], device=self.args.device)).all())
+
+    def floating_point_ops(self, inputs: dict[str, Any]) -> int:
+        """transformers' estimate (6 x input tokens x non-embedding parameters), with the parameters
+        counted once per model instead of at every step (a walk over every module and parameter: 80
+        us a step for a 2-layer BERT)."""
+        model = self.model
+        main_input = getattr(model, "main_input_name", "input_ids")
+        if main_input not in inputs or not hasattr(model, "num_parameters"):
+            return 0
+        if self._counted_model is not model:
+            self._counted_model, self._counted_parameters = model, model.num_parameters(exclude_embeddings=True)
+        return 6 * inputs[main_input].numel() * self._counted_parameters
+
+
+def _loss_of(outputs: Any) -> torch.Tensor:
+    return outputs["loss"] if isinstance(outputs, dict) else outputs[0]
