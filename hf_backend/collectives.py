@@ -144,9 +144,9 @@ def gather_for_metrics(input_data: Any, gradient_state: Any, use_gather_object: 
     neighbours share a batch, only the first of them contributes its rows, so every item is counted
     once."""
     if shard is not None and shard.sequence_slices > 1:
-        raise HfBackendError("gather_for_metrics under context parallelism "
-                             f"(cp_size={shard.sequence_slices}): each rank holds a slice of every "
-                             "sequence; evaluate with cp_size=1")
+        raise HfBackendError("gather_for_metrics with the sequences split over "
+                             f"{shard.sequence_slices} ranks (cp_size or sp_size): each rank holds a "
+                             "slice of every sequence; evaluate with cp_size=1 and sp_size=1")
     tensors_only = all(isinstance(t, torch.Tensor) for t in leaves(input_data))
     loader = gradient_state.active_dataloader
     uneven = loader is not None and not getattr(loader.source, "even_batches", True)

@@ -286,9 +286,9 @@ class AccelerateMembers:
 
     def maybe_context_parallel(self, buffers: Any = None, buffer_seq_dims: Any = None,
                                no_restore_buffers: Any = None) -> contextlib.AbstractContextManager:
-        """With context parallelism (cp_size > 1), each rank keeps its slice of the buffers' sequences
-        inside the block, and the buffers not in `no_restore_buffers` are whole again after it;
-        otherwise nothing happens."""
+        """With context or sequence parallelism (cp_size or sp_size > 1), each rank keeps its slice
+        of the buffers' sequences inside the block, and the buffers not in `no_restore_buffers` are
+        whole again after it; otherwise nothing happens."""
         return self.strategy.context_parallel(list(buffers or []), list(buffer_seq_dims or []),
                                               list(no_restore_buffers or []))
 
@@ -302,5 +302,6 @@ class AccelerateMembers:
                              "a torch optimizer and accelerator.backward(loss)")
 
     def deepspeed_ulysses_dl_adapter(self, *args: Any, **kwargs: Any) -> Any:
-        raise HfBackendError("deepspeed_ulysses_dl_adapter: DeepSpeed Ulysses sequence parallelism "
-                             "is not supported by hf_backend; train without sequence parallelism")
+        raise HfBackendError("deepspeed_ulysses_dl_adapter: DeepSpeed's ALST loader is not used by "
+                             "hf_backend's sequence parallelism; keep the loader as it is and call the model "
+                             "inside accelerator.maybe_context_parallel(...) (docs/parallelism.md)")

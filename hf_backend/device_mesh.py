@@ -4,10 +4,12 @@ names.
 The engine's strategies apply their parallelisms over it (strategies/mesh.py), and Accelerate's API
 hands the same object out (`accelerator.torch_device_mesh`, `ParallelismConfig.build_device_mesh`),
 so a model sharded before `prepare` and the engine use the same process groups. Every dimension is
-present, size 1 or not (dp_replicate, dp_shard, cp, tp, outermost first), so each plan names the
-dimensions it uses whatever the shape; Accelerate's flattened dimensions are there too (`dp`,
+present, size 1 or not (dp_replicate, dp_shard, cp, sp, tp, outermost first), so each plan names
+the dimensions it uses whatever the shape; Accelerate's flattened dimensions are there too (`dp`,
 `dp_shard_cp`, `dp_cp`), made with the mesh on every rank, so that a script indexing one later
-(`mesh["dp_cp"].get_group()`) starts no collective.
+(`mesh["dp_cp"].get_group()`) starts no collective. A sequence is split by cp or by sp, never both,
+so the flattened dimensions that name cp take sp in too: they are the ranks whose gradients are
+parts of one batch's, whichever splits the sequences.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 # Accelerate's flattened dimensions, and the dimensions each joins.
-FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"),
-             "dp_cp": ("dp_replicate", "dp_shard", "cp")}
+FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp", "sp"),
+             "dp_cp": ("dp_replicate", "dp_shard", "cp", "sp")}
 
 # the last mesh: (sizes, device type), its default group, it
 _BUILT: tuple[tuple, Any, DeviceMesh] | None = None

@@ -89,7 +89,8 @@ def plan_memory(model: torch.nn.Module, strategy: str, num_processes: int = 1, *
         raise HfBackendError("plan: tensor parallelism does not take a PEFT adapter (the engine "
                              "refuses it); drop tp or --lora")
     tp_dims = _tp_dims(model) if shape.tp > 1 else {}
-    shards = shape.dp_shard * shape.cp if strategy == "fsdp" else num_processes if strategy == "zero3" else 1
+    shards = shape.dp_shard * shape.sequence_slices if strategy == "fsdp" else \
+        num_processes if strategy == "zero3" else 1
     weights = grads = masters = full_trainable = 0
     seen: set[int] = set()
     count = trainable = 0
@@ -185,7 +186,7 @@ def _activations(model: torch.nn.Module, mixed_precision: str, batch: int, seq: 
         return 0
     width = getattr(text, "intermediate_size", None) or 4 * hidden
     element = 2 if mixed_precision in ("bf16", "fp16") else 4
-    tokens = batch * math.ceil(seq / shape.cp)
+    tokens = batch * math.ceil(seq / shape.sequence_slices)
     per_layer = tokens * element * (8 * hidden + 5 * width // shape.tp)
     kept = layers * tokens * element * hidden + per_layer if checkpointing else layers * per_layer
     vocab = getattr(text, "vocab_size", 0) if hasattr(model, "get_output_embeddings") and \

@@ -30,10 +30,10 @@ _REFUSED_GROUPS: dict[str, tuple[str, ...]] = {
         "has_ao_layers", "has_transformer_engine_layers", "check_cuda_fp8_capability", "BnbQuantizationConfig",
         "load_and_quantize_model", "has_4bit_bnb_layers", "torchao_required"),
     "TPUs (torch_xla) are not supported; hf_backend runs on CPUs and CUDA GPUs": ("install_xla", "prepare_tpu"),
-    "pipeline and sequence parallelism and regional compilation are not supported; use "
-    "ParallelismConfig(tp_size=..., cp_size=..., dp_shard_size=...) or DeepSpeed ZeRO-3 "
+    "pipeline parallelism and regional compilation are not supported; use "
+    "ParallelismConfig(tp_size=..., cp_size=..., sp_size=..., dp_shard_size=...) or DeepSpeed ZeRO-3 "
     "(TorchDynamoPlugin compiles whole models)": (
-        "TorchTensorParallelPlugin", "DeepSpeedSequenceParallelConfig",
+        "TorchTensorParallelPlugin",
         "get_model_tp_size", "compile_regions", "compile_regions_deepspeed", "compile_regions_fsdp2",
         "has_compiled_regions"),
     "an Accelerate internal of its DeepSpeed/FSDP integration; in hf_backend the strategy does "

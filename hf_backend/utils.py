@@ -25,6 +25,7 @@ from .collectives import gather as gather
 from .collectives import gather_object as gather_object
 from .collectives import pad_across_processes as pad_across_processes
 from .collectives import reduce as _reduce
+from .config.parallelism import DeepSpeedSequenceParallelConfig as DeepSpeedSequenceParallelConfig
 from .config.parallelism import ParallelismConfig as ParallelismConfig
 from .config.parallelism import TorchContextParallelConfig as TorchContextParallelConfig
 from .config.parallelism import TorchTensorParallelConfig as TorchTensorParallelConfig

@@ -1,10 +1,13 @@
-"""N-D parallelism on one DeviceMesh (issue 33): tensor parallelism from a Llama's tp_plan, context parallelism,
-FSDP / HSDP over the data-parallel dimensions, and their combinations, against one process on the same global batch.
+"""N-D parallelism on one DeviceMesh (issues 33, 44): tensor parallelism from a Llama's tp_plan, context parallelism,
+Ulysses sequence parallelism, FSDP / HSDP over the data-parallel dimensions, and their combinations, against one
+process on the same global batch.
 
 tests/scripts/nd_loop.py trains a tiny Llama 4 steps on 8 sequences a step (split_batches), with clipping at 0.5,
-once with SGD and once with AdamW, on each grid (dp_replicate x dp_shard x tp [x cp]). Each run's AdamW pass also
-saves a checkpoint after step 2, and every grid of the issue's set (one process, tp 2, dp_shard 2 x tp 2, HSDP 2 x 2,
-FSDP 2, ZeRO-3 2) resumes every other one's checkpoint: the continued losses must equal the uninterrupted run's.
+once with SGD and once with AdamW, on each grid (dp_replicate x dp_shard x tp [x cp [x sp]]); where the sequences are
+split and nothing else divides the batch, AdamW again on padded, left-padded and packed batches with unevenly spread
+targets. Each run's AdamW pass also saves a checkpoint after step 2, and every grid of the saving set (one process,
+tp 2, dp_shard 2 x tp 2, HSDP 2 x 2, FSDP 2, ZeRO-3 2, cp 2, sp 2) resumes every other one's checkpoint: the
+continued losses must equal the uninterrupted run's.
 tests/scripts/llm_trainer.py runs hf_backend.Trainer on the same grids (padded sequences of uneven lengths),
 tests/scripts/tp_pretrained.py a model from_pretrained(tp_plan="auto") sharded; then the launcher's flags,
 consolidate, and the one-line refusals.
@@ -22,9 +25,14 @@ from helpers import run_report
 pytest.importorskip("transformers")
 
 SCRIPT = "nd_loop.py"
-# grid -> processes; the saving set is the issue's: one process, tp 2, dp_shard 2 x tp 2, HSDP 2 x 2, FSDP 2, ZeRO-3 2
-GRIDS = {"single": 1, "1x1x2": 2, "1x2x2": 4, "2x2x1": 4, "fsdp": 2, "zero3": 2}
-EQUIVALENCE = ["1x1x2", "1x2x2", "2x2x1", "2x2x2", "1x1x1x2", "1x2x1x2", "1x1x2x2"]
+# grid -> processes; the saving set: one process, tp 2, dp_shard 2 x tp 2, HSDP 2 x 2, FSDP 2, ZeRO-3 2, cp 2, sp 2
+GRIDS = {"single": 1, "1x1x2": 2, "1x2x2": 4, "2x2x1": 4, "fsdp": 2, "zero3": 2, "1x1x1x2": 2, "1x1x1x1x2": 2}
+# the sp grids: sp 2, sp 2 x dp_shard 2, sp 2 x tp 2, sp 4; HSDP 2 x 2 x cp 2 (8 processes)
+EQUIVALENCE = ["1x1x2", "1x2x2", "2x2x1", "2x2x2", "1x1x1x2", "1x2x1x2", "1x1x2x2", "2x2x1x2",
+               "1x1x1x1x2", "1x2x1x1x2", "1x1x2x1x2", "1x1x1x1x4"]
+# where cp or sp splits the sequences and nothing else divides the batch: padded and packed batches too
+LAYOUTS = ["padded", "left", "packed"]
+SPLIT_ONLY = ["1x1x1x2", "1x1x2x2", "1x1x1x1x2", "1x1x2x1x2"]
 LOSS, SGD_PARAMS, ADAMW_PARAMS, NORM = 1e-6, 1e-6, 5e-5, 1e-5
 
 
@@ -40,9 +48,10 @@ def runs(tmp_path_factory) -> dict:
                 pytest.importorskip("deepspeed")
             nproc = GRIDS.get(grid) or math.prod(map(int, grid.split("x")))
             optimizers = "adamw" if grid in ("fsdp", "zero3") else "sgd,adamw"  # those two only save here
+            layouts = ",".join(["full", *LAYOUTS]) if grid == "single" or grid in SPLIT_ONLY else "full"
             report = run_report(SCRIPT, root / f"{grid}.json",
-                                ["--grid", grid, "--optimizers", optimizers, "--checkpoint", str(root / grid)],
-                                nproc=nproc, timeout=300)
+                                ["--grid", grid, "--optimizers", optimizers, "--checkpoint", str(root / grid),
+                                 "--layouts", layouts], nproc=nproc, timeout=300)
             done[grid] = {**report, "checkpoint": root / grid}
         return done[grid]
 
@@ -65,6 +74,12 @@ def test_a_grid_trains_as_one_process(runs, grid):
     AdamW; the batches are split over the data-parallel ranks only."""
     one, many = runs("single"), runs(grid)
     replicate, shard = map(int, grid.split("x")[:2])
+    if grid in SPLIT_ONLY:
+        for layout in LAYOUTS:  # the loss is the mean over the whole sequences however the targets fall
+            a, b = one["runs"][f"adamw/{layout}"], many["runs"][f"adamw/{layout}"]
+            assert _steps(a["losses"], b["losses"]) <= LOSS, (layout, a["losses"], b["losses"])
+            assert _steps(a["norms"], b["norms"]) <= NORM, layout
+            assert _largest(a["params"], b["params"]) <= ADAMW_PARAMS, layout
     assert many["data_parallel"] == replicate * shard
     for optimizer, tolerance in (("sgd", SGD_PARAMS), ("adamw", ADAMW_PARAMS)):
         a, b = one["runs"][optimizer], many["runs"][optimizer]
@@ -109,7 +124,7 @@ def test_the_trainer_trains_on_a_grid_as_one_process(trainer_alone, grid, tmp_pa
     slices through maybe_context_parallel): the logged losses within 1e-6, the gradient norms within 1e-5, the
     parameters within 5e-5 of one process on the same global batch (each data-parallel rank reads 8 / dp)."""
     one = trainer_alone
-    sizes = [*map(int, grid.split("x")), 1][:4]
+    sizes = [*map(int, grid.split("x")), 1][:5]
     per_rank = 8 // (sizes[0] * sizes[1])
     many = run_report("llm_trainer.py", tmp_path / "grid.json",
                       ["--output-dir", str(tmp_path / "grid"), "--batch-size", str(per_rank), "--grid", grid,
@@ -177,7 +192,10 @@ def test_the_plan_has_full_module_paths():
     ({"tp_size": 2, "dp_shard_size": 2}, 3, r"^ParallelismConfig: dp_shard_size 2 x tp_size 2 makes 4 processes, "
                                             r"but 3 run; launch 4 processes$"),
     ({"tp_size": 0}, 2, r"^ParallelismConfig tp_size=0 must be an integer >= 1$"),
-    ({"sp_size": 2}, 2, r"^ParallelismConfig sp_size=2: DeepSpeed Ulysses sequence parallelism is not supported"),
+    ({"sp_size": 2, "cp_size": 2}, 4, r"^ParallelismConfig cp_size=2 with sp_size=2: a sequence is split by one of "
+                                      r"them; set cp_size=1 or sp_size=1$"),
+    ({"sp_size": 2, "sp_backend": "ring"}, 2, r"^ParallelismConfig sp_backend='ring': use 'deepspeed' or "
+                                              r"'hf_backend' \(both run hf_backend's Ulysses\)$"),
     ({"cp_backend": "ring"}, 2, r"^ParallelismConfig cp_backend='ring': the one backend is 'torch'$"),
     ({"tp_sizes": 2}, 2, r"^parallelism_config: unknown key 'tp_sizes'; the keys are dp_replicate_size, "),
 ])
@@ -229,9 +247,9 @@ def test_the_launchers_flags_lay_out_every_process(runs, tmp_path):
 
 
 @pytest.mark.parametrize(("shape", "deepspeed", "message"), [
-    ({"dp_replicate": 2, "cp": 2}, False, r"^parallelism_config cp_size=2 with dp_replicate_size=2: HSDP with "
-                                          r"context parallelism is not built; shard with dp_shard_size instead$"),
-    ({"dp_shard": 2, "tp": 2}, True, r"^parallelism_config with DeepSpeed: hf_backend applies tensor and context "),
+    ({"dp_shard": 2, "tp": 2}, True, r"^parallelism_config with DeepSpeed: hf_backend applies tensor, context and "
+                                     r"sequence parallelism on its native path"),
+    ({"sp": 2}, True, r"^parallelism_config with DeepSpeed: "),
 ])
 def test_what_the_mesh_path_does_not_run_is_one_line(shape, deepspeed, message):
     from hf_backend import DeepSpeedPlugin, HfBackendError
@@ -294,25 +312,67 @@ def test_cpu_ram_efficient_loading_of_a_model_sharded_by_from_pretrained_is_refu
         strategy.setup_model(model)
 
 
-def test_what_context_parallelism_cannot_split_is_one_line():
+class _SequenceMesh:
+    """What a SequenceSplit asks of its mesh before it runs a collective."""
+
+    def get_group(self) -> None:
+        return None
+
+    def size(self) -> int:
+        return 2
+
+    def get_local_rank(self) -> int:
+        return 0
+
+
+@pytest.mark.parametrize("kind", ["cp", "sp"])
+def test_what_a_sequence_split_cannot_take_is_one_line(kind):
     from transformers import BertConfig, BertModel
 
     from hf_backend import HfBackendError
-    from hf_backend.strategies.context_parallel import apply_context_parallel, check_inputs
+    from hf_backend.strategies import context_parallel, ulysses
+    from hf_backend.strategies.sequences import SequenceSplit
 
+    module = context_parallel if kind == "cp" else ulysses
+    split = SequenceSplit(_SequenceMesh(), kind, module.attention, module.NAME)
+    what = "context parallelism" if kind == "cp" else "sequence parallelism"
     bert = BertModel(BertConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32))
-    with pytest.raises(HfBackendError, match=r"^context parallelism: BertModel has non-causal attention; cp splits "
-                                             r"the sequences of causal LMs only: set cp_size=1$"):
-        apply_context_parallel(bert, _Mesh())
-    with pytest.raises(HfBackendError, match=r"^context parallelism: LlamaForCausalLM uses sliding-window attention"):
-        apply_context_parallel(_llama(sliding_window=8, use_sliding_window=True), _Mesh())
-    with pytest.raises(HfBackendError, match=r"^context parallelism: call the model inside accelerator\."
+    with pytest.raises(HfBackendError, match=rf"^{what}: BertModel has non-causal attention; {kind} splits "
+                                             rf"the sequences of causal LMs only: set {kind}_size=1$"):
+        split.apply(bert)
+    with pytest.raises(HfBackendError, match=rf"^{what}: LlamaForCausalLM uses sliding-window attention"):
+        split.apply(_llama(sliding_window=8, use_sliding_window=True))
+    ids = torch.ones(1, 4, dtype=torch.long)
+    with pytest.raises(HfBackendError, match=rf"^{what}: call the model inside accelerator\."
                                              r"maybe_context_parallel\(buffers="):
-        check_inputs({"input_ids": torch.ones(1, 4)}, False, _Mesh())
-    with pytest.raises(HfBackendError, match=r"^context parallelism: pass position_ids"):
-        check_inputs({"input_ids": torch.ones(1, 4)}, True, _Mesh())
-    with pytest.raises(HfBackendError, match=r"^context parallelism: a 3-D or 4-D attention_mask \(packing"):
-        check_inputs({"position_ids": torch.ones(1, 4), "attention_mask": torch.ones(1, 4, 4)}, True, _Mesh())
+        split._before_forward(None, (), {"input_ids": ids})
+    split.active = True
+    with pytest.raises(HfBackendError, match=rf"^{what}: pass position_ids"):
+        split._before_forward(None, (), {"input_ids": ids})
+    with pytest.raises(HfBackendError, match=rf"^{what}: a 4-D attention_mask is not supported; pass a 2-D padding "
+                                             r"mask, or none with packed position_ids$"):
+        split._before_forward(None, (), {"position_ids": ids, "attention_mask": torch.ones(1, 1, 4, 4)})
+    with pytest.raises(HfBackendError, match=rf"^{what}: labels without shift_labels: each slice would lose the "
+                                             r"target of its last token; pass shift_labels"):
+        split._before_forward(None, (), {"position_ids": ids, "labels": ids})
+    with pytest.raises(HfBackendError, match=rf"^{what}: a sequence of 5 tokens does not split over "
+                                             rf"{kind}_size=2; pad the batches to a multiple of 2"), \
+            split.split([torch.ones(1, 5)], [1], []):
+        pass
+
+
+def test_heads_that_sequence_parallelism_cannot_split_are_one_line():
+    from hf_backend import HfBackendError
+    from hf_backend.strategies.ulysses import check_heads
+
+    check_heads(_llama(), tp=2, sp=2)  # 4 heads: 2 per tp rank, 1 per sp rank
+    with pytest.raises(HfBackendError, match=r"^sequence parallelism: LlamaForCausalLM has 4 attention heads "
+                                             r"\(2 per tp rank\), which do not split over sp_size=4; choose an "
+                                             r"sp_size that divides them$"):
+        check_heads(_llama(), tp=2, sp=4)
+    with pytest.raises(HfBackendError, match=r"^sequence parallelism: LlamaForCausalLM has 4 attention heads, "
+                                             r"which do not split over sp_size=3"):
+        check_heads(_llama(), tp=1, sp=3)
 
 
 def test_gather_for_metrics_under_context_parallelism_is_refused():
@@ -320,8 +380,9 @@ def test_gather_for_metrics_under_context_parallelism_is_refused():
     from hf_backend.collectives import gather_for_metrics
     from hf_backend.strategies.mesh import DataShard
 
-    with pytest.raises(HfBackendError, match=r"^gather_for_metrics under context parallelism \(cp_size=2\): each "
-                                             r"rank holds a slice of every sequence; evaluate with cp_size=1$"):
+    with pytest.raises(HfBackendError, match=r"^gather_for_metrics with the sequences split over 2 ranks \(cp_size "
+                                             r"or sp_size\): each rank holds a slice of every sequence; evaluate "
+                                             r"with cp_size=1 and sp_size=1$"):
         gather_for_metrics(torch.ones(2), None, shard=DataShard(2, 0, 2, True, 2))
 
 

@@ -125,8 +125,11 @@ def test_accelerates_parallelism_config_is_read_once_into_ours(tmp_path):
     assert isinstance(args.parallelism_config, hf_backend.ParallelismConfig)
     assert (args.parallelism_config.tp_size, args.parallelism_config.dp_shard_size) == (2, 2)
     assert args.to_dict()["parallelism_config"]["tp_size"] == 2
-    with pytest.raises(ValueError, match=r"^ParallelismConfig sp_size=2: DeepSpeed Ulysses sequence parallelism"):
-        _arguments(tmp_path, parallelism_config=ParallelismConfig(sp_size=2))
+    # Accelerate's sequence parallelism (sp_backend "deepspeed", its default) runs as hf_backend's Ulysses
+    args = _arguments(tmp_path, parallelism_config=ParallelismConfig(sp_size=2))
+    assert (args.parallelism_config.sp_size, args.parallelism_config.sp_backend) == (2, "deepspeed")
+    with pytest.raises(ValueError, match=r"^ParallelismConfig sp_backend='megatron': use 'deepspeed' or 'hf_backend'"):
+        _arguments(tmp_path, parallelism_config={"sp_size": 2, "sp_backend": "megatron"})
 
 
 def test_deepspeed_in_one_process_names_the_sections_it_does_not_use(tmp_path, monkeypatch):

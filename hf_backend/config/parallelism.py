@@ -55,11 +55,33 @@ class TorchContextParallelConfig:
 
 
 @dataclasses.dataclass
+class DeepSpeedSequenceParallelConfig:
+    """Accelerate's handler for `ParallelismConfig(sp_handler=...)`: hints for DeepSpeed's ALST. hf_backend's
+    Ulysses needs none of them (any sequence length that divides by sp_size; attention by SDPA), so they are
+    accepted and not read; an attention other than SDPA is noted."""
+
+    sp_seq_length: int | None = None
+    sp_seq_length_is_variable: bool | None = None
+    sp_attn_implementation: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.sp_attn_implementation not in (None, "sdpa"):
+            note(f"DeepSpeedSequenceParallelConfig(sp_attn_implementation={self.sp_attn_implementation!r}): "
+                 "hf_backend's Ulysses attends with SDPA")
+
+
+# `sp_backend`: Accelerate's one value ("deepspeed", its default) and hf_backend's own Ulysses, which
+# runs for either, since DeepSpeed is never the strategy of a grid (strategies/__init__.py)
+SP_BACKENDS = ("deepspeed", "hf_backend")
+
+
+@dataclasses.dataclass
 class ParallelismConfig:
     """Accelerate's `ParallelismConfig`: sizes left unset come from PARALLELISM_CONFIG_<NAME> (what
     `hf-backend launch --parallelism_config_tp_size 2` and `accelerate launch` set), else 1.
-    Sequence parallelism (DeepSpeed Ulysses, `sp_size`) is refused; `tp_handler` / `cp_handler` take
-    the handlers above."""
+    Sequence parallelism (`sp_size`) is hf_backend's Ulysses on the mesh
+    (strategies/ulysses.py); `tp_handler` / `cp_handler` take the handlers above, `sp_handler`
+    (DeepSpeed's sequence-length hints) is not needed and not read."""
 
     dp_replicate_size: int | None = None
     dp_shard_size: int | None = None
@@ -89,10 +111,12 @@ class ParallelismConfig:
         if self.cp_backend != "torch":
             raise ConfigError(f"ParallelismConfig cp_backend={show(self.cp_backend)}: the one "
                               "backend is 'torch'")
-        if self.sp_size > 1:
-            raise ConfigError(f"ParallelismConfig sp_size={self.sp_size}: DeepSpeed Ulysses "
-                              "sequence parallelism is not supported by hf_backend; split long "
-                              "sequences with cp_size instead")
+        if self.sp_backend not in SP_BACKENDS:
+            raise ConfigError(f"ParallelismConfig sp_backend={show(self.sp_backend)}: use "
+                              "'deepspeed' or 'hf_backend' (both run hf_backend's Ulysses)")
+        if self.sp_size > 1 and self.cp_size > 1:
+            raise ConfigError(f"ParallelismConfig cp_size={self.cp_size} with sp_size={self.sp_size}: "
+                              "a sequence is split by one of them; set cp_size=1 or sp_size=1")
 
     @classmethod
     def of(cls, value: Any, where: str = "parallelism_config") -> ParallelismConfig:
@@ -168,21 +192,22 @@ class ParallelismConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MeshShape:
-    """The process grid, outermost dimension first: data-parallel replicas, data-parallel shards,
-    context-parallel sequence slices, tensor-parallel shards. Rank r sits at (r // (shard*cp*tp),
-    ..., r % tp): ranks that differ only in their cp and tp coordinates are neighbours and share a
-    batch."""
+    """The process grid, outermost dimension first (Accelerate's order): data-parallel replicas,
+    data-parallel shards, context-parallel and sequence-parallel sequence slices (one of the two),
+    tensor-parallel shards. Rank r sits at (r // (shard*cp*sp*tp), ..., r % tp): ranks that differ
+    only in their cp, sp and tp coordinates are neighbours and share a batch."""
 
     dp_replicate: int = 1
     dp_shard: int = 1
     cp: int = 1
+    sp: int = 1
     tp: int = 1
 
-    DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
+    DIMS = ("dp_replicate", "dp_shard", "cp", "sp", "tp")
 
     @property
-    def sizes(self) -> tuple[int, int, int, int]:
-        return self.dp_replicate, self.dp_shard, self.cp, self.tp
+    def sizes(self) -> tuple[int, int, int, int, int]:
+        return self.dp_replicate, self.dp_shard, self.cp, self.sp, self.tp
 
     @property
     def world(self) -> int:
@@ -194,14 +219,19 @@ class MeshShape:
         return self.dp_replicate * self.dp_shard
 
     @property
+    def sequence_slices(self) -> int:
+        """How many slices each sequence is cut into (by cp or by sp: never both)."""
+        return self.cp * self.sp
+
+    @property
     def batch_replicas(self) -> int:
-        """How many neighbouring ranks share each batch (tp x cp)."""
-        return self.cp * self.tp
+        """How many neighbouring ranks share each batch (tp x cp x sp)."""
+        return self.sequence_slices * self.tp
 
     @property
     def needs_mesh(self) -> bool:
         """Whether anything is sharded: with replicas only, DDP trains the same way."""
-        return self.dp_shard > 1 or self.cp > 1 or self.tp > 1
+        return self.dp_shard > 1 or self.sequence_slices > 1 or self.tp > 1
 
     @classmethod
     def of(cls, config: ParallelismConfig, world: int) -> MeshShape:
@@ -209,7 +239,8 @@ class MeshShape:
         as Accelerate reads it) means data parallelism over every process."""
         if config.total_size == 1:
             return cls(dp_replicate=world)
-        shape = cls(config.dp_replicate_size, config.dp_shard_size, config.cp_size, config.tp_size)
+        shape = cls(config.dp_replicate_size, config.dp_shard_size, config.cp_size, config.sp_size,
+                    config.tp_size)
         if shape.world != world:
             sizes = " x ".join(f"{name}_size {size}" for name, size in zip(cls.DIMS, shape.sizes) if size > 1)
             fix = f"set dp_shard_size={config.dp_shard_size * world // shape.world} or launch {shape.world} " \
@@ -231,8 +262,11 @@ class MeshShape:
         return " x ".join(f"{name} {size}" for name, size in zip(self.DIMS, self.sizes) if size > 1) or "one process"
 
     def as_config(self) -> ParallelismConfig:
+        """Accelerate's view of the grid. `sp_backend` names hf_backend's Ulysses, so that
+        transformers' Trainer takes none of its DeepSpeed-ALST paths (its dataloader adapter, its
+        loss)."""
         return ParallelismConfig(dp_replicate_size=self.dp_replicate, dp_shard_size=self.dp_shard, tp_size=self.tp,
-                                 cp_size=self.cp)
+                                 cp_size=self.cp, sp_size=self.sp, sp_backend="hf_backend")
 
 
 def loaded_shape(model: Any) -> MeshShape | None:

@@ -129,10 +129,13 @@ class ParallelismSection:
     parallelism_config_cp_backend: str = key("torch", "context parallelism backend", choices=("torch",))
     parallelism_config_cp_comm_strategy: str = key("allgather", "how K/V are exchanged: hf_backend all-gathers them",
                                                    unused=True)
-    parallelism_config_sp_size: int = key(1, "DeepSpeed Ulysses sequence parallelism "
-                                             "is not supported", minimum=1,
-                                          maximum=1)
-    parallelism_config_sp_backend: str = key("deepspeed", "sequence parallelism backend", unused=True)
+    parallelism_config_sp_size: int = key(1, "sequence-parallel slices of each sequence "
+                                             "(Ulysses: heads traded by all-to-all)",
+                                          minimum=1, maximum=MAX_PROCESSES,
+                                          question="Sequence-parallel size (sp_size)")
+    parallelism_config_sp_backend: str = key("deepspeed", "both run hf_backend's Ulysses ('deepspeed' is "
+                                                          "Accelerate's default)",
+                                             choices=("deepspeed", "hf_backend"))
 
 
 @dataclass

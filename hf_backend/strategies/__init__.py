@@ -25,18 +25,14 @@ def select_strategy(process: ProcessState, precision: Precision, handlers: Handl
     """Chosen once per Accelerator, from `backend` (`config.backend.choose_backend`, with its options
     resolved), the process grid a ParallelismConfig asked for (`shape`) and the world size. FSDP or
     DeepSpeed asked for in a single process train unsharded, with a note. A grid that shards
-    anything (tp, cp, dp_shard) is the native mesh path, with the FSDP options given or the
+    anything (tp, cp, sp, dp_shard) is the native mesh path, with the FSDP options given or the
     defaults; one of replicas only is DDP."""
     backend = backend or Backend(DATA_PARALLEL)
-    if shape is not None and shape.cp > 1 and shape.dp_replicate > 1:
-        raise HfBackendError(f"parallelism_config cp_size={shape.cp} with "
-                             f"dp_replicate_size={shape.dp_replicate}: HSDP with context "
-                             "parallelism is not built; shard with dp_shard_size instead")
     if shape is not None and shape.needs_mesh:
         if backend.deepspeed is not None:
-            raise HfBackendError("parallelism_config with DeepSpeed: hf_backend applies tensor and "
-                                 "context parallelism on its native path; drop deepspeed (shard "
-                                 "with dp_shard_size) or parallelism_config")
+            raise HfBackendError("parallelism_config with DeepSpeed: hf_backend applies tensor, "
+                                 "context and sequence parallelism on its native path; drop "
+                                 "deepspeed (shard with dp_shard_size) or parallelism_config")
         return FSDPStrategy(process, precision, handlers, backend.fsdp or FsdpOptions(), shape)
     if backend.fsdp is not None:
         if process.distributed:

@@ -1,8 +1,8 @@
 """The native N-D path: parallelisms applied to the model over one DeviceMesh (strategies/mesh.py), the
-torchtitan way, in one order: tensor parallelism from the model's tp_plan, activation checkpointing,
-then FSDP2's `fully_shard` over the data-parallel dimensions, each block of the wrap policy on its
-own, then the root. Parameters become DTensors; their state goes through torch's distributed
-state-dict API whatever the mesh.
+torchtitan way, in one order: tensor parallelism from the model's tp_plan, the sequence split (cp or
+sp: sequences.py), activation checkpointing, then FSDP2's `fully_shard` over the data-parallel
+dimensions, each block of the wrap policy on its own, then the root. Parameters become DTensors;
+their state goes through torch's distributed state-dict API whatever the mesh.
 
 The mesh's shape comes from a ParallelismConfig, or from FSDP1-era options: FULL_SHARD /
 SHARD_GRAD_OP shard over every process (`reshard_after_forward` True / False), NO_SHARD and
@@ -31,11 +31,12 @@ from ..notes import note
 from ..options import Handlers
 from ..precision import Precision, dtype_of
 from ..state import DistributedType, ProcessState
+from . import context_parallel, ulysses
 from .base import Strategy
 from .capabilities import ValueClipping
-from .context_parallel import apply_context_parallel, check_inputs, split_sequences
 from .fsdp_overlap import schedule
-from .mesh import DataShard, data_shard, fsdp_mesh
+from .mesh import DataShard, data_shard, fsdp_mesh, sequence_mesh
+from .sequences import SequenceSplit
 from .tensor_parallel import apply_tensor_parallel, is_tensor_parallel
 
 
@@ -52,9 +53,8 @@ class FSDPStrategy(Strategy, ValueClipping):
                                                  process.local_num_processes)
         self.mesh = build_mesh(self.shape, process.device.type)
         self.fsdp_mesh = fsdp_mesh(self.mesh, self.shape)
-        self.cp_mesh = self.mesh["cp"]
         self._data_shard = data_shard(self.mesh, self.shape)
-        self._sequences_split = False  # inside maybe_context_parallel
+        self.sequences = _sequence_split(self.mesh, self.shape)
         self.sharded_checkpoints = self.options.state_dict_type != "FULL_STATE_DICT"
         self.receives_rank0_weights = self.options.cpu_ram_efficient_loading
         # id(parameter before sharding) -> sharded one
@@ -103,10 +103,10 @@ class FSDPStrategy(Strategy, ValueClipping):
                     torch.distributed.broadcast(tensor.data, src=0)
         if self.shape.tp > 1 and not sharded_by_transformers:
             apply_tensor_parallel(model, self.mesh["tp"])
-        if self.shape.cp > 1:
-            apply_context_parallel(model, self.cp_mesh)
-            model.register_forward_pre_hook(
-                lambda _, args, kwargs: check_inputs(kwargs, self._sequences_split, self.cp_mesh), with_kwargs=True)
+        if self.sequences is not None:
+            if self.shape.sp > 1:
+                ulysses.check_heads(model, self.shape.tp, self.shape.sp)
+            self.sequences.apply(model)
         blocks = self._blocks(model)
         if self.options.activation_checkpointing:
             _checkpoint_blocks(model, blocks)
@@ -213,15 +213,11 @@ class FSDPStrategy(Strategy, ValueClipping):
     @contextlib.contextmanager
     def context_parallel(self, buffers: Sequence[torch.Tensor], seq_dims: Sequence[int],
                          keep: Sequence[torch.Tensor]) -> Iterator[None]:
-        if self.shape.cp == 1:
+        if self.sequences is None:
             yield
             return
-        with split_sequences(buffers, seq_dims, keep, self.cp_mesh):
-            self._sequences_split = True
-            try:
-                yield
-            finally:
-                self._sequences_split = False
+        with self.sequences.split(buffers, seq_dims, keep):
+            yield
 
     def clip_grad_norm_(self, parameters: Iterable[torch.nn.Parameter], max_norm: float,
                         norm_type: float = 2.0) -> torch.Tensor:
@@ -325,6 +321,16 @@ def _size_based(model: torch.nn.Module, min_num_params: int) -> list[torch.nn.Mo
             chosen.append(module)
             taken.update(id(p) for p in module.parameters())
     return list(reversed(chosen))
+
+
+def _sequence_split(mesh: Any, shape: MeshShape) -> SequenceSplit | None:
+    """The attention that sees across the slices: all-gathered keys and values (cp) or Ulysses
+    (sp)."""
+    if shape.sequence_slices == 1:
+        return None
+    if shape.sp > 1:
+        return SequenceSplit(sequence_mesh(mesh, shape), "sp", ulysses.attention, ulysses.NAME)
+    return SequenceSplit(sequence_mesh(mesh, shape), "cp", context_parallel.attention, context_parallel.NAME)
 
 
 def _checkpoint_blocks(model: torch.nn.Module, blocks: list[torch.nn.Module]) -> None:

@@ -1,11 +1,13 @@
 """hf_backend.Trainer's members about the loss: whether the model's loss honours
-`num_items_in_batch` (asked of the model once), the logged loss's NaN/inf filter on the device, and
-the flop estimate with the parameters counted once.
+`num_items_in_batch` (asked of the model once), the logged loss's NaN/inf filter on the device, the
+flop estimate with the parameters counted once, and the sequences split over the cp or sp ranks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import functools
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -22,6 +24,38 @@ class LossMembers:
     _loss_checked: bool
     _counted_model: Any
     _counted_parameters: int
+
+    # -- sequences split over the cp or sp ranks ---------------------------------------------------
+    def get_cp_size(self) -> int:
+        """How many slices each sequence is cut into, by cp or by hf_backend's sp: transformers
+        divides the item count and the data-parallel world by it."""
+        config = getattr(self.accelerator, "parallelism_config", None)
+        return config.cp_size * config.sp_size if config is not None else 1
+
+    def get_sp_size(self) -> int:
+        """1: transformers' sp size stands for DeepSpeed's dataloader adapter (it multiplies the
+        loader's length by it); hf_backend's sp is counted in `get_cp_size`."""
+        return 1
+
+    def _prepare_context_parallel_inputs(self, model: Any, inputs: dict[str, Any]) -> tuple[Callable, dict[str, Any]]:
+        """The batch's sequence buffers (the input ids, labels, shifted labels made here, a 2-D
+        padding mask, the position ids made here when absent) cut into this rank's slice inside
+        `maybe_context_parallel`, for cp and sp alike; the engine checks them
+        (hf_backend/strategies/sequences.py). transformers' own does this for cp only and refuses
+        padding masks."""
+        if self.get_cp_size() == 1:
+            return contextlib.nullcontext, inputs
+        if "labels" in inputs and "shift_labels" not in inputs:
+            labels = torch.nn.functional.pad(inputs["labels"], (0, 1), value=-100)
+            inputs["shift_labels"] = labels[:, 1:].contiguous()
+        if inputs.get("position_ids") is None and "input_ids" in inputs:
+            ids = inputs["input_ids"]
+            inputs["position_ids"] = torch.arange(ids.size(1), device=ids.device).expand(ids.size(0), -1)
+        names = ("input_ids", "labels", "shift_labels", "attention_mask", "position_ids")
+        buffers = [inputs[name] for name in names if isinstance(inputs.get(name), torch.Tensor)
+                   and (name != "attention_mask" or inputs[name].dim() == 2)]
+        return functools.partial(self.accelerator.maybe_context_parallel, buffers=buffers,
+                                 buffer_seq_dims=[1] * len(buffers), no_restore_buffers=set(buffers)), inputs
 
     # -- the logged loss ---------------------------------------------------------------------------
     def _loss_to_log(self, loss: torch.Tensor) -> torch.Tensor:

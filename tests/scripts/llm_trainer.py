@@ -60,12 +60,12 @@ def with_lora(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def backend(args: argparse.Namespace) -> dict:
-    if args.grid:  # dp_replicate x dp_shard x tp, on the FSDP options below
+    if args.grid:  # dp_replicate x dp_shard x tp [x cp [x sp]], on the FSDP options below
         from hf_backend import ParallelismConfig
 
-        replicate, shard, tp, cp = [*map(int, args.grid.split("x")), 1][:4]
+        replicate, shard, tp, cp, sp = [*map(int, args.grid.split("x")), 1, 1][:5]
         return {"parallelism_config": ParallelismConfig(dp_replicate_size=replicate, dp_shard_size=shard, tp_size=tp,
-                                                        cp_size=cp),
+                                                        cp_size=cp, sp_size=sp),
                 **backend(argparse.Namespace(**{**vars(args), "grid": None, "strategy": "fsdp_sharded"}))}
     if args.strategy.startswith("fsdp"):
         state_dict_type = "SHARDED_STATE_DICT" if args.strategy == "fsdp_sharded" else "FULL_STATE_DICT"
@@ -84,7 +84,8 @@ def main() -> int:
     p.add_argument("--output-dir", required=True)
     p.add_argument("--strategy", default="ddp", choices=("ddp", "fsdp", "fsdp_sharded", "zero2", "zero3"),
                    help="ddp: one process or DDP, by the number of processes")
-    p.add_argument("--grid", default=None, help="a ParallelismConfig: dp_replicate x dp_shard x tp [x cp], e.g. 1x2x2")
+    p.add_argument("--grid", default=None,
+                   help="a ParallelismConfig: dp_replicate x dp_shard x tp [x cp [x sp]], e.g. 1x2x2")
     p.add_argument("--pad-multiple", type=int, default=1, help="pad each batch to a multiple of this many tokens")
     p.add_argument("--lora", action="store_true")
     p.add_argument("--tied", action="store_true")

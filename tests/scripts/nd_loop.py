@@ -2,11 +2,11 @@
 along the way, or resumed from checkpoints other grids (or strategies) wrote.
 
 Every run sees the same global batch of 8 sequences per step (split_batches: the data-parallel ranks split it),
-so one process is the reference for every grid. The labels are given already shifted (`shift_labels`: the token
-after each position, every one real), so that context-parallel slices hold equally many targets and the mean of the
-slices' mean losses is the global mean; the model is called inside `maybe_context_parallel` on every grid. Rank 0
-writes a JSON report: each step's loss (the mean over the global batch) and clipped gradient norm, and the full
-trainable parameters at the end.
+so one process is the reference for every grid. The labels are given already shifted (`shift_labels`), and the
+model is called inside `maybe_context_parallel` on every grid, with no item count: under cp or sp the engine makes
+its loss the mean over the whole sequences, however unevenly the targets fall into the slices (the padded and
+packed layouts). Rank 0 writes a JSON report: each step's loss (the mean over the global batch) and clipped gradient
+norm, and the full trainable parameters at the end.
 """
 
 from __future__ import annotations
@@ -29,19 +29,42 @@ def tiny_llama() -> torch.nn.Module:
     torch.manual_seed(0)
     return LlamaForCausalLM(LlamaConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False))
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+        # without a cache, transformers reads packed position ids as separate sequences (with one, as one causal row)
+        use_cache=False))
 
 
-def rows(n: int) -> list[dict[str, torch.Tensor]]:
+def rows(n: int, layout: str = "full") -> list[dict[str, torch.Tensor]]:
+    """`layout`: "full" (every target real), "padded" / "left" (padded on the right / left, an attention mask,
+    the first tokens' targets masked too: the slices hold uneven numbers of targets), "packed" (two to three
+    sequences per row, position ids restarting, no mask)."""
     g = torch.Generator().manual_seed(3)
     starts, steps = torch.randint(0, VOCAB, (n, 1), generator=g), torch.randint(1, 4, (n, 1), generator=g)
     ids = (starts + steps * torch.arange(SEQ + 1)) % VOCAB
-    return [{"input_ids": row[:-1], "labels": row[1:], "position_ids": torch.arange(SEQ)} for row in ids]
+    out = [{"input_ids": row[:-1], "labels": row[1:].clone(), "position_ids": torch.arange(SEQ)} for row in ids]
+    for row in out:
+        if layout in ("padded", "left"):
+            length = int(torch.randint(5, SEQ + 1, (1,), generator=g))
+            real = torch.arange(SEQ) < length
+            row["labels"][~real | (torch.arange(SEQ) >= length - 1)] = -100
+            row["labels"][:int(torch.randint(0, 4, (1,), generator=g))] = -100
+            row["input_ids"] = torch.where(real, row["input_ids"], torch.zeros_like(row["input_ids"]))
+            if layout == "left":
+                real, row["input_ids"], row["labels"] = real.flip(0), row["input_ids"].roll(SEQ - length), \
+                    row["labels"].roll(SEQ - length)
+            row["attention_mask"] = real.long()
+            row["position_ids"] = (real.long().cumsum(0) - 1).clamp(min=0)
+        elif layout == "packed":
+            cuts = sorted(torch.randperm(SEQ - 2, generator=g)[:int(torch.randint(1, 3, (1,), generator=g))] + 1)
+            bounds = [0, *map(int, cuts), SEQ]
+            row["position_ids"] = torch.cat([torch.arange(b - a) for a, b in zip(bounds, bounds[1:])])
+            row["labels"][[b - 1 for b in bounds[1:]]] = -100  # no target across a sequence's end
+    return out
 
 
 def engine_arguments(grid: str) -> dict:
     """`grid`: "single", "ddp", "fsdp", "zero3", "launched" (the launcher's --parallelism_config_* flags), or the
-    sizes dp_replicate x dp_shard x tp [x cp] ("1x2x2", "1x2x1x2")."""
+    sizes dp_replicate x dp_shard x tp [x cp [x sp]] ("1x2x2", "1x2x1x2", "1x1x1x1x2")."""
     if grid == "fsdp":
         return {"fsdp_plugin": FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
                                                               state_dict_type="SHARDED_STATE_DICT")}
@@ -49,30 +72,30 @@ def engine_arguments(grid: str) -> dict:
         return {"deepspeed_plugin": DeepSpeedPlugin(zero_stage=3, gradient_clipping=CLIP)}
     if grid in ("single", "ddp", "launched"):
         return {}
-    replicate, shard, tp, cp = [*map(int, grid.split("x")), 1][:4]
+    replicate, shard, tp, cp, sp = [*map(int, grid.split("x")), 1, 1][:5]
     return {"parallelism_config": ParallelismConfig(dp_replicate_size=replicate, dp_shard_size=shard, tp_size=tp,
-                                                    cp_size=cp),
+                                                    cp_size=cp, sp_size=sp),
             "fsdp_plugin": FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
                                                           state_dict_type="SHARDED_STATE_DICT")}
 
 
 def train(accelerator: Accelerator, optimizer_name: str, steps: int, save_at: int = 0,
-          checkpoint: str | None = None, resume: str | None = None) -> dict:
+          checkpoint: str | None = None, resume: str | None = None, layout: str = "full") -> dict:
     """One run on the accelerator's grid: from the start (saving into `checkpoint` after step `save_at`, and going
     on) or from `resume` (which a run saved after step `save_at`)."""
     set_seed(42)
     model = tiny_llama()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5) if optimizer_name == "sgd" else \
         torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-    loader = DataLoader(rows(GLOBAL_BATCH * steps), batch_size=GLOBAL_BATCH, shuffle=False)
+    loader = DataLoader(rows(GLOBAL_BATCH * steps, layout), batch_size=GLOBAL_BATCH, shuffle=False)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     if resume:
         accelerator.load_state(resume)
     losses, norms = [], []
     for step, batch in enumerate(loader, start=save_at + 1 if resume else 1):
         batch["shift_labels"] = batch["labels"]  # already shifted: the loss takes them as they are
-        buffers = [batch["input_ids"], batch["labels"], batch["position_ids"]]
-        with accelerator.maybe_context_parallel(buffers=buffers, buffer_seq_dims=[1, 1, 1]):
+        buffers = [batch[k] for k in ("input_ids", "labels", "position_ids", "attention_mask") if k in batch]
+        with accelerator.maybe_context_parallel(buffers=buffers, buffer_seq_dims=[1] * len(buffers)):
             loss = model(**batch).loss
             accelerator.backward(loss)
         norms.append(float(accelerator.clip_grad_norm_(model.parameters(), CLIP)))
@@ -96,6 +119,8 @@ def main() -> int:
     p.add_argument("--save-at", type=int, default=2, help="the AdamW run saves into --checkpoint after this step")
     p.add_argument("--checkpoint", default=None)
     p.add_argument("--resume", default="", help="comma-separated checkpoints, each resumed in turn (AdamW)")
+    p.add_argument("--layouts", default="full", help="comma-separated: full, padded, left, packed; the AdamW "
+                                                      "run is repeated on each layout but the first (adamw/LAYOUT)")
     args = p.parse_args()
 
     accelerator = Accelerator(split_batches=True, **engine_arguments(args.grid))
@@ -103,8 +128,11 @@ def main() -> int:
         report = {source: train(accelerator, "adamw", args.steps, args.save_at, resume=source)
                   for source in args.resume.split(",")}
     else:
-        report = {name: train(accelerator, name, args.steps, args.save_at, args.checkpoint if name == "adamw" else None)
+        first, *others = args.layouts.split(",")
+        report = {name: train(accelerator, name, args.steps, args.save_at, args.checkpoint if name == "adamw" else None,
+                              layout=first)
                   for name in args.optimizers.split(",")}
+        report.update({f"adamw/{layout}": train(accelerator, "adamw", args.steps, layout=layout) for layout in others})
     if accelerator.is_main_process:
         with open(args.out, "w") as f:
             grid = accelerator.parallelism_config
