@@ -27,8 +27,8 @@ pytest.importorskip("transformers")
 SCRIPT = "nd_loop.py"
 # grid -> processes; the saving set: one process, tp 2, dp_shard 2 x tp 2, HSDP 2 x 2, FSDP 2, ZeRO-3 2, cp 2, sp 2
 GRIDS = {"single": 1, "1x1x2": 2, "1x2x2": 4, "2x2x1": 4, "fsdp": 2, "zero3": 2, "1x1x1x2": 2, "1x1x1x1x2": 2}
-# the sp grids: sp 2, sp 2 x dp_shard 2, sp 2 x tp 2, sp 4; HSDP 2 x 2 x cp 2 (8 processes)
-EQUIVALENCE = ["1x1x2", "1x2x2", "2x2x1", "2x2x2", "1x1x1x2", "1x2x1x2", "1x1x2x2", "2x2x1x2",
+# the sp grids: sp 2, sp 2 x dp_shard 2, sp 2 x tp 2, sp 4; cp 4 (a ring of 4); HSDP 2 x 2 x cp 2 (8 processes)
+EQUIVALENCE = ["1x1x2", "1x2x2", "2x2x1", "2x2x2", "1x1x1x2", "1x2x1x2", "1x1x2x2", "1x1x1x4", "2x2x1x2",
                "1x1x1x1x2", "1x2x1x1x2", "1x1x2x1x2", "1x1x1x1x4"]
 # where cp or sp splits the sequences and nothing else divides the batch: padded and packed batches too
 LAYOUTS = ["padded", "left", "packed"]
@@ -114,7 +114,7 @@ def trainer_alone(tmp_path_factory) -> dict:
                                                             *TRAINER])
 
 
-TRAINER = ["--steps", "4", "--save-steps", "10", "--pad-multiple", "4"]  # cp slices: widths divisible by cp
+TRAINER = ["--steps", "4", "--save-steps", "10", "--pad-multiple", "8"]  # widths divisible by 2 x cp (4) and sp
 
 
 @pytest.mark.parametrize("grid", EQUIVALENCE)
@@ -334,7 +334,7 @@ def test_what_a_sequence_split_cannot_take_is_one_line(kind):
     from hf_backend.strategies.sequences import SequenceSplit
 
     module = context_parallel if kind == "cp" else ulysses
-    split = SequenceSplit(_SequenceMesh(), kind, module.attention, module.NAME)
+    split = SequenceSplit(_SequenceMesh(), kind, module.attention, module.NAME, balanced=kind == "cp")
     what = "context parallelism" if kind == "cp" else "sequence parallelism"
     bert = BertModel(BertConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32))
     with pytest.raises(HfBackendError, match=rf"^{what}: BertModel has non-causal attention; {kind} splits "
@@ -355,8 +355,10 @@ def test_what_a_sequence_split_cannot_take_is_one_line(kind):
     with pytest.raises(HfBackendError, match=rf"^{what}: labels without shift_labels: each slice would lose the "
                                              r"target of its last token; pass shift_labels"):
         split._before_forward(None, (), {"position_ids": ids, "labels": ids})
+    chunks = " in 2 x 2 balanced chunks; pad the batches to a multiple of 4" if kind == "cp" else \
+        "; pad the batches to a multiple of 2"
     with pytest.raises(HfBackendError, match=rf"^{what}: a sequence of 5 tokens does not split over "
-                                             rf"{kind}_size=2; pad the batches to a multiple of 2"), \
+                                             rf"{kind}_size=2{chunks} \(pad_to_multiple_of\)$"), \
             split.split([torch.ones(1, 5)], [1], []):
         pass
 

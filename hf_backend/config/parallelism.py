@@ -39,8 +39,8 @@ class TorchTensorParallelConfig:
 @dataclasses.dataclass
 class TorchContextParallelConfig:
     """Accelerate's handler for `ParallelismConfig(cp_handler=...)`. hf_backend's context parallelism
-    all-gathers the keys and values (strategies/context_parallel.py); "alltoall" is noted and runs
-    the same way."""
+    passes the keys and values around a ring whichever is named (strategies/context_parallel.py):
+    no rank holds the whole sequence's."""
 
     cp_comm_strategy: str = "allgather"
 
@@ -49,9 +49,6 @@ class TorchContextParallelConfig:
             raise ConfigError("TorchContextParallelConfig "
                               f"cp_comm_strategy={show(self.cp_comm_strategy)}: "
                               "use 'allgather' or 'alltoall'")
-        if self.cp_comm_strategy == "alltoall":
-            note("TorchContextParallelConfig(cp_comm_strategy='alltoall'): "
-                 "hf_backend all-gathers keys and values")
 
 
 @dataclasses.dataclass

@@ -127,8 +127,8 @@ class ParallelismSection:
                                           minimum=1, maximum=MAX_PROCESSES,
                                           question="Context-parallel size (cp_size)")
     parallelism_config_cp_backend: str = key("torch", "context parallelism backend", choices=("torch",))
-    parallelism_config_cp_comm_strategy: str = key("allgather", "how K/V are exchanged: hf_backend all-gathers them",
-                                                   unused=True)
+    parallelism_config_cp_comm_strategy: str = key("allgather", "how K/V are exchanged: hf_backend passes "
+                                                                "them around a ring", unused=True)
     parallelism_config_sp_size: int = key(1, "sequence-parallel slices of each sequence "
                                              "(Ulysses: heads traded by all-to-all)",
                                           minimum=1, maximum=MAX_PROCESSES,

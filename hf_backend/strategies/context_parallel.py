@@ -1,12 +1,17 @@
-"""Context parallelism for causal attention (`cp_size`): each of the cp ranks holds one contiguous
-slice of every sequence (sequences.py cuts them), and attention all-gathers the keys and values of
-the whole sequence across the cp group.
+"""Context parallelism for causal attention (`cp_size`): ring attention over load-balanced slices.
+
+Each sequence is cut into 2 x cp chunks and rank r holds chunks r and 2cp-1-r (sequences.py), so that
+every rank gets as much of the causal triangle as any other. Attention passes the keys and values
+around the ring of cp ranks: at each of the cp steps a rank attends its queries to the block it
+holds and merges the result by log-sum-exp, while it sends that block on to the next rank and
+receives the previous rank's. The backward goes around the ring again with the blocks and their
+gradients. No rank ever holds more than two blocks of keys and values: memory per rank falls with
+cp, unlike an all-gather of the whole sequence's.
 
 torch's `context_parallel` does not run on CPU (SDPA's CPU kernels have no sharding strategy, Flex
-attention no CPU backward), so the attention is hf_backend's own, registered in transformers'
+attention no CPU backward), so this attention is hf_backend's own, registered in transformers'
 `AttentionInterface` (sequences.py). The slices come from `accelerator.maybe_context_parallel(
-buffers=...)`, Accelerate's API, which transformers' Trainer calls with the input ids, labels,
-shifted labels and position ids.
+buffers=...)`, Accelerate's API, which transformers' Trainer calls.
 """
 
 from __future__ import annotations
@@ -16,26 +21,141 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..errors import HfBackendError
+
 NAME = "hf_backend_context_parallel"
 
 
-class _GatherSequence(torch.autograd.Function):
-    """All-gather along the sequence dimension; backward sums each slice's gradient over the group
-    (every rank's queries attended to every rank's keys) and keeps this rank's slice."""
+class _Hop:
+    """`tensors` on their way to the next rank of the ring, while what the previous rank sends
+    arrives; `done()` waits for both and returns what arrived."""
+
+    def __init__(self, tensors: list[torch.Tensor], split: Any) -> None:
+        self.received = [torch.empty_like(t) for t in tensors]
+        ranks = dist.get_process_group_ranks(split.group)
+        after, before = ranks[(split.rank + 1) % split.size], ranks[(split.rank - 1) % split.size]
+        ops = [dist.P2POp(dist.isend, t, after, split.group) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, t, before, split.group) for t in self.received]
+        self.requests = dist.batch_isend_irecv(ops)
+
+    def done(self) -> list[torch.Tensor]:
+        for request in self.requests:
+            request.wait()
+        return self.received
+
+
+def _scores(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scale
+    return scores.masked_fill(~mask, float("-inf"))
+
+
+# scores of at most this many elements are made at once (64 MiB in float32): a block's queries are
+# taken this many rows at a time, so the memory of attention does not grow with the slice squared
+_SCORES = 1 << 24
+
+
+def _rows(query: torch.Tensor, keys: int) -> list[slice]:
+    batch, heads, length, _ = query.shape
+    step = max(1, _SCORES // max(1, batch * heads * keys))
+    return [slice(start, start + step) for start in range(0, length, step)]
+
+
+class _RingAttention(torch.autograd.Function):
+    """Attention of this rank's queries over the whole sequence's keys and values, one block of the
+    ring at a time (and a bounded number of query rows at a time); float32 inside, the inputs'
+    dtype out."""
 
     @staticmethod
-    def forward(ctx: Any, local: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
-        ctx.group, ctx.dim = group, dim
-        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, local.contiguous(), group=group)
-        return torch.cat(parts, dim=dim)
+    def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, split: Any,
+                scale: float) -> torch.Tensor:
+        dtype = query.dtype
+        q, k, v = (t.float().contiguous() for t in (query, key, value))
+        repeats = q.shape[1] // k.shape[1]
+        mine = split.indices(split.rank, q.device)
+        out = torch.zeros_like(q)
+        lse = torch.full(q.shape[:-1], float("-inf"), device=q.device, dtype=q.dtype)
+        block_k, block_v = k, v
+        for step in range(split.size):
+            owner = (split.rank - step) % split.size
+            # the next block travels while this one is computed
+            hop = _Hop([block_k, block_v], split) if step < split.size - 1 else None
+            mask = split.layout.mask(mine, split.indices(owner, q.device))
+            if bool(mask.any()):
+                keys, values = block_k.repeat_interleave(repeats, 1), block_v.repeat_interleave(repeats, 1)
+                for rows in _rows(q, keys.shape[2]):
+                    scores = _scores(q[:, :, rows], keys, mask[:, :, rows], scale)
+                    block_lse = torch.logsumexp(scores, dim=-1)
+                    weights = torch.exp(scores - block_lse.unsqueeze(-1)).nan_to_num(0.0)
+                    block_out = torch.matmul(weights, values)
+                    before = lse[:, :, rows]
+                    merged = torch.logaddexp(before, block_lse)
+                    keep = torch.where(before.isinf(), 0.0, torch.exp(before - merged))
+                    add = torch.where(block_lse.isinf(), 0.0, torch.exp(block_lse - merged))
+                    out[:, :, rows] = out[:, :, rows] * keep.unsqueeze(-1) + block_out * add.unsqueeze(-1)
+                    lse[:, :, rows] = merged
+            if hop is not None:
+                block_k, block_v = hop.done()
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.split, ctx.scale, ctx.dtype, ctx.repeats = split, scale, dtype, repeats
+        return out.to(dtype)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        size, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
-        return grad.chunk(size, dim=ctx.dim)[rank].contiguous(), None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
+        q, k, v, out, lse = ctx.saved_tensors
+        split, scale, repeats = ctx.split, ctx.scale, ctx.repeats
+        grad = grad.float().contiguous()
+        delta = (grad * out).sum(-1, keepdim=True)
+        mine = split.indices(split.rank, q.device)
+        grad_q = torch.zeros_like(q)
+        block_k, block_v = k, v
+        grad_k, grad_v = torch.zeros_like(k), torch.zeros_like(v)  # travel with their block
+        for step in range(split.size):
+            owner = (split.rank - step) % split.size
+            mask = split.layout.mask(mine, split.indices(owner, q.device))
+            if bool(mask.any()):
+                keys, values = block_k.repeat_interleave(repeats, 1), block_v.repeat_interleave(repeats, 1)
+                for rows in _rows(q, keys.shape[2]):
+                    scores = _scores(q[:, :, rows], keys, mask[:, :, rows], scale)
+                    weights = torch.exp(scores - lse[:, :, rows].unsqueeze(-1)).nan_to_num(0.0)
+                    grad_rows = grad[:, :, rows]
+                    grad_scores = weights * (torch.matmul(grad_rows, values.transpose(-1, -2)) - delta[:, :, rows])
+                    grad_q[:, :, rows] += torch.matmul(grad_scores, keys) * scale
+                    grad_k += _fold(torch.matmul(grad_scores.transpose(-1, -2), q[:, :, rows]) * scale, repeats)
+                    grad_v += _fold(torch.matmul(weights.transpose(-1, -2), grad_rows), repeats)
+            if step < split.size - 1:
+                block_k, block_v, grad_k, grad_v = _Hop([block_k, block_v, grad_k, grad_v], split).done()
+        # the block now held is the next rank's: one more hop takes each block's gradients home
+        grad_k, grad_v = _Hop([grad_k, grad_v], split).done() if split.size > 1 else (grad_k, grad_v)
+        dtype = ctx.dtype
+        return grad_q.to(dtype), grad_k.to(dtype), grad_v.to(dtype), None, None
+
+
+def _fold(grad: torch.Tensor, repeats: int) -> torch.Tensor:
+    """The gradient of `repeat_interleave(repeats, dim=1)`: each key head's query heads summed."""
+    if repeats == 1:
+        return grad
+    batch, heads, length, dim = grad.shape
+    return grad.view(batch, heads // repeats, repeats, length, dim).sum(2)
+
+
+class _Whole:
+    """A ring of one: attention over a whole sequence held here (Ulysses' head groups), masked by
+    `layout`, a bounded number of query rows at a time."""
+
+    size, rank, group = 1, 0, None
+
+    def __init__(self, layout: Any, length: int) -> None:
+        self.layout, self.length = layout, length
+
+    def indices(self, rank: int, device: torch.device | None = None) -> torch.Tensor:
+        return torch.arange(self.length, device=device)
+
+
+def masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: Any,
+                     scale: float) -> torch.Tensor:
+    """(batch, heads, sequence, dim) attention of a whole sequence under `layout`'s mask (padding,
+    packing), without the sequence-squared mask and scores that SDPA with a mask makes."""
+    return _RingAttention.apply(query, key, value, _Whole(layout, query.shape[2]), scale)
 
 
 def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -43,17 +163,10 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
               **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention signature: (batch, heads, slice, head dim) in, (batch, slice, heads,
     head dim) out. The model's mask is for the slice, so the one used is made from the layout its
-    forward gathered, at this slice's place in the sequence."""
-    split = module.sequence_split
-    key, value = _GatherSequence.apply(key, split.group, 2), _GatherSequence.apply(value, split.group, 2)
-    length, total = query.shape[2], key.shape[2]
-    start = split.rank * length
-    queries = torch.arange(start, start + length, device=query.device)
-    mask = split.layout.mask(queries, torch.arange(total, device=query.device))
-    # grouped-query attention: each key head serves `repeats` query heads
-    repeats = query.shape[1] // key.shape[1]
-    if repeats > 1:
-        key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)
-    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout,
-                                                           scale=scaling)
+    forward gathered, at this slice's places in the sequence."""
+    if dropout:
+        raise HfBackendError(f"context parallelism: attention dropout ({dropout}) is not applied by the "
+                             "ring attention; set the model's attention_dropout=0")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = _RingAttention.apply(query, key, value, module.sequence_split, scale)
     return out.transpose(1, 2).contiguous(), None

@@ -324,13 +324,14 @@ def _size_based(model: torch.nn.Module, min_num_params: int) -> list[torch.nn.Mo
 
 
 def _sequence_split(mesh: Any, shape: MeshShape) -> SequenceSplit | None:
-    """The attention that sees across the slices: all-gathered keys and values (cp) or Ulysses
-    (sp)."""
+    """The attention that sees across the slices: ring attention over balanced slices (cp) or
+    Ulysses over contiguous ones (sp)."""
     if shape.sequence_slices == 1:
         return None
     if shape.sp > 1:
         return SequenceSplit(sequence_mesh(mesh, shape), "sp", ulysses.attention, ulysses.NAME)
-    return SequenceSplit(sequence_mesh(mesh, shape), "cp", context_parallel.attention, context_parallel.NAME)
+    return SequenceSplit(sequence_mesh(mesh, shape), "cp", context_parallel.attention, context_parallel.NAME,
+                         balanced=True)
 
 
 def _checkpoint_blocks(model: torch.nn.Module, blocks: list[torch.nn.Module]) -> None:

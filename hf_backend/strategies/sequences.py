@@ -1,8 +1,9 @@
 """What context parallelism (cp) and Ulysses sequence parallelism (sp) share: the sequences of each
-batch cut into one contiguous slice per rank of the group, and the model's attention modules routed
-to an attention of hf_backend's own that sees across the slices. They differ only in that attention
-(context_parallel.py all-gathers keys and values; ulysses.py trades sequence slices for head groups
-with all-to-all).
+batch cut into one slice per rank of the group, and the model's attention modules routed to an
+attention of hf_backend's own that sees across the slices. They differ in that attention
+(context_parallel.py passes keys and values around a ring; ulysses.py trades sequence slices for
+head groups with all-to-all) and in the cut: sp's slices are contiguous, cp's balanced (rank r of
+P holds chunks r and 2P-1-r of 2P, so that each has as much of the causal triangle to compute).
 
 `SequenceSplit` is the one object per run: `split` is Accelerate's `maybe_context_parallel` (the
 buffers cut in place), and `apply` routes a model's attention to it and adds one forward pre-hook
@@ -64,18 +65,41 @@ class Layout:
 
 
 class SequenceSplit:
-    """The ranks of `mesh` (the cp or the sp dimension) each hold one contiguous slice of every
-    sequence; `kind` is "cp" or "sp", the config's name, for messages."""
+    """The ranks of `mesh` (the cp or the sp dimension) each hold one slice of every sequence:
+    contiguous, or with `balanced` a head chunk and a tail chunk; `kind` is "cp" or "sp", the
+    config's name, for messages."""
 
-    def __init__(self, mesh: DeviceMesh, kind: str, attention: Callable[..., Any], name: str) -> None:
-        self.mesh, self.kind, self.attention, self.name = mesh, kind, attention, name
+    def __init__(self, mesh: DeviceMesh, kind: str, attention: Callable[..., Any], name: str,
+                 balanced: bool = False) -> None:
+        self.mesh, self.kind, self.attention, self.name, self.balanced = mesh, kind, attention, name, balanced
         self.group = mesh.get_group()
         self.size, self.rank = mesh.size(), mesh.get_local_rank()
+        self.length = 0  # the whole sequences' length in this forward (set by `split`)
         self.active = False  # inside `split`
         self.layout = Layout()
         self.counted = False  # this forward's item count was the group's, given by `_before_forward`
 
     # -- the batch ---------------------------------------------------------------------------------
+    @property
+    def chunks(self) -> int:
+        """How many equal chunks each sequence is cut into."""
+        return 2 * self.size if self.balanced else self.size
+
+    def indices(self, rank: int, device: torch.device | None = None) -> torch.Tensor:
+        """The places in the whole sequence of `rank`'s slice, in the order it holds them."""
+        chunk = self.length // self.chunks
+        if not self.balanced:
+            return torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
+        tail = self.chunks - 1 - rank
+        return torch.cat([torch.arange(rank * chunk, (rank + 1) * chunk, device=device),
+                          torch.arange(tail * chunk, (tail + 1) * chunk, device=device)])
+
+    def _local(self, whole: torch.Tensor, dim: int) -> torch.Tensor:
+        parts = whole.chunk(self.chunks, dim=dim)
+        if not self.balanced:
+            return parts[self.rank]
+        return torch.cat([parts[self.rank], parts[self.chunks - 1 - self.rank]], dim=dim)
+
     @contextlib.contextmanager
     def split(self, buffers: Sequence[torch.Tensor], dims: Sequence[int],
               keep: Sequence[torch.Tensor]) -> Iterator[None]:
@@ -93,13 +117,15 @@ class SequenceSplit:
         saved = []
         for buffer, dim in unique.values():
             length = buffer.shape[dim]
-            if length % self.size:
+            if length % self.chunks:
+                balanced = f" in 2 x {self.size} balanced chunks" if self.balanced else ""
                 raise HfBackendError(f"{self._what}: a sequence of {length} tokens does not split over "
-                                     f"{self.kind}_size={self.size}; pad the batches to a multiple of "
-                                     f"{self.size} (pad_to_multiple_of)")
+                                     f"{self.kind}_size={self.size}{balanced}; pad the batches to a multiple "
+                                     f"of {self.chunks} (pad_to_multiple_of)")
+            self.length = length
             whole = buffer.clone()
             saved.append((buffer, None if any(buffer is k for k in keep) else whole))
-            local = whole.chunk(self.size, dim=dim)[self.rank]
+            local = self._local(whole, dim)
             buffer.resize_(local.shape)
             buffer.copy_(local)
         self.active = True
@@ -172,7 +198,11 @@ class SequenceSplit:
         both = torch.stack([local, mask.to(local.dtype) if mask is not None else torch.ones_like(local)])
         parts = [torch.empty_like(both) for _ in range(self.size)]
         dist.all_gather(parts, both.contiguous(), group=self.group)
-        whole_positions, real = torch.cat(parts, dim=-1).unbind(0)
+        self.length = both.shape[-1] * self.size
+        order = torch.cat([self.indices(rank, both.device) for rank in range(self.size)])
+        whole = torch.empty_like(torch.cat(parts, dim=-1))
+        whole[..., order] = torch.cat(parts, dim=-1)
+        whole_positions, real = whole.unbind(0)
         if mask is not None:
             return Layout(real=None if bool(real.all()) else real.bool())
         starts = torch.diff(whole_positions, prepend=whole_positions[:, :1] - 1, dim=-1) != 1

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import HfBackendError
+from .context_parallel import masked_attention
 
 NAME = "hf_backend_ulysses"
 
@@ -49,7 +50,8 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
               **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention signature: (batch, heads, slice, head dim) in, (batch, slice, heads,
     head dim) out. The model's mask is for the slice, so the whole sequences' one is made from the
-    layout its forward gathered."""
+    layout its forward gathered: with padding or packing, the ring's blockwise attention over one
+    block (context_parallel.py), which never makes the sequence-squared mask."""
     split = module.sequence_split
     heads, size = query.shape[1], split.size
     if heads % size:
@@ -58,15 +60,15 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
     if key.shape[1] % size:
         key, value = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (key, value))
     query, key, value = (_AllToAll.apply(t, split.group, 1, 2) for t in (query, key, value))
-    if key.shape[1] != query.shape[1]:
-        repeats = query.shape[1] // key.shape[1]
-        key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)
-    mask = None
-    if not split.layout.plain:
-        everywhere = torch.arange(query.shape[2], device=query.device)
-        mask = split.layout.mask(everywhere, everywhere)
-    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout,
-                                                           is_causal=mask is None, scale=scaling)
+    if split.layout.plain:  # causal over the whole sequence: SDPA's fused kernel
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, dropout_p=dropout, is_causal=True,
+                                                               scale=scaling, enable_gqa=True)
+    elif dropout:
+        raise HfBackendError(f"sequence parallelism: attention dropout ({dropout}) with padded or packed batches "
+                             "is not applied; set the model's attention_dropout=0")
+    else:
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        out = masked_attention(query, key, value, split.layout, scale)
     return _AllToAll.apply(out, split.group, 2, 1).transpose(1, 2).contiguous(), None
 
 

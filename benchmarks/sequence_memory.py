@@ -1,0 +1,149 @@
+"""Memory per rank of one training step on long sequences (issue 44): one process, sp 2, cp 2, sp 4 and cp 4, a Llama
+from a config (hidden 256, 8 heads, 2 layers, vocabulary 1024, fp32), batch 1, AdamW, through an Accelerator loop
+that calls the model inside `maybe_context_parallel`.
+
+Per setting and length: each rank trains one step to warm up (weights, gradients and optimizer state exist after it),
+then a second step, and reports the peak of private memory (`RssAnon`, sampled every 2 ms by a thread of this
+script) above what it held just before the second step: the step's activations, attention's working memory, the
+communication buffers and the gradients made again. glibc's mmap threshold is fixed (`mallopt`) so that freed memory
+is returned at once. The largest rank's figure is reported. With the step's memory linear in the length (SDPA's
+fused causal kernel, the ring's and Ulysses' blockwise attention), the longest sequence that fits a budget follows
+from two lengths: (budget - intercept) / slope, rounded down to a multiple of 1024 tokens.
+
+    .venv/bin/python benchmarks/sequence_memory.py [--lengths 8192,16384] [--budget-gib 2] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+SETTINGS = {"one process": {}, "sp 2": {"sp_size": 2}, "cp 2": {"cp_size": 2}, "sp 4": {"sp_size": 4},
+            "cp 4": {"cp_size": 4}}
+CONFIG = dict(vocab_size=1024, hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=8,
+              num_key_value_heads=8, max_position_embeddings=65536, use_cache=False)
+
+
+# -- one rank (run under torch.distributed.run, or alone) -------------------------------------------------------------
+def rank_main(args: argparse.Namespace) -> None:
+    import ctypes
+    import threading
+    import time
+
+    if not ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024):  # M_MMAP_THRESHOLD: large frees return at once
+        raise SystemExit("mallopt(M_MMAP_THRESHOLD) failed")
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_backend import Accelerator, FullyShardedDataParallelPlugin, ParallelismConfig
+
+    def private_mib() -> float:
+        fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+        return int(fields["RssAnon"].split()[0]) / 1024
+
+    peak = {"anon": 0.0}
+
+    def sample() -> None:  # a daemon thread of this measuring script, not of the library
+        while True:
+            peak["anon"] = max(peak["anon"], private_mib())
+            time.sleep(0.002)
+
+    sizes = json.loads(args.sizes)
+    kwargs = {}
+    if sizes:
+        kwargs = {"parallelism_config": ParallelismConfig(**sizes),
+                  "fsdp_plugin": FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=["LlamaDecoderLayer"])}
+    accelerator = Accelerator(**kwargs)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**CONFIG))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model, optimizer = accelerator.prepare(model, optimizer)
+
+    def step() -> None:
+        ids = torch.randint(0, CONFIG["vocab_size"], (1, args.length), generator=torch.Generator().manual_seed(1))
+        labels = torch.nn.functional.pad(ids[:, 1:], (0, 1), value=-100)
+        positions = torch.arange(args.length)[None]
+        with accelerator.maybe_context_parallel(buffers=[ids, labels, positions], buffer_seq_dims=[1, 1, 1]):
+            loss = model(input_ids=ids, labels=labels, shift_labels=labels, position_ids=positions).loss
+            accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()
+    before = private_mib()
+    peak["anon"] = before
+    threading.Thread(target=sample, daemon=True).start()
+    started = time.perf_counter()
+    step()
+    seconds = time.perf_counter() - started
+    time.sleep(0.01)
+    report = {"rank": accelerator.process_index, "step_mib": peak["anon"] - before, "held_mib": before,
+              "seconds": seconds}
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / f"rank{accelerator.process_index}.json").write_text(json.dumps(report))
+    accelerator.end_training()
+
+
+# -- the driver -------------------------------------------------------------------------------------------------------
+def measure(setting: str, length: int, work: Path) -> dict:
+    sizes = SETTINGS[setting]
+    nproc = max([1, *sizes.values()])
+    out = work / f"{setting.replace(' ', '')}-{length}"
+    command = [sys.executable, str(HERE), "--rank", "--length", str(length), "--sizes", json.dumps(sizes),
+               "--out", str(out)]
+    if nproc > 1:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+                   *command[1:]]
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc))}
+    subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL)
+    ranks = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
+    return {"step_mib": max(r["step_mib"] for r in ranks), "held_mib": max(r["held_mib"] for r in ranks),
+            "seconds": max(r["seconds"] for r in ranks)}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--length", type=int, default=8192)
+    p.add_argument("--sizes", default="{}")
+    p.add_argument("--out", default=None)
+    p.add_argument("--lengths", default="8192,16384", help="two or more sequence lengths, comma-separated")
+    p.add_argument("--settings", default=",".join(SETTINGS))
+    p.add_argument("--budget-gib", type=float, default=2.0, help="the step's memory per rank the fit is read at")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    if args.rank:
+        rank_main(args)
+        return 0
+    lengths = [int(n) for n in args.lengths.split(",")]
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as work:
+        for setting in args.settings.split(","):
+            results[setting] = {str(n): measure(setting, n, Path(work)) for n in lengths}
+    one = results.get("one process")
+    budget = args.budget_gib * 1024
+    print(f"| setting | {' | '.join(f'step memory at {n} tokens (MiB)' for n in lengths)} | x one process at "
+          f"{lengths[0]} | longest in {args.budget_gib:g} GiB | step at {lengths[0]} (s) |")
+    print("|---" * (len(lengths) + 4) + "|")
+    for setting, by_length in results.items():
+        first, last = by_length[str(lengths[0])], by_length[str(lengths[-1])]
+        slope = (last["step_mib"] - first["step_mib"]) / (lengths[-1] - lengths[0])
+        intercept = first["step_mib"] - slope * lengths[0]
+        longest = int((budget - intercept) / slope) // 1024 * 1024 if slope > 0 else 0
+        ratio = first["step_mib"] / one[str(lengths[0])]["step_mib"] if one else float("nan")
+        results[setting]["longest_in_budget"] = longest
+        cells = " | ".join(f"{by_length[str(n)]['step_mib']:.0f}" for n in lengths)
+        print(f"| {setting} | {cells} | {ratio:.2f} | {longest} | {first['seconds']:.1f} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
