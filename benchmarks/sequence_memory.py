@@ -6,9 +6,10 @@ Per setting and length: each rank trains one step to warm up (weights, gradients
 then a second step, and reports the peak of private memory (`RssAnon`, sampled every 2 ms by a thread of this
 script) above what it held just before the second step: the step's activations, attention's working memory, the
 communication buffers and the gradients made again. glibc's mmap threshold is fixed (`mallopt`) so that freed memory
-is returned at once. The largest rank's figure is reported. With the step's memory linear in the length (SDPA's
-fused causal kernel, the ring's and Ulysses' blockwise attention), the longest sequence that fits a budget follows
-from two lengths: (budget - intercept) / slope, rounded down to a multiple of 1024 tokens.
+is returned at once. The largest rank's figure is reported, beside `hf-backend plan`'s activation estimate for the
+same run (hf_backend/plan.py). With the step's memory linear in the length (SDPA's fused causal kernel, the ring's
+chunk pairs, Ulysses' head groups), the longest sequence that fits a budget follows from two lengths: (budget -
+intercept) / slope, rounded down to a multiple of 1024 tokens.
 
     .venv/bin/python benchmarks/sequence_memory.py [--lengths 8192,16384] [--budget-gib 2] [--json out.json]
 """
@@ -91,6 +92,23 @@ def rank_main(args: argparse.Namespace) -> None:
 
 
 # -- the driver -------------------------------------------------------------------------------------------------------
+def planned_mib(setting: str, length: int) -> float:
+    """`hf-backend plan`'s activation estimate per rank for the setting (the model built on the meta device)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_backend.config.parallelism import MeshShape
+    from hf_backend.plan import plan_memory
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(**CONFIG))
+    sizes = {name.removesuffix("_size"): size for name, size in SETTINGS[setting].items()}
+    shape = MeshShape(**sizes)
+    plan = plan_memory(model, "fsdp" if sizes else "no", shape.world, shape=shape if sizes else None,
+                       sequence_length=length)
+    return plan.activation_bytes / 2**20
+
+
 def measure(setting: str, length: int, work: Path) -> dict:
     sizes = SETTINGS[setting]
     nproc = max([1, *sizes.values()])
@@ -128,18 +146,21 @@ def main() -> int:
             results[setting] = {str(n): measure(setting, n, Path(work)) for n in lengths}
     one = results.get("one process")
     budget = args.budget_gib * 1024
-    print(f"| setting | {' | '.join(f'step memory at {n} tokens (MiB)' for n in lengths)} | x one process at "
-          f"{lengths[0]} | longest in {args.budget_gib:g} GiB | step at {lengths[0]} (s) |")
-    print("|---" * (len(lengths) + 4) + "|")
+    first_length = lengths[0]
+    print(f"| setting | {' | '.join(f'step memory at {n} tokens (MiB)' for n in lengths)} | plan's estimate at "
+          f"{first_length} | x one process at {first_length} | longest in {args.budget_gib:g} GiB | step at "
+          f"{first_length} (s) |")
+    print("|---" * (len(lengths) + 5) + "|")
     for setting, by_length in results.items():
         first, last = by_length[str(lengths[0])], by_length[str(lengths[-1])]
         slope = (last["step_mib"] - first["step_mib"]) / (lengths[-1] - lengths[0])
         intercept = first["step_mib"] - slope * lengths[0]
         longest = int((budget - intercept) / slope) // 1024 * 1024 if slope > 0 else 0
         ratio = first["step_mib"] / one[str(lengths[0])]["step_mib"] if one else float("nan")
-        results[setting]["longest_in_budget"] = longest
+        planned = planned_mib(setting, lengths[0])
+        results[setting].update(longest_in_budget=longest, planned_mib=planned)
         cells = " | ".join(f"{by_length[str(n)]['step_mib']:.0f}" for n in lengths)
-        print(f"| {setting} | {cells} | {ratio:.2f} | {longest} | {first['seconds']:.1f} |")
+        print(f"| {setting} | {cells} | {planned:.0f} | {ratio:.2f} | {longest} | {first['seconds']:.1f} |")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0

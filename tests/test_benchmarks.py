@@ -60,3 +60,17 @@ def test_the_llm_gpu_benchmark_runs_in_smoke_mode(tmp_path):
             [run] = results["runs"][mode][variant]
             assert run["steps"] == 5 and run["tokens_per_s"] > 0 and run["first_step_s"] > 0
             assert (run["trainable"] < run["parameters"]) is adapter and run["peak_gib"] is None
+
+
+def test_the_sequence_memory_benchmark_runs_and_splits_the_memory(tmp_path):
+    """benchmarks/sequence_memory.py on short sequences, one process against cp 2 (the ring): its table and JSON, and
+    a step that takes less memory per rank on 2 ranks than on one."""
+    out = tmp_path / "memory.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sequence_memory.py"), "--lengths", "1024,2048",
+                           "--settings", "one process,cp 2", "--json", str(out)],
+                          capture_output=True, text=True, env=cli_env(), timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    results = json.loads(out.read_text())
+    one, cp = results["one process"]["2048"]["step_mib"], results["cp 2"]["2048"]["step_mib"]
+    assert 0 < cp < 0.75 * one, (one, cp)
+    assert results["cp 2"]["planned_mib"] < results["one process"]["planned_mib"]

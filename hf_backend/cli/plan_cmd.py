@@ -34,7 +34,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--lora_targets", nargs="+", default=None, help="its target modules (default: q_proj v_proj)")
     p.add_argument("--parallelism", default=None, metavar="SIZES",
                    help="ParallelismConfig sizes for fsdp, e.g. "
-                        "dp_shard=4,tp=2 (dp_replicate, dp_shard, cp, tp)")
+                        "dp_shard=4,tp=2 (dp_replicate, dp_shard, cp, sp, tp)")
     p.add_argument("--batch_size", type=int, default=1, help="per process, for the activation estimate")
     p.add_argument("--sequence_length", type=int, default=512, help="for the activation estimate")
     p.add_argument("--activation_checkpointing", action="store_true",
