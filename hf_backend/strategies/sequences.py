@@ -200,8 +200,9 @@ class SequenceSplit:
         dist.all_gather(parts, both.contiguous(), group=self.group)
         self.length = both.shape[-1] * self.size
         order = torch.cat([self.indices(rank, both.device) for rank in range(self.size)])
-        whole = torch.empty_like(torch.cat(parts, dim=-1))
-        whole[..., order] = torch.cat(parts, dim=-1)
+        gathered = torch.cat(parts, dim=-1)  # rank after rank: put back in sequence order
+        whole = torch.empty_like(gathered)
+        whole[..., order] = gathered
         whole_positions, real = whole.unbind(0)
         if mask is not None:
             return Layout(real=None if bool(real.all()) else real.bool())
