@@ -4,9 +4,11 @@ The model is built on the meta device (no weights, no hardware); each of its par
 placed the way the strategy places it: whole on every process (DDP), cut along its first dimension
 with padding (FSDP2's `fully_shard`), flattened and partitioned (DeepSpeed ZeRO), after tensor
 parallelism has cut it by the model's own `tp_plan` (the same plan `strategies/tensor_parallel.py`
-applies). Parameters, gradients and AdamW's state follow from those local sizes; what each strategy
-adds (DDP's gradient buckets, DeepSpeed's fp32 master partition) is counted where the strategy
-allocates it. Activations are an estimate from the model's shape. docs/memory.md says what was
+applies), and a mixture of experts' expert tensors by its `ep_plan` (strategies/experts.py: whole
+experts per ep rank, then FSDP over the ranks holding the same ones, on their second dimension).
+Parameters, gradients and AdamW's state follow from those local sizes; what each strategy adds
+(DDP's gradient buckets, DeepSpeed's fp32 master partition) is counted where the strategy allocates
+it. Activations are an estimate from the model's shape. docs/memory.md says what was
 measured against real runs.
 """
 
@@ -47,6 +49,7 @@ class MemoryPlan:
     optimizer_bytes: int  # AdamW's two moments
     activation_bytes: int  # an estimate for one micro batch
     notes: tuple[str, ...] = ()
+    experts_per_rank: int = 0  # of each mixture-of-experts layer, the experts one rank runs (0: no experts split)
 
     @property
     def total_bytes(self) -> int:
@@ -54,7 +57,7 @@ class MemoryPlan:
 
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
-        out["shape"] = dict(zip(MeshShape.DIMS, self.shape.sizes))
+        out["shape"] = {**dict(zip(MeshShape.DIMS, self.shape.sizes)), "ep": self.shape.ep}
         out["total_bytes"] = self.total_bytes
         out["notes"] = list(self.notes)
         return out
@@ -89,6 +92,7 @@ def plan_memory(model: torch.nn.Module, strategy: str, num_processes: int = 1, *
         raise HfBackendError("plan: tensor parallelism does not take a PEFT adapter (the engine "
                              "refuses it); drop tp or --lora")
     tp_dims = _tp_dims(model) if shape.tp > 1 else {}
+    experts, experts_per_rank = _expert_tensors(model, shape.ep) if shape.ep > 1 else ({}, 0)
     shards = shape.dp_shard * shape.sequence_slices if strategy == "fsdp" else \
         num_processes if strategy == "zero3" else 1
     weights = grads = masters = full_trainable = 0
@@ -104,7 +108,10 @@ def plan_memory(model: torch.nn.Module, strategy: str, num_processes: int = 1, *
         if dim is not None and dim < len(local):
             local[dim] = math.ceil(local[dim] / shape.tp)
         numel = math.prod(local)
-        if strategy == "fsdp" and shards > 1:
+        if name in experts:  # whole experts per ep rank, FSDP over the rest on the second dimension
+            local[0] //= shape.ep
+            numel = local[0] * math.ceil(local[1] / shape.expert_shards) * math.prod(local[2:])
+        elif strategy == "fsdp" and shards > 1:
             numel = math.ceil(local[0] / shards) * math.prod(local[1:]) if local else numel
         elif strategy == "zero3":
             numel = math.ceil(numel / shards)
@@ -142,13 +149,28 @@ def plan_memory(model: torch.nn.Module, strategy: str, num_processes: int = 1, *
     activations = _activations(model, mixed_precision, batch_size, sequence_length, shape, activation_checkpointing)
     return MemoryPlan(strategy=strategy, shape=shape, parameters=count, trainable=trainable,
                       parameter_bytes=weights + masters, gradient_bytes=grads, optimizer_bytes=optimizer,
-                      activation_bytes=activations, notes=tuple(notes))
+                      activation_bytes=activations, notes=tuple(notes), experts_per_rank=experts_per_rank)
 
 
 def _element_size(model: torch.nn.Module) -> int:
     return next((p.element_size() for p in model.parameters() if p.requires_grad), 4)
 
 
+
+
+def _expert_tensors(model: torch.nn.Module, ep: int) -> tuple[set[str], int]:
+    """The parameters the model's ep_plan splits over the `ep` ranks, and how many experts each rank runs."""
+    from .strategies.experts import ep_plan, expert_tensors
+
+    names = expert_tensors(model, ep_plan(model))
+    if not names:
+        raise HfBackendError(f"plan: {type(model).__name__} has no ep_plan (it is not a mixture-of-experts model "
+                             "transformers can split); drop ep")
+    count = dict(model.named_parameters())[min(names)].shape[0]
+    if count % ep:
+        raise HfBackendError(f"plan: {type(model).__name__} has {count} experts per layer, which do not split "
+                             f"over ep {ep}; use an ep that divides it")
+    return names, count // ep
 
 
 def _tp_dims(model: torch.nn.Module) -> dict[str, int]:

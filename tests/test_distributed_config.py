@@ -118,5 +118,7 @@ def test_pipeline_and_expert_parallel_configs_are_refused():
     assert loaded_shape(torch.nn.Linear(2, 2)) is None
     with pytest.raises(ConfigError, match=r"DistributedConfig\(pp_size=2\): pipeline parallelism is not supported"):
         loaded_shape(model(pp_size=2))
-    with pytest.raises(ConfigError, match=r"DistributedConfig\(ep_size=2\): expert parallelism is not supported"):
+    with pytest.raises(ConfigError, match=r"^the model was loaded with DistributedConfig\(ep_size=2\): hf_backend "
+                                          r"splits the experts itself; load it without ep_size and set "
+                                          r"ParallelismConfig\(ep_size=2\)$"):
         loaded_shape(model(ep_size=2))

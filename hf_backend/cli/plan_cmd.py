@@ -1,7 +1,7 @@
 """`hf-backend plan`: memory per process of a training run, before launching it (hf_backend/plan.py).
 
     hf-backend plan MODEL_DIR_OR_CONFIG --strategy fsdp --num_processes 8 [--mixed_precision bf16]
-        [--lora 16 [--lora_targets q_proj v_proj]] [--parallelism dp_shard=4,tp=2] [--batch_size 4]
+        [--lora 16 [--lora_targets q_proj v_proj]] [--parallelism dp_shard=4,tp=2 | dp_shard=8,ep=4] [--batch_size 4]
         [--sequence_length 2048] [--activation_checkpointing] [--dtype bfloat16] [--json]
 
 Nothing is downloaded and no process group is made: the model is built on the meta device from its
@@ -34,7 +34,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--lora_targets", nargs="+", default=None, help="its target modules (default: q_proj v_proj)")
     p.add_argument("--parallelism", default=None, metavar="SIZES",
                    help="ParallelismConfig sizes for fsdp, e.g. "
-                        "dp_shard=4,tp=2 (dp_replicate, dp_shard, cp, sp, tp)")
+                        "dp_shard=4,tp=2 (dp_replicate, dp_shard, cp, sp, tp; and ep, within dp_shard x cp x sp)")
     p.add_argument("--batch_size", type=int, default=1, help="per process, for the activation estimate")
     p.add_argument("--sequence_length", type=int, default=512, help="for the activation estimate")
     p.add_argument("--activation_checkpointing", action="store_true",
@@ -45,8 +45,8 @@ def add_parser(sub: Any) -> None:
 
 
 def parse_sizes(text: str | None) -> Any:
-    """`dp_shard=4,tp=2` as a MeshShape (sizes left out are 1)."""
-    from ..config.parallelism import MeshShape
+    """`dp_shard=4,tp=2` as a MeshShape (sizes left out are 1), checked as a ParallelismConfig is."""
+    from ..config.parallelism import MeshShape, ParallelismConfig
 
     if not text:
         return None
@@ -54,11 +54,12 @@ def parse_sizes(text: str | None) -> Any:
     for item in text.split(","):
         key, _, value = item.partition("=")
         key = key.strip().removesuffix("_size")
-        if key not in MeshShape.DIMS or not value.strip().isdigit() or int(value) < 1:
+        if key not in (*MeshShape.DIMS, "ep") or not value.strip().isdigit() or int(value) < 1:
             raise HfBackendError(f"plan: --parallelism item {item!r}: write NAME=SIZE with NAME "
-                                 f"one of {', '.join(MeshShape.DIMS)} and SIZE a whole number, "
+                                 f"one of {', '.join(MeshShape.DIMS)}, ep and SIZE a whole number, "
                                  "e.g. dp_shard=4,tp=2")
         sizes[key] = int(value)
+    ParallelismConfig(**{f"{key}_size": size for key, size in sizes.items()})  # one line for ep that cannot split
     return MeshShape(**sizes)
 
 
@@ -76,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(plan.to_json(), indent=2))
         return 0
-    grid = " x ".join(f"{name} {size}" for name, size in zip(plan.shape.DIMS, plan.shape.sizes) if size > 1) or "1"
+    grid = plan.shape.describe()
     print(f"{type(model).__name__}: {plan.parameters:,} parameters, {plan.trainable:,} trained; "
           f"{plan.strategy} on {args.num_processes} process(es) ({grid}); per process:")
     rows = [("parameters", plan.parameter_bytes), ("gradients", plan.gradient_bytes),
@@ -87,6 +88,8 @@ def run(args: argparse.Namespace) -> int:
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
         print(f"  {name:<{width}}  {_gib(value):>11}")
+    if plan.experts_per_rank:
+        print(f"  experts run per process: {plan.experts_per_rank} of each mixture-of-experts layer's")
     for note in plan.notes:
         print(f"  note: {note}")
     return 0

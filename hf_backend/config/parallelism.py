@@ -21,6 +21,8 @@ from .loader import ConfigError
 
 ENV_PREFIX = "PARALLELISM_CONFIG_"
 _SIZES = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size")
+# hf_backend's, not Accelerate's: the experts split within the data-parallel ranks, no processes of its own
+_EP = "ep_size"
 
 
 @dataclasses.dataclass
@@ -78,7 +80,10 @@ class ParallelismConfig:
     `hf-backend launch --parallelism_config_tp_size 2` and `accelerate launch` set), else 1.
     Sequence parallelism (`sp_size`) is hf_backend's Ulysses on the mesh
     (strategies/ulysses.py); `tp_handler` / `cp_handler` take the handlers above, `sp_handler`
-    (DeepSpeed's sequence-length hints) is not needed and not read."""
+    (DeepSpeed's sequence-length hints) is not needed and not read. `ep_size` (hf_backend's, as in
+    transformers' DistributedConfig) splits a mixture-of-experts model's experts over that many of
+    the ranks that hold different tokens (dp_shard x cp x sp; strategies/experts.py): it adds no
+    processes."""
 
     dp_replicate_size: int | None = None
     dp_shard_size: int | None = None
@@ -90,9 +95,10 @@ class ParallelismConfig:
     tp_handler: Any = None
     cp_handler: Any = None
     sp_handler: Any = None
+    ep_size: int | None = None
 
     def __post_init__(self) -> None:
-        for name in _SIZES:
+        for name in (*_SIZES, _EP):
             value = getattr(self, name)
             if value is None:
                 variable = ENV_PREFIX + name[:-len("_size")].upper() + "_SIZE"
@@ -114,6 +120,19 @@ class ParallelismConfig:
         if self.sp_size > 1 and self.cp_size > 1:
             raise ConfigError(f"ParallelismConfig cp_size={self.cp_size} with sp_size={self.sp_size}: "
                               "a sequence is split by one of them; set cp_size=1 or sp_size=1")
+        if self.ep_size > 1:
+            self._check_experts()
+
+    def _check_experts(self) -> None:
+        tokens = self.dp_shard_size * self.cp_size * self.sp_size  # the ranks of a replica holding different tokens
+        if self.tp_size > 1:
+            raise ConfigError(f"ParallelismConfig ep_size={self.ep_size} with tp_size={self.tp_size}: "
+                              "experts are not tensor-parallel in hf_backend; set tp_size=1")
+        if tokens % self.ep_size:
+            raise ConfigError(f"ParallelismConfig ep_size={self.ep_size}: the experts are split over "
+                              f"data-parallel shards (dp_shard_size x cp_size x sp_size = {tokens}), "
+                              f"which ep_size must divide; set dp_shard_size={self.ep_size} "
+                              "(or a multiple of it)")
 
     @classmethod
     def of(cls, value: Any, where: str = "parallelism_config") -> ParallelismConfig:
@@ -134,10 +153,11 @@ class ParallelismConfig:
     def to_json(self) -> dict[str, Any]:
         """What TrainingArguments.to_dict() writes (transformers calls it): the sizes and backends.
         """
-        return {name: getattr(self, name) for name in (*_SIZES, "cp_backend", "sp_backend")}
+        return {name: getattr(self, name) for name in (*_SIZES, _EP, "cp_backend", "sp_backend")}
 
     # Accelerate's read-only views, which transformers' Trainer and Accelerate's examples ask
     tp_enabled = property(lambda self: self.tp_size > 1)
+    ep_enabled = property(lambda self: self.ep_size > 1)
     cp_enabled = property(lambda self: self.cp_size > 1)
     sp_enabled = property(lambda self: self.sp_size > 1)
     dp_replicate_enabled = property(lambda self: self.dp_replicate_size > 1)
@@ -192,13 +212,16 @@ class MeshShape:
     """The process grid, outermost dimension first (Accelerate's order): data-parallel replicas,
     data-parallel shards, context-parallel and sequence-parallel sequence slices (one of the two),
     tensor-parallel shards. Rank r sits at (r // (shard*cp*sp*tp), ..., r % tp): ranks that differ
-    only in their cp, sp and tp coordinates are neighbours and share a batch."""
+    only in their cp, sp and tp coordinates are neighbours and share a batch. `ep`: how many of the
+    ranks in dp_shard x cp x sp (tp is 1) split each layer's experts, the innermost ones; not a
+    dimension of its own."""
 
     dp_replicate: int = 1
     dp_shard: int = 1
     cp: int = 1
     sp: int = 1
     tp: int = 1
+    ep: int = 1
 
     DIMS = ("dp_replicate", "dp_shard", "cp", "sp", "tp")
 
@@ -226,6 +249,11 @@ class MeshShape:
         return self.sequence_slices * self.tp
 
     @property
+    def expert_shards(self) -> int:
+        """How many ranks of a replica hold the same experts (FSDP shards them: `efsdp`)."""
+        return self.dp_shard * self.sequence_slices // self.ep
+
+    @property
     def needs_mesh(self) -> bool:
         """Whether anything is sharded: with replicas only, DDP trains the same way."""
         return self.dp_shard > 1 or self.sequence_slices > 1 or self.tp > 1
@@ -237,7 +265,7 @@ class MeshShape:
         if config.total_size == 1:
             return cls(dp_replicate=world)
         shape = cls(config.dp_replicate_size, config.dp_shard_size, config.cp_size, config.sp_size,
-                    config.tp_size)
+                    config.tp_size, config.ep_size)
         if shape.world != world:
             sizes = " x ".join(f"{name}_size {size}" for name, size in zip(cls.DIMS, shape.sizes) if size > 1)
             fix = f"set dp_shard_size={config.dp_shard_size * world // shape.world} or launch {shape.world} " \
@@ -256,30 +284,32 @@ class MeshShape:
 
     def describe(self) -> str:
         """"dp_shard 2 x tp 2": the dimensions of size > 1 ("one process" when none is)."""
-        return " x ".join(f"{name} {size}" for name, size in zip(self.DIMS, self.sizes) if size > 1) or "one process"
+        dims = [f"{name} {size}" for name, size in zip((*self.DIMS, "ep"), (*self.sizes, self.ep)) if size > 1]
+        return " x ".join(dims) or "one process"
 
     def as_config(self) -> ParallelismConfig:
         """Accelerate's view of the grid. `sp_backend` names hf_backend's Ulysses, so that
         transformers' Trainer takes none of its DeepSpeed-ALST paths (its dataloader adapter, its
         loss)."""
         return ParallelismConfig(dp_replicate_size=self.dp_replicate, dp_shard_size=self.dp_shard, tp_size=self.tp,
-                                 cp_size=self.cp, sp_size=self.sp, sp_backend="hf_backend")
+                                 cp_size=self.cp, sp_size=self.sp, sp_backend="hf_backend", ep_size=self.ep)
 
 
 def loaded_shape(model: Any) -> MeshShape | None:
     """The grid transformers sharded a model over while loading it
     (`from_pretrained(distributed_config=...)`, or
     `tp_plan=`: its own mesh over every process), as the engine's shape: the run's grid must be that
-    one. None for a model loaded whole. Pipeline and expert parallelism from a DistributedConfig are
-    refused here, in one line."""
+    one. None for a model loaded whole. Pipeline parallelism, and transformers' own expert split, from
+    a DistributedConfig are refused here, in one line."""
     if getattr(model, "is_distributed_loading_by_transformers", False):
         config = model.config.distributed_config
-        for name, what in (("pp_size", "pipeline"), ("ep_size", "expert")):
-            if (getattr(config, name, 1) or 1) > 1:
-                raise ConfigError("the model was loaded with "
-                                  f"DistributedConfig({name}={getattr(config, name)}): "
-                                  f"{what} parallelism is not supported by "
-                                  f"hf_backend yet; load it without {name}")
+        if (getattr(config, "pp_size", 1) or 1) > 1:
+            raise ConfigError(f"the model was loaded with DistributedConfig(pp_size={config.pp_size}): "
+                              "pipeline parallelism is not supported by hf_backend yet; load it without pp_size")
+        if (getattr(config, "ep_size", 1) or 1) > 1:
+            raise ConfigError(f"the model was loaded with DistributedConfig(ep_size={config.ep_size}): "
+                              "hf_backend splits the experts itself; load it without ep_size and set "
+                              f"ParallelismConfig(ep_size={config.ep_size})")
         return MeshShape(dp_replicate=config.dp_replicate_size or 1, dp_shard=config.fsdp_size or 1,
                          tp=config.tp_size or 1)
     # transformers before DistributedConfig: tp_plan alone

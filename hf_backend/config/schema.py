@@ -136,6 +136,10 @@ class ParallelismSection:
     parallelism_config_sp_backend: str = key("deepspeed", "both run hf_backend's Ulysses ('deepspeed' is "
                                                           "Accelerate's default)",
                                              choices=("deepspeed", "hf_backend"))
+    parallelism_config_ep_size: int = key(1, "expert-parallel ranks a mixture of experts' experts are split over "
+                                             "(hf_backend's: within dp_shard x cp x sp, no processes of its own)",
+                                          minimum=1, maximum=MAX_PROCESSES,
+                                          question="Expert-parallel size (ep_size)")
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """The native N-D path: parallelisms applied to the model over one DeviceMesh (strategies/mesh.py), the
 torchtitan way, in one order: tensor parallelism from the model's tp_plan, the sequence split (cp or
-sp: sequences.py), activation checkpointing, then FSDP2's `fully_shard` over the data-parallel
+sp: sequences.py), expert parallelism from the model's ep_plan (experts.py: each experts module its
+own FSDP unit), activation checkpointing, then FSDP2's `fully_shard` over the data-parallel
 dimensions, each block of the wrap policy on its own, then the root. Parameters become DTensors;
 their state goes through torch's distributed state-dict API whatever the mesh.
 
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from ..config.fsdp import FsdpOptions
 from ..config.parallelism import MeshShape
@@ -34,8 +35,9 @@ from ..state import DistributedType, ProcessState
 from . import context_parallel, ulysses
 from .base import Strategy
 from .capabilities import ValueClipping
+from .experts import apply_expert_parallel
 from .fsdp_overlap import schedule
-from .mesh import DataShard, data_shard, fsdp_mesh, sequence_mesh
+from .mesh import DataShard, data_shard, expert_meshes, fsdp_mesh, sequence_mesh
 from .sequences import SequenceSplit
 from .tensor_parallel import apply_tensor_parallel, is_tensor_parallel
 
@@ -55,6 +57,7 @@ class FSDPStrategy(Strategy, ValueClipping):
         self.fsdp_mesh = fsdp_mesh(self.mesh, self.shape)
         self._data_shard = data_shard(self.mesh, self.shape)
         self.sequences = _sequence_split(self.mesh, self.shape)
+        self.experts = expert_meshes(self.mesh, self.shape) if self.shape.ep > 1 else None
         self.sharded_checkpoints = self.options.state_dict_type != "FULL_STATE_DICT"
         self.receives_rank0_weights = self.options.cpu_ram_efficient_loading
         # id(parameter before sharding) -> sharded one
@@ -107,10 +110,15 @@ class FSDPStrategy(Strategy, ValueClipping):
             if self.shape.sp > 1:
                 ulysses.check_heads(model, self.shape.tp, self.shape.sp)
             self.sequences.apply(model)
+        kwargs = self._shard_kwargs()
+        if self.experts is not None:
+            # their own FSDP units, over the ranks that hold the same experts; on their second dimension,
+            # the first being ep's (one all-gather each for a full state, not two strided ones)
+            for experts in apply_expert_parallel(model, self.experts.ep):
+                fully_shard(experts, **{**kwargs, "mesh": self.experts.fsdp}, shard_placement_fn=lambda _: Shard(1))
         blocks = self._blocks(model)
         if self.options.activation_checkpointing:
             _checkpoint_blocks(model, blocks)
-        kwargs = self._shard_kwargs()
         for block in blocks:
             fully_shard(block, **kwargs)
         fully_shard(model, **kwargs)

@@ -1,7 +1,8 @@
 """What each parallelism uses of the run's DeviceMesh (hf_backend/device_mesh.py builds it, once per
 shape): tensor parallelism `mesh["tp"]`, the sequence split `mesh["cp"]` or `mesh["sp"]`, FSDP the
 data-parallel dimensions (with the cp or sp ranks, which hold slices of the same sequences,
-flattened in); and which part of each batch a process reads.
+flattened in), expert parallelism the innermost of those flattened ranks; and which part of each
+batch a process reads.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..config.parallelism import MeshShape
 from ..device_mesh import FLATTENED
+from .experts import ExpertMeshes
 
 
 def fsdp_mesh(mesh: DeviceMesh, shape: MeshShape) -> DeviceMesh:
@@ -21,7 +23,24 @@ def fsdp_mesh(mesh: DeviceMesh, shape: MeshShape) -> DeviceMesh:
     their gradients are parts of one batch's)."""
     if shape.sequence_slices == 1:
         return mesh["dp_replicate", "dp_shard"] if shape.dp_replicate > 1 else mesh["dp_shard"]
-    shards = mesh[FLATTENED["dp_shard_cp"]]._flatten("dp_shard_cp")  # the one made with the mesh
+    return _with_replicas(mesh, shape, _shards(mesh))
+
+
+def expert_meshes(mesh: DeviceMesh, shape: MeshShape) -> ExpertMeshes:
+    """Expert parallelism's two meshes, cut from the run's (so that FSDP composes with the experts'
+    split, as with tensor parallelism's): the `dp_shard_cp` ranks as (efsdp, ep), ep innermost
+    (neighbouring ranks trade tokens), and what FSDP shards the experts over: efsdp, with the replicas
+    under HSDP. Collective: every rank calls it, once per strategy."""
+    split = _shards(mesh)._unflatten(0, (shape.expert_shards, shape.ep), ("efsdp", "ep"))
+    return ExpertMeshes(split["ep"], _with_replicas(mesh, shape, split["efsdp"]))
+
+
+def _shards(mesh: DeviceMesh) -> DeviceMesh:
+    """`dp_shard_cp`: the data-parallel shards with the cp or sp ranks, the one made with the mesh."""
+    return mesh[FLATTENED["dp_shard_cp"]]._flatten("dp_shard_cp")
+
+
+def _with_replicas(mesh: DeviceMesh, shape: MeshShape, shards: DeviceMesh) -> DeviceMesh:
     # (a flattened dimension sliced together with the root's is deprecated: joined instead)
     return DeviceMesh._concatenate([mesh["dp_replicate"], shards]) if shape.dp_replicate > 1 else shards
 

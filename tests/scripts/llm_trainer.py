@@ -1,5 +1,6 @@
-"""A tiny Llama (tied or untied embeddings, optionally with a LoRA adapter) fine-tuned by hf_backend.Trainer under
-one process, DDP, FSDP2 or DeepSpeed ZeRO, instrumented for tests.
+"""A tiny Llama (tied or untied embeddings, optionally with a LoRA adapter; or a tiny Qwen3-MoE: `--model`) fine-tuned
+by hf_backend.Trainer under one process, DDP, FSDP2, DeepSpeed ZeRO or a ParallelismConfig grid, instrumented for
+tests.
 
 Rank 0 writes a JSON report: the per-step losses and gradient norms, the trainable parameters at the end (full,
 flattened, sorted by name), the files of each checkpoint, and what the model looks like after training.
@@ -60,16 +61,17 @@ def with_lora(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def backend(args: argparse.Namespace) -> dict:
-    if args.grid:  # dp_replicate x dp_shard x tp [x cp [x sp]], on the FSDP options below
+    if args.grid:  # dp_replicate x dp_shard x tp [x cp [x sp [x ep]]], on the FSDP options below
         from hf_backend import ParallelismConfig
 
-        replicate, shard, tp, cp, sp = [*map(int, args.grid.split("x")), 1, 1][:5]
+        replicate, shard, tp, cp, sp, ep = [*map(int, args.grid.split("x")), 1, 1, 1, 1][:6]
         return {"parallelism_config": ParallelismConfig(dp_replicate_size=replicate, dp_shard_size=shard, tp_size=tp,
-                                                        cp_size=cp, sp_size=sp),
+                                                        cp_size=cp, sp_size=sp, ep_size=ep),
                 **backend(argparse.Namespace(**{**vars(args), "grid": None, "strategy": "fsdp_sharded"}))}
     if args.strategy.startswith("fsdp"):
         state_dict_type = "SHARDED_STATE_DICT" if args.strategy == "fsdp_sharded" else "FULL_STATE_DICT"
-        return {"fsdp": "full_shard", "fsdp_config": {"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
+        block = "Qwen3MoeDecoderLayer" if args.model == "qwen3_moe" else "LlamaDecoderLayer"
+        return {"fsdp": "full_shard", "fsdp_config": {"transformer_layer_cls_to_wrap": [block],
                                                       "state_dict_type": state_dict_type}}
     if args.strategy.startswith("zero"):
         return {"deepspeed": {"zero_optimization": {"stage": int(args.strategy[-1])},
@@ -87,6 +89,7 @@ def main() -> int:
     p.add_argument("--grid", default=None,
                    help="a ParallelismConfig: dp_replicate x dp_shard x tp [x cp [x sp]], e.g. 1x2x2")
     p.add_argument("--pad-multiple", type=int, default=1, help="pad each batch to a multiple of this many tokens")
+    p.add_argument("--model", default="llama", choices=("llama", "qwen3_moe"))
     p.add_argument("--lora", action="store_true")
     p.add_argument("--tied", action="store_true")
     p.add_argument("--steps", type=int, default=6)
@@ -104,7 +107,12 @@ def main() -> int:
 
     gc.collect()
     gc.freeze()
-    model = tiny_llama(args.tied)
+    if args.model == "qwen3_moe":
+        from nd_loop import tiny_model
+
+        model = tiny_model("qwen3_moe")
+    else:
+        model = tiny_llama(args.tied)
     if args.lora:
         model = with_lora(model)
     training_args = TrainingArguments(

@@ -1,12 +1,14 @@
-"""A tiny Llama trained by an Accelerator loop on one process grid (tests/test_parallelism.py), saving a checkpoint
-along the way, or resumed from checkpoints other grids (or strategies) wrote.
+"""A tiny Llama (or a tiny Qwen3-MoE or Mixtral: `--model`) trained by an Accelerator loop on one process grid
+(tests/test_parallelism.py, tests/test_experts.py), saving a checkpoint along the way, or resumed from checkpoints
+other grids (or strategies) wrote.
 
 Every run sees the same global batch of 8 sequences per step (split_batches: the data-parallel ranks split it),
 so one process is the reference for every grid. The labels are given already shifted (`shift_labels`), and the
 model is called inside `maybe_context_parallel` on every grid, with no item count: under cp or sp the engine makes
 its loss the mean over the whole sequences, however unevenly the targets fall into the slices (the padded and
 packed layouts). Rank 0 writes a JSON report: each step's loss (the mean over the global batch) and clipped gradient
-norm, and the full trainable parameters at the end.
+norm, the full trainable parameters at the end, the bytes of rank 0's parameter shards, and how a mixture of experts'
+experts are held.
 """
 
 from __future__ import annotations
@@ -17,7 +19,14 @@ import sys
 
 import torch
 from torch.utils.data import DataLoader
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 from hf_backend import Accelerator, DeepSpeedPlugin, FullyShardedDataParallelPlugin, ParallelismConfig
 from hf_backend.utils import set_seed
@@ -25,13 +34,43 @@ from hf_backend.utils import set_seed
 VOCAB, SEQ, GLOBAL_BATCH, CLIP = 48, 16, 8, 0.5
 
 
-def tiny_llama() -> torch.nn.Module:
+# --model: its classes, and its block (FSDP's unit)
+MODELS = {"llama": (LlamaConfig, LlamaForCausalLM, "LlamaDecoderLayer"),
+          "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, "Qwen3MoeDecoderLayer"),
+          "mixtral": (MixtralConfig, MixtralForCausalLM, "MixtralDecoderLayer")}
+MODEL, AUX_LOSS = "llama", False  # what main() was asked
+
+
+def tiny_model(name: str = "llama", aux_loss: bool = False) -> torch.nn.Module:
+    """`name` (a key of MODELS), tiny; the mixtures of experts have 8 experts, 2 per token (Qwen3-MoE's second layer
+    a dense MLP), and add the router's load-balancing loss to theirs with `aux_loss`."""
+    config_class, model_class, _ = MODELS[name]
+    moe = {"num_local_experts": 8, "num_experts_per_tok": 2, "output_router_logits": aux_loss}
+    sizes = {"qwen3_moe": {**moe, "moe_intermediate_size": 16, "mlp_only_layers": [1], "intermediate_size": 64},
+             "mixtral": {**moe, "intermediate_size": 16}}.get(name, {"intermediate_size": 64})
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    return model_class(config_class(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
         # without a cache, transformers reads packed position ids as separate sequences (with one, as one causal row)
-        use_cache=False))
+        use_cache=False, **sizes))
+
+
+def tiny_llama() -> torch.nn.Module:
+    return tiny_model()
+
+
+def experts_layout(model: torch.nn.Module) -> dict | None:
+    """How the first MoE layer's experts are held: the mesh and placements of its `gate_up_proj`, how many experts
+    each ep rank runs, and the rows of this rank's FSDP shard (collective: every rank calls it)."""
+    experts = next((m for m in model.modules() if type(m).__name__.endswith("Experts")), None)
+    weight = getattr(experts, "gate_up_proj", None)
+    mesh = getattr(weight, "device_mesh", None)
+    if mesh is None or "ep" not in mesh.mesh_dim_names:
+        return None
+    held = weight.full_tensor().shape[0] // mesh.size(mesh.mesh_dim_names.index("ep"))
+    return {"mesh": list(mesh.mesh_dim_names), "placements": [str(p) for p in weight.placements],
+            "experts_per_rank": held, "local_rows": weight.to_local().shape[0]}
 
 
 def rows(n: int, layout: str = "full") -> list[dict[str, torch.Tensor]]:
@@ -64,18 +103,19 @@ def rows(n: int, layout: str = "full") -> list[dict[str, torch.Tensor]]:
 
 def engine_arguments(grid: str) -> dict:
     """`grid`: "single", "ddp", "fsdp", "zero3", "launched" (the launcher's --parallelism_config_* flags), or the
-    sizes dp_replicate x dp_shard x tp [x cp [x sp]] ("1x2x2", "1x2x1x2", "1x1x1x1x2")."""
+    sizes dp_replicate x dp_shard x tp [x cp [x sp [x ep]]] ("1x2x2", "1x2x1x2", "1x1x1x1x2", "1x2x1x1x1x2")."""
+    block = MODELS[MODEL][2]
     if grid == "fsdp":
-        return {"fsdp_plugin": FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
+        return {"fsdp_plugin": FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=[block],
                                                               state_dict_type="SHARDED_STATE_DICT")}
     if grid == "zero3":
         return {"deepspeed_plugin": DeepSpeedPlugin(zero_stage=3, gradient_clipping=CLIP)}
     if grid in ("single", "ddp", "launched"):
         return {}
-    replicate, shard, tp, cp, sp = [*map(int, grid.split("x")), 1, 1][:5]
+    replicate, shard, tp, cp, sp, ep = [*map(int, grid.split("x")), 1, 1, 1, 1][:6]
     return {"parallelism_config": ParallelismConfig(dp_replicate_size=replicate, dp_shard_size=shard, tp_size=tp,
-                                                    cp_size=cp, sp_size=sp),
-            "fsdp_plugin": FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
+                                                    cp_size=cp, sp_size=sp, ep_size=ep),
+            "fsdp_plugin": FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=[block],
                                                           state_dict_type="SHARDED_STATE_DICT")}
 
 
@@ -84,11 +124,13 @@ def train(accelerator: Accelerator, optimizer_name: str, steps: int, save_at: in
     """One run on the accelerator's grid: from the start (saving into `checkpoint` after step `save_at`, and going
     on) or from `resume` (which a run saved after step `save_at`)."""
     set_seed(42)
-    model = tiny_llama()
+    model = tiny_model(MODEL, AUX_LOSS)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5) if optimizer_name == "sgd" else \
         torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     loader = DataLoader(rows(GLOBAL_BATCH * steps, layout), batch_size=GLOBAL_BATCH, shuffle=False)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    experts = experts_layout(model)
+    held = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size() for p in model.parameters())
     if resume:
         accelerator.load_state(resume)
     losses, norms = [], []
@@ -106,7 +148,7 @@ def train(accelerator: Accelerator, optimizer_name: str, steps: int, save_at: in
             accelerator.save_state(checkpoint)
     state = accelerator.get_state_dict(model)
     accelerator.free_memory(model, optimizer, loader)
-    return {"losses": losses, "norms": norms,
+    return {"losses": losses, "norms": norms, "experts": experts, "parameter_bytes": held,
             "params": {name: tensor.float().flatten().tolist() for name, tensor in sorted(state.items())}}
 
 
@@ -114,6 +156,8 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--grid", default="single")
+    p.add_argument("--model", default="llama", choices=list(MODELS))
+    p.add_argument("--aux-loss", action="store_true", help="a mixture of experts adds its router's load-balancing loss")
     p.add_argument("--optimizers", default="adamw", help="comma-separated: sgd, adamw; each trains a fresh model")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--save-at", type=int, default=2, help="the AdamW run saves into --checkpoint after this step")
@@ -122,6 +166,8 @@ def main() -> int:
     p.add_argument("--layouts", default="full", help="comma-separated: full, padded, left, packed; the AdamW "
                                                       "run is repeated on each layout but the first (adamw/LAYOUT)")
     args = p.parse_args()
+    global MODEL, AUX_LOSS
+    MODEL, AUX_LOSS = args.model, args.aux_loss
 
     accelerator = Accelerator(split_batches=True, **engine_arguments(args.grid))
     if args.resume:
