@@ -53,6 +53,7 @@ from .state import (
 )
 from .strategies import select_strategy
 from .strategies.capabilities import Joinable, ValueClipping, capability
+from .strategies.deepspeed_ulysses import DeepSpeedUlyssesStrategy
 from .trigger import Trigger, uneven_inputs
 from .unwrap import is_compiled_module
 
@@ -249,6 +250,8 @@ class Accelerator(ProcessView, SavingMembers, compat.AccelerateMembers, elastic.
             result[i] = self._register_model(model)
         for i in loaders:
             result[i] = self.prepare_data_loader(args[i], device_placement=placement[i])
+            if new["models"] and isinstance(self.strategy, DeepSpeedUlyssesStrategy):  # as Accelerate does
+                result[i] = self.strategy.sequence_loader(result[i])
         for i, optimizer in zip(new["optimizers"], optimizers):
             result[i] = self._register_optimizer(optimizer)
         for i, scheduler in zip(new["schedulers"], schedulers):

@@ -67,8 +67,8 @@ def config_mesh(accelerator: Any) -> Any:
     (replicas only: DDP), so `accelerator.torch_device_mesh["dp_cp"]` works as there; None
     otherwise. Built on every rank now."""
     shape = accelerator._parallelism_shape
-    if shape is None or accelerator.strategy.mesh is not None or shape.world == 1:
-        return None
+    if shape is None or accelerator.strategy.mesh is not None or shape.world == 1 or shape.deepspeed_ulysses:
+        return None  # (DeepSpeed's ALST makes its own groups, and Accelerate no mesh)
     from .device_mesh import build_mesh
 
     return build_mesh(shape, accelerator.process.device.type)
@@ -301,7 +301,16 @@ class AccelerateMembers:
         raise HfBackendError("lomo_backward: LOMO optimizers are not supported by hf_backend; use "
                              "a torch optimizer and accelerator.backward(loss)")
 
-    def deepspeed_ulysses_dl_adapter(self, *args: Any, **kwargs: Any) -> Any:
+    def deepspeed_ulysses_dl_adapter(self, dl: Any, model: Any = None) -> Any:
+        """Under DeepSpeed's ALST, `dl` through DeepSpeed's adapter (this rank's slice of each of its
+        group's batches in turn); without sequence parallelism `dl` as it is, as in Accelerate. Under
+        hf_backend's own sp the loader stays as it is: one line says so."""
+        from .strategies.deepspeed_ulysses import DeepSpeedUlyssesStrategy
+
+        if isinstance(self.strategy, DeepSpeedUlyssesStrategy):
+            return self.strategy.sequence_loader(dl)
+        if self.parallelism_config is None or self.parallelism_config.sp_size == 1:
+            return dl
         raise HfBackendError("deepspeed_ulysses_dl_adapter: DeepSpeed's ALST loader is not used by "
                              "hf_backend's sequence parallelism; keep the loader as it is and call the model "
                              "inside accelerator.maybe_context_parallel(...) (docs/parallelism.md)")

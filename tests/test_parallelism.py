@@ -247,9 +247,12 @@ def test_the_launchers_flags_lay_out_every_process(runs, tmp_path):
 
 
 @pytest.mark.parametrize(("shape", "deepspeed", "message"), [
-    ({"dp_shard": 2, "tp": 2}, True, r"^parallelism_config with DeepSpeed: hf_backend applies tensor, context and "
-                                     r"sequence parallelism on its native path"),
-    ({"sp": 2}, True, r"^parallelism_config with DeepSpeed: "),
+    ({"dp_shard": 2, "tp": 2}, True, r"^parallelism_config with DeepSpeed: DeepSpeed takes sequence parallelism alone "
+                                     r"\(sp_size with sp_backend='deepspeed', its ALST\); hf_backend applies tensor, "
+                                     r"context, expert and its own sequence parallelism on its native path; drop "
+                                     r"deepspeed \(shard with dp_shard_size\) or those sizes$"),
+    ({"sp": 2}, True, r"^parallelism_config with DeepSpeed: "),  # sp_backend "hf_backend": not DeepSpeed's
+    ({"sp": 2, "tp": 2, "sp_backend": "deepspeed"}, True, r"^parallelism_config with DeepSpeed: "),
 ])
 def test_what_the_mesh_path_does_not_run_is_one_line(shape, deepspeed, message):
     from hf_backend import DeepSpeedPlugin, HfBackendError

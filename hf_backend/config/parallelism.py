@@ -56,7 +56,8 @@ class TorchContextParallelConfig:
 @dataclasses.dataclass
 class DeepSpeedSequenceParallelConfig:
     """Accelerate's handler for `ParallelismConfig(sp_handler=...)`: hints for DeepSpeed's ALST. hf_backend's
-    Ulysses needs none of them (any sequence length that divides by sp_size; attention by SDPA), so they are
+    Ulysses needs none of them (any sequence length that divides by sp_size; attention by SDPA), and DeepSpeed's
+    ALST is given the model's own attention and variable lengths (strategies/deepspeed_ulysses.py), so they are
     accepted and not read; an attention other than SDPA is noted."""
 
     sp_seq_length: int | None = None
@@ -69,8 +70,8 @@ class DeepSpeedSequenceParallelConfig:
                  "hf_backend's Ulysses attends with SDPA")
 
 
-# `sp_backend`: Accelerate's one value ("deepspeed", its default) and hf_backend's own Ulysses, which
-# runs for either, since DeepSpeed is never the strategy of a grid (strategies/__init__.py)
+# `sp_backend`: Accelerate's one value ("deepspeed", its default: DeepSpeed's ALST when DeepSpeed is the
+# strategy, hf_backend's own Ulysses on the mesh path) and hf_backend's (strategies/__init__.py)
 SP_BACKENDS = ("deepspeed", "hf_backend")
 
 
@@ -214,7 +215,9 @@ class MeshShape:
     tensor-parallel shards. Rank r sits at (r // (shard*cp*sp*tp), ..., r % tp): ranks that differ
     only in their cp, sp and tp coordinates are neighbours and share a batch. `ep`: how many of the
     ranks in dp_shard x cp x sp (tp is 1) split each layer's experts, the innermost ones; not a
-    dimension of its own."""
+    dimension of its own. `sp_backend`: whose Ulysses splits the sequences, "hf_backend" (the mesh
+    path, whatever the config named) or "deepspeed" (DeepSpeed's ALST, when DeepSpeed is the
+    strategy): the config's value until the strategy is chosen (strategies/__init__.py)."""
 
     dp_replicate: int = 1
     dp_shard: int = 1
@@ -222,6 +225,7 @@ class MeshShape:
     sp: int = 1
     tp: int = 1
     ep: int = 1
+    sp_backend: str = dataclasses.field(default="hf_backend", compare=False)
 
     DIMS = ("dp_replicate", "dp_shard", "cp", "sp", "tp")
 
@@ -265,7 +269,7 @@ class MeshShape:
         if config.total_size == 1:
             return cls(dp_replicate=world)
         shape = cls(config.dp_replicate_size, config.dp_shard_size, config.cp_size, config.sp_size,
-                    config.tp_size, config.ep_size)
+                    config.tp_size, config.ep_size, config.sp_backend)
         if shape.world != world:
             sizes = " x ".join(f"{name}_size {size}" for name, size in zip(cls.DIMS, shape.sizes) if size > 1)
             fix = f"set dp_shard_size={config.dp_shard_size * world // shape.world} or launch {shape.world} " \
@@ -287,12 +291,18 @@ class MeshShape:
         dims = [f"{name} {size}" for name, size in zip((*self.DIMS, "ep"), (*self.sizes, self.ep)) if size > 1]
         return " x ".join(dims) or "one process"
 
+    @property
+    def deepspeed_ulysses(self) -> bool:
+        """Whether DeepSpeed's ALST splits the sequences (the only split DeepSpeed takes: no tp, cp or
+        ep; its data parallelism is every sp group)."""
+        return self.sp > 1 and self.tp == self.cp == self.ep == 1 and self.sp_backend == "deepspeed"
+
     def as_config(self) -> ParallelismConfig:
-        """Accelerate's view of the grid. `sp_backend` names hf_backend's Ulysses, so that
-        transformers' Trainer takes none of its DeepSpeed-ALST paths (its dataloader adapter, its
-        loss)."""
+        """Accelerate's view of the grid. `sp_backend` names the Ulysses that runs: hf_backend's, so
+        that transformers' Trainer takes none of its DeepSpeed-ALST paths (its dataloader adapter, its
+        loss), or DeepSpeed's, so that it takes them."""
         return ParallelismConfig(dp_replicate_size=self.dp_replicate, dp_shard_size=self.dp_shard, tp_size=self.tp,
-                                 cp_size=self.cp, sp_size=self.sp, sp_backend="hf_backend", ep_size=self.ep)
+                                 cp_size=self.cp, sp_size=self.sp, sp_backend=self.sp_backend, ep_size=self.ep)
 
 
 def loaded_shape(model: Any) -> MeshShape | None:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from ..config.backend import DATA_PARALLEL, Backend
 from ..config.fsdp import FsdpOptions
 from ..config.parallelism import MeshShape
@@ -15,8 +17,13 @@ from ..state import ProcessState
 from .base import Strategy
 from .ddp import DDPStrategy
 from .deepspeed import DeepSpeedStrategy
+from .deepspeed_ulysses import DeepSpeedUlyssesStrategy
 from .fsdp import FSDPStrategy
 from .single import SingleDeviceStrategy
+
+_DEEPSPEED_GRID = ("parallelism_config with DeepSpeed: DeepSpeed takes sequence parallelism alone (sp_size "
+                   "with sp_backend='deepspeed', its ALST); hf_backend applies tensor, context, expert and its own "
+                   "sequence parallelism on its native path; drop deepspeed (shard with dp_shard_size) or those sizes")
 
 
 def select_strategy(process: ProcessState, precision: Precision, handlers: Handlers, backend: Backend | None = None,
@@ -26,13 +33,17 @@ def select_strategy(process: ProcessState, precision: Precision, handlers: Handl
     resolved), the process grid a ParallelismConfig asked for (`shape`) and the world size. FSDP or
     DeepSpeed asked for in a single process train unsharded, with a note. A grid that shards
     anything (tp, cp, sp, dp_shard) is the native mesh path, with the FSDP options given or the
-    defaults; one of replicas only is DDP."""
+    defaults; one of replicas only is DDP. DeepSpeed takes a grid of sequence parallelism alone,
+    `sp_backend="deepspeed"`: its own ALST (deepspeed_ulysses.py)."""
     backend = backend or Backend(DATA_PARALLEL)
     if shape is not None and shape.needs_mesh:
         if backend.deepspeed is not None:
-            raise HfBackendError("parallelism_config with DeepSpeed: hf_backend applies tensor, "
-                                 "context and sequence parallelism on its native path; drop "
-                                 "deepspeed (shard with dp_shard_size) or parallelism_config")
+            if shape.deepspeed_ulysses and process.distributed:
+                return DeepSpeedUlyssesStrategy(process, precision, handlers, backend.deepspeed, gradient_state,
+                                                split_batches, shape)
+            raise HfBackendError(_DEEPSPEED_GRID)
+        # hf_backend's Ulysses, whichever the config named
+        shape = dataclasses.replace(shape, sp_backend="hf_backend")
         return FSDPStrategy(process, precision, handlers, backend.fsdp or FsdpOptions(), shape)
     if backend.fsdp is not None:
         if process.distributed:

@@ -121,8 +121,12 @@ class DeepSpeedStrategy(Strategy):
             else None
         self.engine, _, _, _ = deepspeed.initialize(
             model=model, optimizer=client, config=self.config, lr_scheduler=callable_scheduler,
-            model_parameters=None if client is not None else params,
+            model_parameters=None if client is not None else params, **self._engine_arguments(model),
         )
+
+    def _engine_arguments(self, model: torch.nn.Module) -> dict[str, Any]:
+        """More arguments of `deepspeed.initialize` (its `mpu`, for sequence parallelism)."""
+        return {}
 
     def _resolve_placeholders(self, config: dict[str, Any], optimizer: Any, scheduler: Any) -> None:
         """A config "optimizer"/"scheduler" section goes with DummyOptim/DummyScheduler, whose values

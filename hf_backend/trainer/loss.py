@@ -30,12 +30,16 @@ class LossMembers:
         """How many slices each sequence is cut into, by cp or by hf_backend's sp: transformers
         divides the item count and the data-parallel world by it."""
         config = getattr(self.accelerator, "parallelism_config", None)
-        return config.cp_size * config.sp_size if config is not None else 1
+        if config is None:
+            return 1
+        return config.cp_size * (1 if _deepspeed_ulysses(config) else config.sp_size)
 
     def get_sp_size(self) -> int:
-        """1: transformers' sp size stands for DeepSpeed's dataloader adapter (it multiplies the
-        loader's length by it); hf_backend's sp is counted in `get_cp_size`."""
-        return 1
+        """DeepSpeed's sp size under its ALST (transformers multiplies the loader's length by it, for
+        DeepSpeed's adapter, and takes its own loss path); else 1: hf_backend's sp is counted in
+        `get_cp_size`."""
+        config = getattr(self.accelerator, "parallelism_config", None)
+        return config.sp_size if config is not None and _deepspeed_ulysses(config) else 1
 
     def _prepare_context_parallel_inputs(self, model: Any, inputs: dict[str, Any]) -> tuple[Callable, dict[str, Any]]:
         """The batch's sequence buffers (the input ids, labels, shifted labels made here, a 2-D
@@ -144,3 +148,8 @@ class LossMembers:
 
 def _loss_of(outputs: Any) -> torch.Tensor:
     return outputs["loss"] if isinstance(outputs, dict) else outputs[0]
+
+
+def _deepspeed_ulysses(config: Any) -> bool:
+    """Whether DeepSpeed's ALST splits the sequences (the engine reports sp_backend "deepspeed" only then)."""
+    return config.sp_size > 1 and config.sp_backend == "deepspeed"

@@ -34,7 +34,9 @@ def rows(n: int, seed: int) -> Dataset:
     return Dataset.from_list(out)
 
 
-def pad(batch: list[dict], multiple: int = 1) -> dict[str, torch.Tensor]:
+def pad(batch: list[dict], multiple: int = 1, positions: bool = False) -> dict[str, torch.Tensor]:
+    """Right-padded to the longest row, rounded up to `multiple`; with `positions`, position ids too (DeepSpeed's
+    ALST adapter needs them)."""
     width = -(-max(len(row["input_ids"]) for row in batch) // multiple) * multiple  # rounded up to `multiple`
     ids = torch.zeros(len(batch), width, dtype=torch.long)
     labels = torch.full((len(batch), width), -100)
@@ -42,7 +44,10 @@ def pad(batch: list[dict], multiple: int = 1) -> dict[str, torch.Tensor]:
     for i, row in enumerate(batch):
         n = len(row["input_ids"])
         ids[i, :n], labels[i, :n], mask[i, :n] = torch.tensor(row["input_ids"]), torch.tensor(row["labels"]), 1
-    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+    out = {"input_ids": ids, "labels": labels, "attention_mask": mask}
+    if positions:
+        out["position_ids"] = torch.arange(width).expand(len(batch), -1).clone()
+    return out
 
 
 def tiny_llama(tied: bool) -> torch.nn.Module:
@@ -61,6 +66,11 @@ def with_lora(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def backend(args: argparse.Namespace) -> dict:
+    if args.alst:  # DeepSpeed's own Ulysses over every process, on the --strategy's ZeRO stage
+        from hf_backend import ParallelismConfig
+
+        return {"parallelism_config": ParallelismConfig(sp_size=args.alst, sp_backend="deepspeed"),
+                **backend(argparse.Namespace(**{**vars(args), "alst": 0}))}
     if args.grid:  # dp_replicate x dp_shard x tp [x cp [x sp [x ep]]], on the FSDP options below
         from hf_backend import ParallelismConfig
 
@@ -90,6 +100,8 @@ def main() -> int:
                    help="a ParallelismConfig: dp_replicate x dp_shard x tp [x cp [x sp]], e.g. 1x2x2")
     p.add_argument("--pad-multiple", type=int, default=1, help="pad each batch to a multiple of this many tokens")
     p.add_argument("--model", default="llama", choices=("llama", "qwen3_moe"))
+    p.add_argument("--alst", type=int, default=0, help="sp_size of DeepSpeed's ALST (with a zero --strategy)")
+    p.add_argument("--positions", action="store_true", help="the collator adds position ids")
     p.add_argument("--lora", action="store_true")
     p.add_argument("--tied", action="store_true")
     p.add_argument("--steps", type=int, default=6)
@@ -122,7 +134,8 @@ def main() -> int:
         report_to="none", disable_tqdm=True, seed=0, gradient_checkpointing=args.gradient_checkpointing,
         async_save=args.async_save, **backend(args))
     trainer = Trainer(model=model, args=training_args, train_dataset=rows(96, 0),
-                      data_collator=functools.partial(pad, multiple=args.pad_multiple))
+                      data_collator=functools.partial(pad, multiple=args.pad_multiple,
+                                                      positions=args.positions or bool(args.alst)))
     trainer.train(resume_from_checkpoint=args.resume)
     if args.save_final:
         trainer.save_model(str(Path(args.output_dir) / "final"))
