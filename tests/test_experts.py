@@ -139,18 +139,20 @@ def test_the_router_loss_is_the_models_own(runs):
     assert abs(with_ep["losses"][0] - runs(EP2)["runs"]["adamw"]["losses"][0]) > 1e-4
 
 
-@pytest.mark.parametrize("adapter", [[], ["--lora"]], ids=["full", "lora"])
-def test_the_trainer_trains_experts_split_as_one_process(tmp_path, adapter):
-    """hf_backend.Trainer with TrainingArguments(parallelism_config=ParallelismConfig(dp_shard_size=2, ep_size=2)),
-    on padded sequences of uneven lengths, the whole model or a LoRA adapter on its attention (the frozen experts
-    split all the same): losses within 1e-6, gradient norms within 1e-5, trained parameters within 5e-5 of one
-    process on the global batch of 8."""
+@pytest.mark.parametrize(("grid", "adapter"), [(EP2, []), (EP2, ["--lora"]), (EP2_FSDP2, [])],
+                         ids=["ep2", "ep2-lora", "ep2xdp_shard2"])
+def test_the_trainer_trains_experts_split_as_one_process(tmp_path, grid, adapter):
+    """hf_backend.Trainer with TrainingArguments(parallelism_config=ParallelismConfig(dp_shard_size=2, ep_size=2))
+    (and dp_shard_size=4), on padded sequences of uneven lengths, the whole model or a LoRA adapter on its attention
+    (the frozen experts split all the same): losses within 1e-6, gradient norms within 1e-5, trained parameters
+    within 5e-5 of one process on the global batch of 8."""
     common = ["--model", "qwen3_moe", "--steps", "4", "--save-steps", "10", "--pad-multiple", "8", *adapter]
     one = run_report("llm_trainer.py", tmp_path / "one.json", ["--output-dir", str(tmp_path / "one"),
                                                               "--batch-size", "8", *common])
+    world = _processes(grid)
     many = run_report("llm_trainer.py", tmp_path / "ep.json", ["--output-dir", str(tmp_path / "ep"), "--batch-size",
-                                                              "4", "--grid", EP2, *common], nproc=2)
-    assert many["world_size"] == 2 and len(one["losses"]) == 4
+                                                              str(8 // world), "--grid", grid, *common], nproc=world)
+    assert many["world_size"] == world and len(one["losses"]) == 4
     assert _steps(one["losses"], many["losses"]) <= LOSS
     assert _steps(one["grad_norms"], many["grad_norms"]) <= NORM
     assert max(abs(x - y) for x, y in zip(one["params"], many["params"], strict=True)) <= ADAMW_PARAMS
