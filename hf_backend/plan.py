@@ -92,7 +92,7 @@ def plan_memory(model: torch.nn.Module, strategy: str, num_processes: int = 1, *
         raise HfBackendError("plan: tensor parallelism does not take a PEFT adapter (the engine "
                              "refuses it); drop tp or --lora")
     tp_dims = _tp_dims(model) if shape.tp > 1 else {}
-    experts, experts_per_rank = _expert_tensors(model, shape.ep) if shape.ep > 1 else ({}, 0)
+    experts, experts_per_rank = _expert_tensors(model, shape.ep) if shape.ep > 1 else (set(), 0)
     shards = shape.dp_shard * shape.sequence_slices if strategy == "fsdp" else \
         num_processes if strategy == "zero3" else 1
     weights = grads = masters = full_trainable = 0
