@@ -52,8 +52,7 @@ from .state import (
     shutdown_process_group,
 )
 from .strategies import select_strategy
-from .strategies.capabilities import Joinable, ValueClipping, capability
-from .strategies.deepspeed_ulysses import DeepSpeedUlyssesStrategy
+from .strategies.capabilities import Joinable, SequenceLoader, ValueClipping, capability
 from .trigger import Trigger, uneven_inputs
 from .unwrap import is_compiled_module
 
@@ -250,7 +249,7 @@ class Accelerator(ProcessView, SavingMembers, compat.AccelerateMembers, elastic.
             result[i] = self._register_model(model)
         for i in loaders:
             result[i] = self.prepare_data_loader(args[i], device_placement=placement[i])
-            if new["models"] and isinstance(self.strategy, DeepSpeedUlyssesStrategy):  # as Accelerate does
+            if new["models"] and isinstance(self.strategy, SequenceLoader):  # as Accelerate does
                 result[i] = self.strategy.sequence_loader(result[i])
         for i, optimizer in zip(new["optimizers"], optimizers):
             result[i] = self._register_optimizer(optimizer)

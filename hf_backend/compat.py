@@ -305,9 +305,9 @@ class AccelerateMembers:
         """Under DeepSpeed's ALST, `dl` through DeepSpeed's adapter (this rank's slice of each of its
         group's batches in turn); without sequence parallelism `dl` as it is, as in Accelerate. Under
         hf_backend's own sp the loader stays as it is: one line says so."""
-        from .strategies.deepspeed_ulysses import DeepSpeedUlyssesStrategy
+        from .strategies.capabilities import SequenceLoader
 
-        if isinstance(self.strategy, DeepSpeedUlyssesStrategy):
+        if isinstance(self.strategy, SequenceLoader):
             return self.strategy.sequence_loader(dl)
         if self.parallelism_config is None or self.parallelism_config.sp_size == 1:
             return dl

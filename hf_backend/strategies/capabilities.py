@@ -28,6 +28,15 @@ class Joinable(ABC):
         """The context the training loop runs in."""
 
 
+class SequenceLoader(ABC):
+    """A strategy whose engine cuts the sequences in the loader (DeepSpeed's ALST adapter): loaders
+    prepared with the model, and `deepspeed_ulysses_dl_adapter`, go through it."""
+
+    @abstractmethod
+    def sequence_loader(self, loader: Any) -> Any:
+        """`loader` (each rank's own batches) as this rank's slices of its group's batches."""
+
+
 class ValueClipping:
     """Gradients clipped element-wise (`clip_grad_value_`), by default with torch's function; an
     engine that clips by norm itself has no such step."""

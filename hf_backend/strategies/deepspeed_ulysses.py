@@ -37,10 +37,11 @@ from ..gradient_state import GradientState
 from ..options import Handlers
 from ..precision import Precision
 from ..state import ProcessState
+from .capabilities import SequenceLoader
 from .deepspeed import DeepSpeedStrategy
 
 
-class DeepSpeedUlyssesStrategy(DeepSpeedStrategy):
+class DeepSpeedUlyssesStrategy(DeepSpeedStrategy, SequenceLoader):
     """DeepSpeed ZeRO with its ALST sequence parallelism over `shape.sp` ranks."""
 
     def __init__(self, process: ProcessState, precision: Precision, handlers: Handlers, plugin: DeepSpeedPlugin,

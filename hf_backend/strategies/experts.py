@@ -35,6 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from ..errors import HfBackendError
+from .tensor_parallel import config_plan, refuse_unknown_styles
 
 STYLES = ("grouped_gemm", "ep_dispatch_experts")
 
@@ -51,12 +52,7 @@ def ep_plan(model: torch.nn.Module) -> dict[str, str]:
     """The model's expert-parallel plan with full module paths: `model.ep_plan` where transformers
     has it, else the config's `base_model_ep_plan` under the base model's prefix."""
     plan = getattr(model, "ep_plan", None)
-    if isinstance(plan, dict) and plan:
-        return dict(plan)
-    base_plan = dict(getattr(getattr(model, "config", None), "base_model_ep_plan", None) or {})
-    prefix = getattr(model, "base_model_prefix", "")
-    nested = prefix and isinstance(getattr(model, prefix, None), torch.nn.Module)
-    return {f"{prefix}.{path}" if nested else path: style for path, style in base_plan.items()}
+    return dict(plan) if isinstance(plan, dict) and plan else config_plan(model, "ep")
 
 
 def _matching(pattern: str, names: Any) -> list[str]:
@@ -81,10 +77,7 @@ def apply_expert_parallel(model: torch.nn.Module, ep_mesh: DeviceMesh) -> list[t
     if not plan:
         raise HfBackendError(f"expert parallelism: {name} has no ep_plan (it is not a mixture-of-experts "
                              "model transformers can split); set ep_size=1")
-    unknown = sorted({style for style in plan.values() if style not in STYLES})
-    if unknown:
-        raise HfBackendError(f"expert parallelism: {name}'s ep_plan uses style {unknown[0]!r}, which "
-                             f"hf_backend does not apply (it applies {', '.join(STYLES)}); set ep_size=1")
+    refuse_unknown_styles(plan, STYLES, "expert parallelism", name, "ep")
     modules = dict(model.named_modules())
     sharded = expert_tensors(model, plan)
     experts = {found: modules[found] for path, style in plan.items() if style == "ep_dispatch_experts"

@@ -49,16 +49,27 @@ def is_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh | None) -> bo
     return True
 
 
+def config_plan(model: torch.nn.Module, kind: str) -> dict[str, str]:
+    """The base model's `kind` plan ("tp", "ep") from its config (`base_model_tp_plan`), with full
+    module paths: under the base model's prefix."""
+    base_plan = dict(getattr(getattr(model, "config", None), f"base_model_{kind}_plan", None) or {})
+    prefix = getattr(model, "base_model_prefix", "")
+    nested = prefix and isinstance(getattr(model, prefix, None), torch.nn.Module)
+    return {f"{prefix}.{path}" if nested else path: style for path, style in base_plan.items()}
+
+
+def refuse_unknown_styles(plan: dict[str, str], known: Any, what: str, name: str, kind: str) -> None:
+    """One line for a `kind` plan ("tp", "ep") naming a style hf_backend does not apply."""
+    unknown = sorted({style for style in plan.values() if style not in known})
+    if unknown:
+        raise HfBackendError(f"{what}: {name}'s {kind}_plan uses style {unknown[0]!r}, which hf_backend does "
+                             f"not apply (it applies {', '.join(known)}); set {kind}_size=1")
+
+
 def tp_plan(model: torch.nn.Module) -> dict[str, str]:
     """The model's plan with full module paths: the base model's (from its config) under its prefix,
     then the head's own (`lm_head`)."""
-    config = getattr(model, "config", None)
-    base_plan = dict(getattr(config, "base_model_tp_plan", None) or {})
-    prefix = getattr(model, "base_model_prefix", "")
-    nested = prefix and isinstance(getattr(model, prefix, None), torch.nn.Module)
-    plan = {f"{prefix}.{path}" if nested else path: style for path, style in base_plan.items()}
-    plan.update(getattr(model, "_tp_plan", None) or {})
-    return plan
+    return {**config_plan(model, "tp"), **(getattr(model, "_tp_plan", None) or {})}
 
 
 def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh) -> None:
@@ -73,11 +84,7 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh) -> None:
     if not plan:
         raise HfBackendError(f"tensor parallelism: {name} has no tp_plan (BERT and GPT-2 have "
                              "none); set tp_size=1 and shard with dp_shard_size (FSDP) instead")
-    unknown = sorted({style for style in plan.values() if style not in STYLES})
-    if unknown:
-        raise HfBackendError(f"tensor parallelism: {name}'s tp_plan uses style "
-                             f"{unknown[0]!r}, which hf_backend does not apply "
-                             f"(it applies {', '.join(STYLES)}); set tp_size=1")
+    refuse_unknown_styles(plan, STYLES, "tensor parallelism", name, "tp")
     _check_divisible(model, size)
     output = getattr(model, "get_output_embeddings", lambda: None)()
     tied = output is not None and any(output.weight is p for p in _input_weights(model))

@@ -62,13 +62,13 @@ def tiny_llama() -> torch.nn.Module:
 
 def experts_layout(model: torch.nn.Module) -> dict | None:
     """How the first MoE layer's experts are held: the mesh and placements of its `gate_up_proj`, how many experts
-    each ep rank runs, and the rows of this rank's FSDP shard (collective: every rank calls it)."""
+    each ep rank runs (the global rows over the ep ranks), and the rows of this rank's FSDP shard."""
     experts = next((m for m in model.modules() if type(m).__name__.endswith("Experts")), None)
     weight = getattr(experts, "gate_up_proj", None)
     mesh = getattr(weight, "device_mesh", None)
     if mesh is None or "ep" not in mesh.mesh_dim_names:
         return None
-    held = weight.full_tensor().shape[0] // mesh.size(mesh.mesh_dim_names.index("ep"))
+    held = weight.shape[0] // mesh.size(mesh.mesh_dim_names.index("ep"))
     return {"mesh": list(mesh.mesh_dim_names), "placements": [str(p) for p in weight.placements],
             "experts_per_rank": held, "local_rows": weight.to_local().shape[0]}
 
