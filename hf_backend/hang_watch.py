@@ -490,6 +490,23 @@ def printing_rank(line: str) -> int | None:
     return min(raised) if raised else None
 
 
+def _print_once(line: str, rank: int) -> None:
+    """The printing rank prints `line` and says so in the store; any other rank waits for that (up to
+    EXCHANGE_SECONDS) before it exits, since its exit makes torchrun stop the printing rank, which may
+    not have printed yet."""
+    printer, printed = printing_rank(line), _key("mismatch", "printed")
+    try:
+        if rank == printer:
+            print(f"hf_backend: {line}", file=sys.stderr, flush=True)
+            _store().set(printed, "1")
+            return
+        deadline = time.monotonic() + EXCHANGE_SECONDS
+        while printer is not None and time.monotonic() < deadline and not _store().check([printed]):
+            time.sleep(0.05)
+    except Exception:  # noqa: BLE001 - the store went with the job: nothing left to wait for
+        pass
+
+
 def _install_excepthook(reported_by_launcher: bool) -> None:
     """Plain torchrun: one rank (`printing_rank`) prints a mismatch's one line before the traceback.
     After a mismatch the process exits at once: tearing down a group left with failed work takes
@@ -506,8 +523,8 @@ def _install_excepthook(reported_by_launcher: bool) -> None:
         if line and not reported_by_launcher:
             import torch.distributed as dist
 
-            if dist.is_initialized() and dist.get_rank() == printing_rank(line):
-                print(f"hf_backend: {line}", file=sys.stderr, flush=True)
+            if dist.is_initialized():
+                _print_once(line, dist.get_rank())
         previous(kind, error, tb)
         if line:
             sys.stdout.flush()

@@ -140,7 +140,8 @@ def test_plain_torchrun_gets_the_same_report_from_the_ranks(tmp_path, debug):
     assert code == 1, output[-4000:]
     lines = output.splitlines()
     if debug:
-        assert len(_mismatch_lines(lines, "hf_backend: ")) == 1, output[-4000:]
+        said = [line for line in lines if line.startswith("hf_backend: ")]
+        assert len(_mismatch_lines(lines, "hf_backend: ")) == 1, "\n".join(said) + "\n" + output[-4000:]
     else:
         assert lines.count(f"hf_backend: {HANG}") == 1, output[-4000:]
     if not debug:
