@@ -23,12 +23,14 @@ _REFUSED_GROUPS: dict[str, tuple[str, ...]] = {
         "MegatronLMPlugin", "MegatronLMDummyDataLoader", "MegatronLMDummyScheduler", "AbstractTrainStep",
         "BertTrainStep", "GPTTrainStep", "T5TrainStep", "avg_losses_across_data_parallel_group",
         "add_model_config_to_megatron_parser"),
-    "fp8 training and quantization (TransformerEngine, MS-AMP, torchao, bitsandbytes) are not "
-    "supported; use mixed_precision='bf16' or 'fp16'": (
+    "fp8 training (TransformerEngine, MS-AMP, torchao) is not supported; use mixed_precision='bf16' or "
+    "'fp16'": (
         "AORecipeKwargs", "FP8RecipeKwargs", "MSAMPRecipeKwargs", "TERecipeKwargs", "apply_fp8_autowrap",
         "contextual_fp8_autocast", "convert_model", "convert_model_to_fp8_ao", "filter_first_and_last_linear_layers",
-        "has_ao_layers", "has_transformer_engine_layers", "check_cuda_fp8_capability", "BnbQuantizationConfig",
-        "load_and_quantize_model", "has_4bit_bnb_layers", "torchao_required"),
+        "has_ao_layers", "has_transformer_engine_layers", "check_cuda_fp8_capability", "torchao_required"),
+    "Accelerate's own bitsandbytes loading is not supported: load the base with transformers' "
+    "BitsAndBytesConfig(load_in_4bit=True) and train it under a LoRA adapter (QLoRA, docs/llm.md)": (
+        "BnbQuantizationConfig", "load_and_quantize_model", "has_4bit_bnb_layers"),
     "TPUs (torch_xla) are not supported; hf_backend runs on CPUs and CUDA GPUs": ("install_xla", "prepare_tpu"),
     "pipeline parallelism and regional compilation are not supported; use "
     "ParallelismConfig(tp_size=..., cp_size=..., sp_size=..., dp_shard_size=...) or DeepSpeed ZeRO-3 "

@@ -15,6 +15,7 @@ without DCP, or makes one that each process reads its part of.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -146,6 +147,8 @@ def _merge_adapter(directory: Path, out: Path, base: str | os.PathLike | None,
         reason = f"{type(err).__name__}: {str(err).splitlines()[0]}"
         raise HfBackendError(f"consolidate: the base model {base} cannot be loaded ({reason}); "
                              "pass --base with a directory from_pretrained reads") from None
+    if getattr(model, "hf_quantizer", None) is not None:  # a base saved quantized (QLoRA's): merged in float
+        model = _dequantized(model)
     merged = PeftModel.from_pretrained(model, str(directory)).merge_and_unload()
     staging = _fresh(out, "consolidate")
     try:
@@ -158,6 +161,18 @@ def _merge_adapter(directory: Path, out: Path, base: str | os.PathLike | None,
     return {"out": str(out), "files": sorted(p.name for p in out.iterdir()), "tensors": len(weights),
             "parameters": sum(v.numel() for v in weights.values()), "config": str(out / "config.json"),
             "merged_adapter": str(directory), "base": str(base)}
+
+
+def _dequantized(model: Any) -> Any:
+    """A float model of `model`'s class holding its dequantized weights (transformers' `dequantize`
+    leaves a model that cannot be saved: it keeps the quantized loading's conversions)."""
+    weights = model.dequantize().state_dict()
+    config = copy.deepcopy(model.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    fresh = type(model)(config).to(next(w.dtype for w in weights.values() if w.is_floating_point()))
+    fresh.load_state_dict(weights)
+    return fresh
 
 
 def _config_source(directory: Path, config: str | os.PathLike | None) -> Path | None:

@@ -25,7 +25,7 @@ from ..optim import DummyOptim, DummyScheduler, EngineStepped, EngineSteppedSche
 from ..options import Handlers
 from ..precision import Precision
 from ..state import DistributedType, ProcessState
-from . import deepspeed_state
+from . import deepspeed_state, quantized
 from .base import Strategy, check_loaded_grid
 
 _BUCKETS = {  # ZeRO sizes derived from the hidden size h, as transformers does
@@ -83,6 +83,7 @@ class DeepSpeedStrategy(Strategy):
                                      "in the same call as its model")
             return [], [], list(schedulers)
         check_loaded_grid(models, None)
+        quantized.check(models, self.shape)
         if len(models) > 1 or (self.engine is not None and optimizers):
             raise HfBackendError("DeepSpeed trains one model per Accelerator: prepare it once, "
                                  "with its optimizer")

@@ -32,7 +32,7 @@ from ..notes import note
 from ..options import Handlers
 from ..precision import Precision, dtype_of
 from ..state import DistributedType, ProcessState
-from . import context_parallel, ulysses
+from . import context_parallel, quantized, ulysses
 from .base import Strategy
 from .capabilities import ValueClipping
 from .experts import apply_expert_parallel
@@ -110,7 +110,8 @@ class FSDPStrategy(Strategy, ValueClipping):
             if self.shape.sp > 1:
                 ulysses.check_heads(model, self.shape.tp, self.shape.sp)
             self.sequences.apply(model)
-        kwargs = self._shard_kwargs()
+        # bitsandbytes' packed weights stay whole on every rank (quantized.py)
+        kwargs = {**self._shard_kwargs(), "ignored_params": quantized.quantized_parameters(model)}
         if self.experts is not None:
             # their own FSDP units, over the ranks that hold the same experts; on their second dimension,
             # the first being ep's (one all-gather each for a full state, not two strided ones)

@@ -145,13 +145,6 @@ class Trainer(LossMembers, _EngineNamed):
             parallelism = loaded.as_config()
         elif loaded is not None and MeshShape.of(parallelism, args.world_size) != loaded:
             raise ConfigError(_loaded_elsewhere(loaded, MeshShape.of(parallelism, args.world_size)))
-        quantizer = getattr(self.model, "hf_quantizer", None)  # a PEFT model answers for its base
-        if quantizer is not None:
-            method = getattr(getattr(quantizer, "quantization_config", None), "quant_method", "quantized")
-            raise ConfigError("the model was loaded quantized "
-                              f"({getattr(method, 'value', method)}); hf_backend has not been "
-                              "tested with quantized (4/8-bit) bases and does not train them: "
-                              "load the base unquantized (bf16 with a LoRA adapter), docs/llm.md")
         config = args.accelerator_config
         accumulation = dict(config.gradient_accumulation_kwargs or {})
         if "num_steps" in accumulation:

@@ -90,6 +90,26 @@ def backend(args: argparse.Namespace) -> dict:
     return {}
 
 
+def local_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """This process's bytes of the quantized (bitsandbytes), other frozen and trainable parameters and of the
+    optimizer state: shards where they are sharded (FSDP's DTensors, DeepSpeed ZeRO-3's partitions)."""
+    from torch.distributed.tensor import DTensor
+
+    def size(t: torch.Tensor) -> int:
+        t = t.to_local() if isinstance(t, DTensor) else getattr(t, "ds_tensor", t)
+        return t.numel() * t.element_size()
+
+    out = {"quantized": 0, "frozen": 0, "trainable": 0, "optimizer": 0}
+    for param in {id(p): p for p in model.parameters()}.values():
+        kind = "trainable" if param.requires_grad else \
+            "quantized" if type(param).__module__.startswith("bitsandbytes") else "frozen"
+        out[kind] += size(param)
+    inner = getattr(optimizer, "optimizer", optimizer)
+    out["optimizer"] = sum(size(v) for state in inner.state.values() for v in state.values()
+                           if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -103,6 +123,8 @@ def main() -> int:
     p.add_argument("--alst", type=int, default=0, help="sp_size of DeepSpeed's ALST (with a zero --strategy)")
     p.add_argument("--positions", action="store_true", help="the collator adds position ids")
     p.add_argument("--lora", action="store_true")
+    p.add_argument("--qlora", type=int, default=0, choices=(0, 4, 8),
+                   help="the base loaded in 4 bits (nf4) or 8 bits by bitsandbytes, as PEFT's QLoRA recipe does")
     p.add_argument("--tied", action="store_true")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--save-steps", type=int, default=3)
@@ -112,14 +134,31 @@ def main() -> int:
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--async-save", action="store_true")
-    p.add_argument("--save-final", action="store_true", help="trainer.save_model(output_dir/final) at the end")
+    p.add_argument("--save-final", action="store_true",
+                   help="trainer.save_model(output_dir/final) at the end; the logits of a fixed batch in the report")
+    p.add_argument("--stock", action="store_true", help="transformers' own Trainer (on Accelerate), one process")
     args = p.parse_args()
 
-    from hf_backend import Trainer, TrainingArguments
+    if args.stock:
+        from transformers import Trainer, TrainingArguments
+    else:
+        from hf_backend import Trainer, TrainingArguments
 
     gc.collect()
     gc.freeze()
-    if args.model == "qwen3_moe":
+    if args.qlora:
+        import os
+
+        from peft import prepare_model_for_kbit_training
+        from transformers import BitsAndBytesConfig
+
+        base = Path(args.output_dir) / "base" / os.environ.get("RANK", "0")  # the adapter's base_model_name_or_path
+        tiny_llama(args.tied).save_pretrained(base)
+        bits = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_compute_dtype": torch.float32} \
+            if args.qlora == 4 else {"load_in_8bit": True}
+        model = LlamaForCausalLM.from_pretrained(base, quantization_config=BitsAndBytesConfig(**bits))
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=True)
+    elif args.model == "qwen3_moe":
         from nd_loop import tiny_model
 
         model = tiny_model("qwen3_moe")
@@ -132,13 +171,16 @@ def main() -> int:
         gradient_accumulation_steps=args.grad_accum, learning_rate=args.lr, lr_scheduler_type="linear",
         warmup_steps=1, max_grad_norm=0.5, logging_steps=1, save_strategy="steps", save_steps=args.save_steps,
         report_to="none", disable_tqdm=True, seed=0, gradient_checkpointing=args.gradient_checkpointing,
-        async_save=args.async_save, **backend(args))
+        **({} if args.stock else {"async_save": args.async_save}), **backend(args))
     trainer = Trainer(model=model, args=training_args, train_dataset=rows(96, 0),
                       data_collator=functools.partial(pad, multiple=args.pad_multiple,
                                                       positions=args.positions or bool(args.alst)))
     trainer.train(resume_from_checkpoint=args.resume)
+    logits = None
     if args.save_final:
         trainer.save_model(str(Path(args.output_dir) / "final"))
+        with torch.no_grad():  # in training mode, as the adapter is checked after loading (no dropout here)
+            logits = trainer.model_wrapped(input_ids=torch.arange(12).view(2, 6)).logits.float()
     full = trainer.accelerator.get_state_dict(trainer.model_wrapped)
     unwrapped = trainer.accelerator.unwrap_model(trainer.model_wrapped)
     trainable = {n for n, q in unwrapped.named_parameters() if q.requires_grad}
@@ -156,6 +198,8 @@ def main() -> int:
             "tied": unwrapped.get_output_embeddings().weight is embeddings,
             "world_size": training_args.world_size,
             "global_step": trainer.state.global_step,
+            "logits": logits.flatten().tolist() if logits is not None else None,
+            "bytes": local_bytes(trainer.model_wrapped, trainer.optimizer),
         }
         Path(args.out).write_text(json.dumps(report))
     return 0
