@@ -52,6 +52,22 @@ def test_sft_trainer_on_the_engine_logs_stock_trl_losses(runs) -> None:
     assert all("lora_" in name for name in runs["engine_lora"]["trainable"])
 
 
+def test_sft_trainer_with_qlora_on_the_engine(tmp_path) -> None:
+    """A 4-bit base (bitsandbytes nf4) under TRL's peft_config: one process logs stock TRL's losses; FSDP (2
+    processes, the 4-bit weights kept whole) trains the same adapter."""
+    pytest.importorskip("bitsandbytes")
+    stock = run(tmp_path, "stock", ["--stock", "--lora", "--qlora"])
+    engine = run(tmp_path, "engine", ["--lora", "--qlora"])
+    fsdp = run(tmp_path, "fsdp", ["--lora", "--qlora", "--fsdp", "--batch-size", "2"], nproc=2)
+    assert engine["trainable"] == stock["trainable"] and all("lora_" in n for n in engine["trainable"])
+    assert engine["losses"][-1] < engine["losses"][0] - 0.05
+    assert relative(engine["losses"], stock["losses"]) < 1e-6
+    assert relative(engine["params"], stock["params"]) < 1e-6
+    # TRL casts a QLoRA adapter to bf16 (QLoRA's paper): FSDP's reduced gradients round to other bf16 neighbours
+    assert relative(fsdp["losses"], engine["losses"]) < 1e-4  # measured 1.4e-5 after 8 steps
+    assert relative(fsdp["params"], engine["params"]) < 2e-2  # measured 5.1e-3: 1 to 2 bf16 steps of the largest
+
+
 def test_packed_sft_in_two_processes_equals_one(runs) -> None:
     one, two = runs["one_packed"], runs["two_packed"]
     assert two["world_size"] == 2 and two["num_tokens"] == one["num_tokens"]  # the same packed rows, all counted

@@ -49,6 +49,7 @@ def main() -> int:
     p.add_argument("--output-dir", required=True)
     p.add_argument("--stock", action="store_true", help="TRL's SFTTrainer on transformers and Accelerate")
     p.add_argument("--lora", action="store_true")
+    p.add_argument("--qlora", action="store_true", help="with --lora: the model reloaded in 4 bits (bitsandbytes nf4)")
     p.add_argument("--packing", action="store_true")
     p.add_argument("--fsdp", action="store_true")
     p.add_argument("--zero", type=int, default=0, help="DeepSpeed ZeRO stage (2 or 3)")
@@ -103,6 +104,18 @@ def main() -> int:
         bf16=args.bf16, packing=args.packing, max_length=64, dataloader_drop_last=True, **backend)
     if args.load_after_config:
         model = LlamaForCausalLM.from_pretrained(saved)
+    if args.qlora:  # TRL's SFTTrainer prepares a quantized model for k-bit training itself (peft_config)
+        from transformers import BitsAndBytesConfig
+
+        base = Path(args.output_dir) / "base"
+        if int(os.environ.get("RANK", "0")) == 0:
+            model.save_pretrained(base)
+        if "RANK" in os.environ:
+            import hf_backend
+
+            hf_backend.PartialState().wait_for_everyone()
+        model = LlamaForCausalLM.from_pretrained(base, quantization_config=BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32))
     trainer = SFTTrainer(model=model, args=config, train_dataset=pairs(64, 0), processing_class=tok,
                          peft_config=peft_config)
     trainer.train(resume_from_checkpoint=args.resume)
