@@ -81,12 +81,7 @@ def dynamo_plugin(backend: Any, plugin: Any) -> TorchDynamoPlugin:
         raise HfBackendError("pass dynamo_backend or dynamo_plugin, not both")
     if plugin is None:  # else the launcher's dynamo_backend (a launch config's), else off
         return TorchDynamoPlugin(backend=env.resolve("dynamo_backend", backend))
-    plugin = checked(plugin, TorchDynamoPlugin, "dynamo_plugin")
-    if plugin.use_regional_compilation:
-        raise HfBackendError("dynamo_plugin use_regional_compilation=True: regional compilation is "
-                             "not supported; compile the whole model "
-                             "(use_regional_compilation=False)")
-    return plugin
+    return checked(plugin, TorchDynamoPlugin, "dynamo_plugin")
 
 
 def checked(value: Any, cls: type, argument: str) -> Any:

@@ -32,12 +32,9 @@ _REFUSED_GROUPS: dict[str, tuple[str, ...]] = {
     "BitsAndBytesConfig(load_in_4bit=True) and train it under a LoRA adapter (QLoRA, docs/llm.md)": (
         "BnbQuantizationConfig", "load_and_quantize_model", "has_4bit_bnb_layers"),
     "TPUs (torch_xla) are not supported; hf_backend runs on CPUs and CUDA GPUs": ("install_xla", "prepare_tpu"),
-    "pipeline parallelism and regional compilation are not supported; use "
-    "ParallelismConfig(tp_size=..., cp_size=..., sp_size=..., dp_shard_size=...) or DeepSpeed ZeRO-3 "
-    "(TorchDynamoPlugin compiles whole models)": (
-        "TorchTensorParallelPlugin",
-        "get_model_tp_size", "compile_regions", "compile_regions_deepspeed", "compile_regions_fsdp2",
-        "has_compiled_regions"),
+    "pipeline parallelism is not supported; use "
+    "ParallelismConfig(tp_size=..., cp_size=..., sp_size=..., dp_shard_size=...) or DeepSpeed ZeRO-3": (
+        "TorchTensorParallelPlugin", "get_model_tp_size"),
     "an Accelerate internal of its DeepSpeed/FSDP integration; in hf_backend the strategy does "
     "this inside accelerator.prepare / save_state / load_state / save_model / get_state_dict": (
         "DeepSpeedEngineWrapper", "DeepSpeedOptimizerWrapper", "DeepSpeedSchedulerWrapper", "HfDeepSpeedConfig",

@@ -62,8 +62,13 @@ from .seeding import set_seed as set_seed
 from .seeding import synchronize_rng_state as synchronize_rng_state
 from .seeding import synchronize_rng_states as synchronize_rng_states
 from .state import PartialState
+from .strategies.compile import compile_regions as compile_regions
+from .strategies.compile import has_compiled_regions as has_compiled_regions
 from .unwrap import extract_model_from_parallel as extract_model_from_parallel
 from .unwrap import is_compiled_module as is_compiled_module
+
+# Accelerate's in-place variants for its FSDP2 and DeepSpeed paths: here every region is compiled in place
+compile_regions_fsdp2 = compile_regions_deepspeed = compile_regions
 
 
 def reduce(tensor: Any, reduction: str = "mean", scale: float = 1.0) -> Any:

@@ -300,8 +300,9 @@ def test_dynamo_backend_compiles_the_prepared_model_and_trains_the_same():
     compiled, acc, losses = train(dynamo_backend="eager")
     assert is_compiled_module(compiled) and not is_compiled_module(acc.unwrap_model(compiled))
     assert train(dynamo_plugin=TorchDynamoPlugin(backend="eager"))[2] == losses == train()[2]
-    with pytest.raises(HfBackendError, match="regional compilation is not supported"):
-        Accelerator(dynamo_plugin={"backend": "eager", "use_regional_compilation": True})
+    # by regions: a model without repeated blocks is one region, compiled in place (no wrapper)
+    regional, acc, regional_losses = train(dynamo_plugin={"backend": "eager", "use_regional_compilation": True})
+    assert regional_losses == losses and not is_compiled_module(regional) and regional._compiled_call_impl is not None
 
 
 def test_a_checkpoint_of_another_format_version_is_refused_in_one_line(tmp_path):

@@ -27,6 +27,7 @@ from ..precision import Precision
 from ..state import DistributedType, ProcessState
 from . import deepspeed_state, quantized
 from .base import Strategy, check_loaded_grid
+from .compile import compile_regions
 
 _BUCKETS = {  # ZeRO sizes derived from the hidden size h, as transformers does
     "reduce_bucket_size": lambda h: h * h,
@@ -237,8 +238,12 @@ class DeepSpeedStrategy(Strategy):
         return config
 
     def compile_model(self, model: torch.nn.Module, plugin: Any) -> torch.nn.Module:
-        """DeepSpeed compiles the module inside its engine (its hooks stay outside), in place."""
+        """DeepSpeed compiles the module inside its engine (its hooks stay outside), in place; by
+        regions, the engine's module is compiled in place by regions (compile.py)."""
         kwargs = plugin.compile_kwargs()
+        if plugin.use_regional_compilation:
+            compile_regions(model.module, **kwargs)
+            return model
         model.compile(backend=kwargs.pop("backend"), compile_kwargs=kwargs)
         return model
 
