@@ -31,7 +31,8 @@ def four_bit(path: str | Path) -> torch.nn.Module:
 @pytest.fixture(scope="module")
 def qlora(tmp_path_factory) -> tuple[Path, dict[str, dict]]:
     """transformers' Trainer and ours in one process; DDP and ZeRO-3 from the start; FSDP (sharded checkpoints)
-    resumed from DDP's step 2; FSDP (full checkpoints) in 2 processes resumed from the one process's step 4."""
+    resumed from DDP's step 2; FSDP (full checkpoints) in 2 processes resumed from the one process's step 4; DDP
+    resumed from the sharded FSDP run's step 4."""
     tmp = tmp_path_factory.mktemp("qlora")
     runs = {"stock": run(tmp, "stock", [*QLORA, *ONE, "--stock"], nproc=1),
             "one": run(tmp, "one", [*QLORA, *ONE, "--save-final"], nproc=1),
@@ -41,6 +42,7 @@ def qlora(tmp_path_factory) -> tuple[Path, dict[str, dict]]:
                                      str(tmp / "ddp" / "checkpoint-2")])
     runs["fsdp_from_one"] = run(tmp, "fsdp_from_one", [*QLORA, "--strategy", "fsdp", "--resume",
                                                        str(tmp / "one" / "checkpoint-4")])
+    runs["ddp_from_fsdp"] = run(tmp, "ddp_from_fsdp", [*QLORA, "--resume", str(tmp / "fsdp" / "checkpoint-4")])
     return tmp, runs
 
 
@@ -56,11 +58,11 @@ def test_qlora_in_one_process_is_peft_on_stock_transformers(qlora) -> None:
 def test_qlora_trains_and_resumes_exactly_under_every_strategy(qlora) -> None:
     _, runs = qlora
     reference = runs["one"]
-    for name in ("ddp", "fsdp", "zero3", "fsdp_from_one"):
+    for name in ("ddp", "fsdp", "zero3", "fsdp_from_one", "ddp_from_fsdp"):
         assert runs[name]["global_step"] == 6 and runs[name]["trainable"] == reference["trainable"], name
         assert relative(runs[name]["params"], reference["params"]) < 1e-5, name
         assert relative(runs[name]["losses"], reference["losses"]) < 1e-5, name
-    for name in ("one", "ddp", "fsdp", "zero3", "fsdp_from_one"):
+    for name in ("one", "ddp", "fsdp", "zero3", "fsdp_from_one", "ddp_from_fsdp"):
         for step, files in runs[name]["checkpoints"].items():
             assert "adapter_model.safetensors" in files, (name, step)
             assert not {"model.safetensors", "model_dcp", "pytorch_model.bin"} & set(files), (name, step, files)

@@ -3,8 +3,9 @@
 collective the loop's processes call is counted, step by step.
 
 Rank 0 writes a JSON report: each step's loss and clipped gradient norm, the trainable parameters at the end, each
-step's collective calls by name (torch.distributed's functions, wrapped here: FSDP2's all-gathers and
-reduce-scatters), the number of graphs dynamo has built after each step, and each step's seconds.
+step's collective calls by name (torch.distributed's functions, wrapped here: FSDP2's all-gathers and reduce-scatters;
+DDP's bucket all-reduces, through a communication hook), the number of graphs dynamo has built after each step, and
+each step's seconds.
 """
 
 from __future__ import annotations
@@ -71,6 +72,16 @@ def main() -> int:
         torch.optim.SGD(model.parameters(), lr=0.5)
     loader = DataLoader(rows(GLOBAL_BATCH * args.steps), batch_size=GLOBAL_BATCH, shuffle=False)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    if args.grid == "ddp":  # DDP's reducer all-reduces its buckets in C++: a communication hook counts them
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        ddp = model._orig_mod if hasattr(model, "_orig_mod") else model
+
+        def counted_allreduce(state, bucket):
+            calls["ddp_bucket_all_reduce"] += 1
+            return allreduce_hook(state, bucket)
+
+        ddp.register_comm_hook(None, counted_allreduce)
     from torch._dynamo.utils import counters
 
     losses, norms, per_step, seconds, graphs = [], [], [], [], []
