@@ -125,7 +125,7 @@ def test_what_is_not_run_is_one_line(tmp_path) -> None:
         Accelerator(cpu=True).prepare(with_lora(eight))
     model = four_bit(tmp_path / "base")
     with pytest.raises(HfBackendError, match=r"a bitsandbytes-quantized base under tp=2, cp=2 has not been run"):
-        quantized.check([model], MeshShape(dp_shard=1, tp=2, cp=2))
+        quantized.prepare([model], MeshShape(dp_shard=1, tp=2, cp=2))
     gptq = tiny_llama(tied=False)
     gptq.hf_quantizer = SimpleNamespace(quantization_config=SimpleNamespace(quant_method="gptq"))
     with pytest.raises(HfBackendError, match=r"loaded quantized with gptq; hf_backend trains bitsandbytes 4-bit"):

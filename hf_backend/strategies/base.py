@@ -71,7 +71,7 @@ class Strategy:
         (DeepSpeed sizes its batches from them); `evaluation_mode`: the models are only evaluated
         (placed and autocast, not wrapped for training)."""
         check_loaded_grid(models, self.shape)
-        quantized.check(models, self.shape)
+        quantized.prepare(models, self.shape)
         placement = list(device_placement) if device_placement is not None else [True] * len(models)
         return ([self.setup_model(m, p, evaluation_mode) for m, p in zip(models, placement, strict=True)],
                 [self.setup_optimizer(o) for o in optimizers], [self.setup_scheduler(s) for s in schedulers])

@@ -27,7 +27,6 @@ from ..precision import Precision
 from ..state import DistributedType, ProcessState
 from . import deepspeed_state, quantized
 from .base import Strategy, check_loaded_grid
-from .compile import compile_regions
 
 _BUCKETS = {  # ZeRO sizes derived from the hidden size h, as transformers does
     "reduce_bucket_size": lambda h: h * h,
@@ -84,7 +83,7 @@ class DeepSpeedStrategy(Strategy):
                                      "in the same call as its model")
             return [], [], list(schedulers)
         check_loaded_grid(models, None)
-        quantized.check(models, self.shape)
+        quantized.prepare(models, self.shape)
         if len(models) > 1 or (self.engine is not None and optimizers):
             raise HfBackendError("DeepSpeed trains one model per Accelerator: prepare it once, "
                                  "with its optimizer")
@@ -239,11 +238,10 @@ class DeepSpeedStrategy(Strategy):
 
     def compile_model(self, model: torch.nn.Module, plugin: Any) -> torch.nn.Module:
         """DeepSpeed compiles the module inside its engine (its hooks stay outside), in place; by
-        regions, the engine's module is compiled in place by regions (compile.py)."""
-        kwargs = plugin.compile_kwargs()
+        regions, as every strategy does (the engine's module, unwrapped)."""
         if plugin.use_regional_compilation:
-            compile_regions(model.module, **kwargs)
-            return model
+            return super().compile_model(model, plugin)
+        kwargs = plugin.compile_kwargs()
         model.compile(backend=kwargs.pop("backend"), compile_kwargs=kwargs)
         return model
 

@@ -50,10 +50,10 @@ def quant_method(model: torch.nn.Module) -> str | None:
     return str(getattr(method, "value", method))
 
 
-def check(models: Sequence[torch.nn.Module], shape: Any = None) -> None:
-    """One line for a quantized model prepared where it has not been run: another quantizer than
-    bitsandbytes, or a grid (`shape`, the MeshShape; None without a mesh) that splits more than the
-    data. Else the model keeps bitsandbytes' training layout."""
+def prepare(models: Sequence[torch.nn.Module], shape: Any = None) -> None:
+    """What `prepare` does first with a quantized model: one line where it has not been run (an 8-bit
+    base, another quantizer than bitsandbytes, a grid `shape` (the MeshShape; None without a mesh) that
+    splits more than the data); else the model keeps bitsandbytes' training layout."""
     for model in models:
         method = quant_method(model)
         if method is None:
