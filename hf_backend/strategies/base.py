@@ -35,7 +35,7 @@ from ..precision import Precision
 from ..state import DistributedType, ProcessState
 from ..unwrap import extract_model_from_parallel
 from . import quantized
-from .compile import compile_regions, refuse_compile
+from .compile import compile_regions
 from .mesh import DataShard
 
 
@@ -109,7 +109,6 @@ class Strategy:
         hooks stay outside the compiled graphs (dynamo's DDPOptimizer splits the graphs at DDP's
         bucket boundaries). With `use_regional_compilation`, the user's module compiled by regions
         in place (compile.py), the wrapper kept as it is."""
-        refuse_compile(self.shape)
         if plugin.use_regional_compilation:
             compile_regions(self.unwrap_model(model), **plugin.compile_kwargs())
             return model

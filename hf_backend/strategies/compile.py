@@ -9,7 +9,8 @@ hooks a strategy put on it run on every call, outside the compiled graph (dynamo
 reduce-scatter after the block's backward therefore run once per block per step, as in eager mode, and
 the state-dict keys do not change. (`torch.compile(block)` instead returns an `OptimizedModule` whose
 call bypasses the hooks a wrapper puts on the block afterwards.) Whole-model compilation stays in
-`Strategy.compile_model`: torch.compile around the strategy's wrapper.
+`Strategy.compile_model`: torch.compile around the strategy's wrapper. Under tensor parallelism the
+vocabulary-parallel embedding stays eager in either (tensor_parallel.VocabularyParallelEmbedding).
 """
 
 from __future__ import annotations
@@ -17,20 +18,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
-from ..errors import HfBackendError
-
-# What torch 2.13 does with tensor-parallel DTensors under torch.compile, measured on the CPU (tiny Llama, tp 2)
-_TENSOR_PARALLEL = ("torch.compile with tensor parallelism (tp_size={tp}) is refused: torch 2.13 fails to compile "
-                    "the vocabulary-parallel embedding (\"Mixing fake modes\") and gives wrong gradients for compiled "
-                    "tensor-parallel blocks (a gradient norm of 0.644 against eager's 0.870); train eagerly, or "
-                    "compile with tp_size=1")
-
-
-def refuse_compile(shape: Any) -> None:
-    """One line for a grid torch.compile does not train right on (`shape`: the MeshShape, None without a mesh)."""
-    if shape is not None and shape.tp > 1:
-        raise HfBackendError(_TENSOR_PARALLEL.format(tp=shape.tp))
 
 
 def is_repeated_stack(module: torch.nn.Module) -> bool:

@@ -14,11 +14,35 @@ from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from ..errors import HfBackendError
 from ..notes import note
+
+
+class VocabularyParallelEmbedding(RowwiseParallel):
+    """An embedding's vocabulary rows split over the tensor-parallel ranks, as torch's RowwiseParallel
+    splits them, but looked up, all-reduced and waited for in one eager call that dynamo leaves out of
+    any compiled graph. torch 2.13 cannot compile the lookup (its masked partial sum: "Mixing fake
+    modes"), and torch's own style returns the output unwaited (an `AsyncCollectiveTensor`), which
+    aot_autograd reads, as the input of a compiled block, as not requiring grad: the first block's
+    compiled norm then silently drops its share of the embedding's gradient (measured)."""
+
+    def __init__(self) -> None:
+        super().__init__(input_layouts=Replicate())
+
+    def _apply(self, module: torch.nn.Module, device_mesh: DeviceMesh) -> torch.nn.Module:
+        distribute_module(module, device_mesh, self._partition_embedding_fn)
+        lookup = module.forward
+
+        def vocabulary_parallel_forward(input_ids: torch.Tensor) -> torch.Tensor:
+            ids = DTensor.from_local(input_ids, device_mesh, (Replicate(),), run_check=False)
+            return lookup(ids).redistribute(placements=(Replicate(),)).to_local()
+
+        module.forward = torch.compiler.disable(vocabulary_parallel_forward)
+        return module
+
 
 STYLES: dict[str, Callable[[], ParallelStyle]] = {
     "colwise": ColwiseParallel,
@@ -28,7 +52,7 @@ STYLES: dict[str, Callable[[], ParallelStyle]] = {
     "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
     "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
     # an nn.Embedding: vocabulary rows
-    "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "embedding_rowwise": VocabularyParallelEmbedding,
     "replicate": lambda: None,  # every rank keeps the whole module
 }
 
