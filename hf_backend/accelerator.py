@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from . import accelerate_state, checkpoint, checks, collectives, compat, elastic, rank0_loading
+from . import accelerate_state, checkpoint, checks, collectives, compat, elastic, fault_tolerance, rank0_loading
 from .config import environment as env
 from .config.backend import choose_backend
 from .data import PreparedDataLoader, prepare_dataloader, skip_first_batches
@@ -83,8 +83,10 @@ class Accelerator(ProcessView, SavingMembers, compat.AccelerateMembers, elastic.
         with a note (hf_backend.compat lists both). `parallelism_config` (ours or Accelerate's, or
         from the launcher's PARALLELISM_CONFIG_* variables) lays the processes out on one
         DeviceMesh: tensor parallelism from the model's tp_plan, FSDP / HSDP over the data-parallel
-        dimensions (docs/parallelism.md)."""
+        dimensions (docs/parallelism.md). `fault_tolerance` (hf_backend's own: True or a FaultTolerance) makes
+        this process's job one replica group of a torchft run (docs/fault_tolerance.md)."""
         self.dynamo_plugin = compat.dynamo_plugin(other.pop("dynamo_backend", None), other.pop("dynamo_plugin", None))
+        replicas = fault_tolerance.resolve(other.pop("fault_tolerance", None))  # hf_backend's own (torchft)
         deepspeed_plugin = compat.check_accelerator_arguments(other, deepspeed_plugin)
         loader_options = {k: other.pop(k) for k in ("dispatch_batches", "use_seedable_sampler") if k in other}
 
@@ -143,6 +145,12 @@ class Accelerator(ProcessView, SavingMembers, compat.AccelerateMembers, elastic.
         self.checkpoint_io = checkpoint.CheckpointIO(self.process, self.strategy, self.precision, self._objects,
                                                      self._progress)
         self.step = 0  # micro steps seen by accumulate() since the last sync
+        if replicas is not None and self.distributed_type == DistributedType.DEEPSPEED:
+            raise HfBackendError("fault_tolerance with DeepSpeed: its engine reduces the gradients itself; use "
+                                 "FSDP (fsdp_plugin or parallelism_config) or DDP inside each replica group")
+        # torchft replica groups (fault_tolerance.py), or None
+        self.replica_groups = None if replicas is None else fault_tolerance.ReplicaGroups(
+            replicas, self.process, self._objects, self, first_start=not elastic.restart_count())
         self.trigger = Trigger(self.process)
         self._save_state_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
         self._load_state_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
@@ -285,7 +293,8 @@ class Accelerator(ProcessView, SavingMembers, compat.AccelerateMembers, elastic.
         return self._register_optimizer(inner)
 
     def _register_optimizer(self, inner: Any) -> AcceleratedOptimizer:
-        wrapped = AcceleratedOptimizer(inner, self.gradient_state, self.scaler)
+        wrapped = AcceleratedOptimizer(inner, self.gradient_state, self.scaler,
+                                       commit=self.replica_groups.commit if self.replica_groups else None)
         self._objects.optimizers.append(wrapped)
         return wrapped
 
@@ -313,6 +322,8 @@ class Accelerator(ProcessView, SavingMembers, compat.AccelerateMembers, elastic.
         device = self.device if placement and self.device.type != "cpu" else None
         # tensor / context parallel neighbours read the same batches
         shard = self.strategy.data_shard
+        if self.replica_groups is not None:
+            shard = self.replica_groups.data_shard(shard)
         prepared = prepare_dataloader(data_loader, num_processes=shard.count, process_index=shard.index,
                                       device=device, split_batches=self.split_batches, even_batches=self.even_batches,
                                       gradient_state=self.gradient_state, data_seed=self.dataloader_config.data_seed,
@@ -342,6 +353,8 @@ class Accelerator(ProcessView, SavingMembers, compat.AccelerateMembers, elastic.
             raise HfBackendError(f"backward(loss={checks.show(loss)}): pass the loss tensor (e.g. "
                                  f"outputs.loss), not a {type(loss).__name__}")
         self.strategy.backward(loss, self.gradient_state.num_steps, self.sync_gradients, **kwargs)
+        if self.replica_groups is not None and self.sync_gradients:
+            self.replica_groups.average_gradients(self._objects.models)
 
     def _do_sync(self) -> None:
         state = self.gradient_state
@@ -489,5 +502,7 @@ class Accelerator(ProcessView, SavingMembers, compat.AccelerateMembers, elastic.
         self.tracking.finish()
         self.wait_for_checkpoint()
         self.wait_for_everyone()
+        if self.replica_groups is not None:
+            self.replica_groups.shutdown()
         shutdown_process_group()
 

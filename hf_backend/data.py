@@ -312,6 +312,7 @@ class PreparedDataLoader(DataLoader):
         self.non_blocking = non_blocking
         self.gradient_state = gradient_state
         self.end_of_dataloader = False
+        self._peer: dict[str, Any] | None = None  # a live peer's position to catch up with (`catch_up`)
         self.remainder = -1
         self.position = Position()
 
@@ -388,6 +389,25 @@ class PreparedDataLoader(DataLoader):
             steps = steps * saved // now
         self.position = Position(int(state["epoch"]), steps, state.get("mark"), restored=True)
 
+    def catch_up(self, state: dict[str, Any]) -> None:
+        """Take a live peer's position (fault_tolerance.py: a replica group healed mid-pass): in the pass under
+        way, the batches up to it are skipped; a peer in another pass ends this one, and the next starts where
+        the peer is."""
+        if self.position.running:
+            self._peer = state
+        else:
+            self.load_state_dict(state)
+
+    def _catch_up(self, it: Iterator[Any], current: Any) -> Any:
+        state, self._peer = self._peer, None
+        if state["epoch"] != self.position.epoch or state["steps"] < self.position.steps:
+            self.load_state_dict(state)
+            return _PEER_ELSEWHERE
+        while self.position.steps < state["steps"] and current is not _END:
+            current = next(it, _END)
+            self.position = self.position._replace(steps=self.position.steps + 1)
+        return current
+
     def skip_first_batches(self, num_batches: int) -> PreparedDataLoader:
         """Start the next pass at step `num_batches` (an absolute position: it replaces a position from
         load_state; a stream then reads its epoch again from the start)."""
@@ -420,7 +440,7 @@ class PreparedDataLoader(DataLoader):
                 torch.set_rng_state(rng)
             it = self.source.resumed(it)
             current = next(it, _END)
-            while current is not _END:
+            while current is not _END and current is not _PEER_ELSEWHERE:
                 upcoming = next(it, _END)
                 if upcoming is _END:
                     self.end_of_dataloader = True
@@ -428,13 +448,15 @@ class PreparedDataLoader(DataLoader):
                 batch = current if self.device is None else send_to_device(current, self.device, self.non_blocking)
                 self.position = self.position._replace(steps=self.position.steps + 1)
                 yield batch
-                current = upcoming
-            self.position = self.position.after()
+                current = upcoming if self._peer is None else self._catch_up(it, upcoming)
+            if current is not _PEER_ELSEWHERE:
+                self.position = self.position.after()
         finally:
             self.gradient_state.exit_dataloader(self)
 
 
 _END = object()
+_PEER_ELSEWHERE = object()  # `_catch_up`: the pass ends, the next begins at the peer's position
 
 
 def skip_first_batches(dataloader: DataLoader, num_batches: int = 0) -> PreparedDataLoader:

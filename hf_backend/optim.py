@@ -3,6 +3,7 @@ steps."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -13,15 +14,17 @@ from .gradient_state import GradientState
 class AcceleratedOptimizer(torch.optim.Optimizer):
     """Steps (and zeroes) only on gradient-sync steps; with fp16, steps through the GradScaler.
 
-    `step_was_skipped` is True after a step the scaler skipped because of inf/nan gradients.
+    `step_was_skipped` is True after a step the scaler skipped because of inf/nan gradients, or that
+    `commit` (fault tolerance's: whether the replica groups finished the step) turned down.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, gradient_state: GradientState,
-                 scaler: torch.amp.GradScaler | None = None) -> None:
+                 scaler: torch.amp.GradScaler | None = None, commit: Callable[[], bool] | None = None) -> None:
         # Deliberately not calling Optimizer.__init__: this object only forwards to `optimizer`.
         self.optimizer = optimizer
         self.gradient_state = gradient_state
         self.scaler = scaler
+        self.commit = commit
         self.step_was_skipped = False
 
     @property
@@ -61,6 +64,9 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
 
     def step(self, closure: Any = None) -> Any:
         if not self.gradient_state.sync_gradients:
+            return None
+        if self.commit is not None and not self.commit():
+            self.step_was_skipped = True
             return None
         if self.scaler is None:
             self.step_was_skipped = False

@@ -1,0 +1,217 @@
+"""Training through failures without a restart of everyone: replica groups on torchft (docs/fault_tolerance.md).
+
+Each replica group is its own torch elastic job: its own processes, mesh (FSDP, TP, CP inside) and launcher agent,
+which restarts the group when one of its processes dies. torchft joins the groups: a lighthouse forms a quorum of the
+live groups at every optimizer step, the gradients are averaged across the quorum through torchft's reconfigurable
+process group (rank i of a group with rank i of every other: the groups have one layout, so a process's shards are
+the same slices in every group), and a step the quorum did not finish is discarded in every group (torchft's
+`should_commit`). A restarted group is healed from a live peer: model, optimizer, schedulers, RNG and data position
+arrive through torchft's checkpoint transport (no disk) and are applied before its first step.
+
+Off unless asked for (`Accelerator(fault_tolerance=...)`); torchft is imported only then.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import time
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from .checkpoint.files import capture_rng, restore_rng
+from .errors import HfBackendError
+from .notes import note
+from .prepared import PreparedObjects
+from .strategies.mesh import DataShard
+
+REPLICA_ID, REPLICA_GROUPS, LIGHTHOUSE = "HF_BACKEND_REPLICA_ID", "HF_BACKEND_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE"
+_NO_TORCHFT = ("fault_tolerance needs torchft: pip install 'hf-backend[fault-tolerance]' (torchft 0.2.0 and the "
+               "opentelemetry packages it imports)")
+
+
+@dataclasses.dataclass(frozen=True)
+class FaultTolerance:
+    """Which replica group this process belongs to, of how many, and where the lighthouse is. `min_replicas`: the
+    fewest live groups a step commits with; `timeout`: seconds for a collective, a commit or a healing;
+    `quorum_timeout`: seconds to wait for a quorum (a group being restarted rejoins within it)."""
+
+    replica_id: int
+    num_replica_groups: int
+    lighthouse: str
+    min_replicas: int = 1
+    timeout: float = 60.0
+    quorum_timeout: float = 120.0
+
+    @classmethod
+    def from_environment(cls) -> FaultTolerance:
+        missing = [name for name in (REPLICA_ID, REPLICA_GROUPS, LIGHTHOUSE) if not os.environ.get(name)]
+        if missing:
+            raise HfBackendError(f"fault_tolerance=True reads {', '.join(missing)} from the environment, which "
+                                 "is not set; start each replica group with `hf-backend launch --fault_tolerance` "
+                                 "or pass FaultTolerance(replica_id=..., num_replica_groups=..., lighthouse=...)")
+        return cls(int(os.environ[REPLICA_ID]), int(os.environ[REPLICA_GROUPS]), os.environ[LIGHTHOUSE])
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.replica_id < self.num_replica_groups:
+            raise HfBackendError(f"FaultTolerance(replica_id={self.replica_id}, num_replica_groups="
+                                 f"{self.num_replica_groups}): the id counts the groups from 0")
+        if not 1 <= self.min_replicas <= self.num_replica_groups:
+            raise HfBackendError(f"FaultTolerance(min_replicas={self.min_replicas}): give 1 to "
+                                 f"num_replica_groups={self.num_replica_groups}")
+
+
+def resolve(value: Any) -> FaultTolerance | None:
+    """The Accelerator's `fault_tolerance` argument as one value: None when off."""
+    if value is None:
+        value = os.environ.get("HF_BACKEND_FAULT_TOLERANCE", "").lower() in ("1", "true", "yes")
+    if value is False:
+        return None
+    if value is True:
+        return FaultTolerance.from_environment()
+    if isinstance(value, FaultTolerance):
+        return value
+    raise HfBackendError(f"fault_tolerance={value!r}: pass True (the launcher's settings) or a FaultTolerance")
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class ReplicaGroups:
+    """This process's part in the replica groups: a torchft Manager, and the step protocol the Accelerator runs
+    (`average_gradients` on each synchronising backward, `commit` before each optimizer step)."""
+
+    def __init__(self, config: FaultTolerance, process: Any, objects: PreparedObjects, accelerator: Any,
+                 first_start: bool) -> None:
+        try:
+            from torchft import Manager
+            from torchft.process_group import ProcessGroupGloo
+        except ImportError as error:
+            raise HfBackendError(_NO_TORCHFT) from error
+        if process.device.type != "cpu":
+            raise HfBackendError("fault_tolerance runs on CPU processes (gloo) only so far: torchft's NCCL "
+                                 "process group has not run here; train without fault_tolerance on GPUs")
+        self.config, self.objects, self.accelerator = config, objects, accelerator
+        timeout = datetime.timedelta(seconds=config.timeout)
+        self.manager = Manager(
+            pg=ProcessGroupGloo(timeout=timeout), load_state_dict=self._load, state_dict=self._state,
+            min_replica_size=config.min_replicas, replica_id=f"replica_{config.replica_id}", timeout=timeout,
+            quorum_timeout=datetime.timedelta(seconds=config.quorum_timeout), rank=process.process_index,
+            world_size=process.num_processes, lighthouse_addr=config.lighthouse)
+        self._phase = "idle"  # idle -> gathering (quorum asked, gradients averaged) -> decided (committed or not)
+        self._decision = False
+        self._wait_for_everyone = first_start
+
+    # -- the step protocol -------------------------------------------------------------------------
+    def _begin(self) -> None:
+        self.manager.start_quorum()
+        if self._wait_for_everyone:  # a first start: the groups begin together, not whoever is up first
+            self._wait_for_everyone = False
+            deadline = time.monotonic() + self.config.quorum_timeout
+            while self.manager.num_participants() < self.config.num_replica_groups and time.monotonic() < deadline:
+                time.sleep(0.2)
+                self.manager.start_quorum()
+            if self.manager.num_participants() < self.config.num_replica_groups:
+                note(f"fault tolerance: {self.manager.num_participants()} of {self.config.num_replica_groups} "
+                     f"replica groups joined within {self.config.quorum_timeout:g} s; training with them")
+        self._phase = "gathering"
+
+    def average_gradients(self, models: list[torch.nn.Module]) -> None:
+        """Average every gradient across the quorum's groups, in one flat buffer per dtype (a group that is
+        healing contributes zeros and receives the average)."""
+        if self._phase != "gathering":
+            self._begin()
+        grads = []
+        for model in models:
+            for param in model.parameters():
+                if param.requires_grad:
+                    if param.grad is None:
+                        param.grad = torch.zeros_like(param)
+                    grads.append(_local(param.grad))
+        for dtype in sorted({g.dtype for g in grads}, key=str):
+            same = [g for g in grads if g.dtype == dtype]
+            flat = torch.cat([g.reshape(-1) for g in same])
+            self.manager.allreduce(flat).wait()
+            offset = 0
+            for g in same:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+    def commit(self) -> bool:
+        """Whether this step's update is applied (the same answer in every process of the group; once per step,
+        whatever the number of optimizers)."""
+        if self._phase == "idle":
+            self._begin()
+        if self._phase == "gathering":
+            self._decision = self.manager.should_commit()
+            self._phase = "decided"
+            if not self._decision:
+                note(f"fault tolerance: step {self.manager.current_step()} discarded (a replica group failed "
+                     "during it); its batches are not trained")
+        return self._decision
+
+    @property
+    def committed_steps(self) -> int:
+        return self.manager.current_step()
+
+    def data_shard(self, shard: DataShard) -> DataShard:
+        """Each group reads its own part of every global batch: the group's shards, times the groups."""
+        return shard._replace(count=shard.count * self.config.num_replica_groups,
+                              index=self.config.replica_id * shard.count + shard.index)
+
+    def shutdown(self) -> None:
+        self.manager.shutdown(wait=False)
+
+    # -- what a healing group receives -------------------------------------------------------------
+    def _state(self) -> dict[str, Any]:
+        objects = self.objects
+        return {"models": [[_local(t).detach() for t in _tensors(m)] for m in objects.models],
+                "optimizers": [_local_optimizer_state(opt.state_dict()) for opt in objects.optimizers],
+                "schedulers": [s.state_dict() for s in objects.schedulers],
+                "loaders": [loader.state_dict() for loader in objects.dataloaders],
+                "rng": capture_rng(), "accumulation_step": self.accelerator.step}
+
+    def _load(self, state: dict[str, Any]) -> None:
+        objects = self.objects
+        with torch.no_grad():
+            for model, tensors in zip(objects.models, state["models"], strict=True):
+                for mine, theirs in zip(_tensors(model), tensors, strict=True):
+                    _local(mine).copy_(theirs)
+        for opt, saved in zip(objects.optimizers, state["optimizers"], strict=True):
+            opt.load_state_dict(_distributed_optimizer_state(saved, opt))
+        for scheduler, saved in zip(objects.schedulers, state["schedulers"], strict=True):
+            scheduler.load_state_dict(saved)
+        for loader, saved in zip(objects.dataloaders, state["loaders"], strict=True):
+            loader.catch_up(saved)
+        restore_rng(state["rng"])
+        self.accelerator.step = state["accumulation_step"]
+        note(f"fault tolerance: replica group {self.config.replica_id} healed from a live group at step "
+             f"{self.manager.current_step()}")
+
+
+def _tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [*model.parameters(), *model.buffers()]
+
+
+def _local_optimizer_state(state: dict[str, Any]) -> dict[str, Any]:
+    return {**state, "state": {key: {name: _local(value) if isinstance(value, torch.Tensor) else value
+                                     for name, value in entry.items()} for key, entry in state["state"].items()}}
+
+
+def _distributed_optimizer_state(state: dict[str, Any], optimizer: Any) -> dict[str, Any]:
+    """A peer's optimizer state (local shards) laid over this process's parameters: a shard of a DTensor parameter
+    becomes a DTensor like it again."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+
+    def like(value: Any, param: torch.Tensor) -> Any:
+        if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and value.dim() > 0:
+            return DTensor.from_local(value, param.device_mesh, param.placements, run_check=False,
+                                      shape=param.shape, stride=param.stride())
+        return value
+
+    return {**state, "state": {key: {name: like(value, params[int(key)]) for name, value in entry.items()}
+                               for key, entry in state["state"].items()}}
