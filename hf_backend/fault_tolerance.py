@@ -51,7 +51,7 @@ class FaultTolerance:
         missing = [name for name in (REPLICA_ID, REPLICA_GROUPS, LIGHTHOUSE) if not os.environ.get(name)]
         if missing:
             raise HfBackendError(f"fault_tolerance=True reads {', '.join(missing)} from the environment, which "
-                                 "is not set; start each replica group with `hf-backend launch --fault_tolerance` "
+                                 "is not set; set them for each replica group's launch (docs/fault_tolerance.md) "
                                  "or pass FaultTolerance(replica_id=..., num_replica_groups=..., lighthouse=...)")
         return cls(int(os.environ[REPLICA_ID]), int(os.environ[REPLICA_GROUPS]), os.environ[LIGHTHOUSE])
 
@@ -66,15 +66,13 @@ class FaultTolerance:
 
 def resolve(value: Any) -> FaultTolerance | None:
     """The Accelerator's `fault_tolerance` argument as one value: None when off."""
-    if value is None:
-        value = os.environ.get("HF_BACKEND_FAULT_TOLERANCE", "").lower() in ("1", "true", "yes")
-    if value is False:
+    if value is None or value is False:
         return None
     if value is True:
         return FaultTolerance.from_environment()
     if isinstance(value, FaultTolerance):
         return value
-    raise HfBackendError(f"fault_tolerance={value!r}: pass True (the launcher's settings) or a FaultTolerance")
+    raise HfBackendError(f"fault_tolerance={value!r}: pass True (settings from the environment) or a FaultTolerance")
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -122,7 +120,8 @@ class ReplicaGroups:
 
     def average_gradients(self, models: list[torch.nn.Module]) -> None:
         """Average every gradient across the quorum's groups, in one flat buffer per dtype (a group that is
-        healing contributes zeros and receives the average)."""
+        healing contributes zeros and receives the average). A trainable parameter without a gradient gets
+        zeros: every group sends the same buffer."""
         if self._phase != "gathering":
             self._begin()
         grads = []
