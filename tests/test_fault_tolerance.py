@@ -1,8 +1,9 @@
 """Fault tolerance across replica groups on torchft (issue 46; hf_backend/fault_tolerance.py): 2 replica groups of
 2 processes with FSDP inside each, each group its own `hf-backend launch --max_restarts 2`, joined by a torchft
-lighthouse in this process (tests/scripts/ft_loop.py). One process of group 1 is SIGKILLed at a random step: group 0
-keeps stepping alone, group 1's launcher restarts it, it heals from group 0 (no checkpoint exists to read) and the
-groups end with bitwise equal weights after as many optimizer steps as an uninterrupted run."""
+lighthouse in this process (tests/scripts/ft_loop.py). A process of group 1 is SIGKILLed twice (steps and ranks drawn
+from a fixed seed): group 0 keeps stepping alone, group 1's launcher restarts it, it heals from group 0 (no checkpoint
+exists to read) and the groups end with bitwise equal weights after as many optimizer steps as an uninterrupted
+run."""
 
 from __future__ import annotations
 
