@@ -145,9 +145,6 @@ class Accelerator(ProcessView, SavingMembers, compat.AccelerateMembers, elastic.
         self.checkpoint_io = checkpoint.CheckpointIO(self.process, self.strategy, self.precision, self._objects,
                                                      self._progress)
         self.step = 0  # micro steps seen by accumulate() since the last sync
-        if replicas is not None and self.distributed_type == DistributedType.DEEPSPEED:
-            raise HfBackendError("fault_tolerance with DeepSpeed: its engine reduces the gradients itself; use "
-                                 "FSDP (fsdp_plugin or parallelism_config) or DDP inside each replica group")
         # torchft replica groups (fault_tolerance.py), or None
         self.replica_groups = None if replicas is None else fault_tolerance.ReplicaGroups(
             replicas, self.process, self._objects, self, first_start=not elastic.restart_count())

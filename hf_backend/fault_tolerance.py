@@ -23,6 +23,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .checkpoint.files import capture_rng, restore_rng
+from .enums import DistributedType
 from .errors import HfBackendError
 from .notes import note
 from .prepared import PreparedObjects
@@ -90,6 +91,9 @@ class ReplicaGroups:
             from torchft.process_group import ProcessGroupGloo
         except ImportError as error:
             raise HfBackendError(_NO_TORCHFT) from error
+        if accelerator.distributed_type == DistributedType.DEEPSPEED:
+            raise HfBackendError("fault_tolerance with DeepSpeed: its engine reduces the gradients itself; use "
+                                 "FSDP (fsdp_plugin or parallelism_config) or DDP inside each replica group")
         if process.device.type != "cpu":
             raise HfBackendError("fault_tolerance runs on CPU processes (gloo) only so far: torchft's NCCL "
                                  "process group has not run here; train without fault_tolerance on GPUs")

@@ -19,7 +19,7 @@ from collections import Counter
 
 import torch
 import torch.distributed as dist
-from nd_loop import CLIP, GLOBAL_BATCH, engine_arguments, rows, tiny_model
+from nd_loop import GLOBAL_BATCH, engine_arguments, rows, tiny_model, train_step
 from torch.utils.data import DataLoader
 
 from hf_backend import Accelerator
@@ -88,18 +88,12 @@ def main() -> int:
     for batch in loader:
         started = time.perf_counter()
         calls.clear()
-        batch["shift_labels"] = batch["labels"]
-        buffers = [batch[k] for k in ("input_ids", "labels", "position_ids") if k in batch]
-        with accelerator.maybe_context_parallel(buffers=buffers, buffer_seq_dims=[1] * len(buffers)):
-            loss = model(**batch).loss
-            accelerator.backward(loss)
-        norms.append(float(accelerator.clip_grad_norm_(model.parameters(), CLIP)))
-        optimizer.step()
-        optimizer.zero_grad()
+        loss, norm = train_step(accelerator, model, optimizer, batch)
         per_step.append(dict(calls))
         seconds.append(time.perf_counter() - started)
         graphs.append(counters["stats"]["unique_graphs"])
-        losses.append(float(accelerator.reduce(loss.detach(), "mean")))
+        losses.append(float(accelerator.reduce(loss, "mean")))  # the report's, after the step's collectives
+        norms.append(norm)
     state = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         report = {"losses": losses, "norms": norms, "collectives": per_step, "seconds": seconds,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
@@ -119,6 +120,21 @@ def engine_arguments(grid: str) -> dict:
                                                           state_dict_type="SHARDED_STATE_DICT")}
 
 
+def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: Any,
+               batch: dict) -> tuple[torch.Tensor, float]:
+    """One optimizer step on `batch` (inside `maybe_context_parallel` on every grid, clipped to CLIP): this process's
+    loss, detached, and the clipped gradient norm."""
+    batch["shift_labels"] = batch["labels"]  # already shifted: the loss takes them as they are
+    buffers = [batch[k] for k in ("input_ids", "labels", "position_ids", "attention_mask") if k in batch]
+    with accelerator.maybe_context_parallel(buffers=buffers, buffer_seq_dims=[1] * len(buffers)):
+        loss = model(**batch).loss
+        accelerator.backward(loss)
+    norm = float(accelerator.clip_grad_norm_(model.parameters(), CLIP))
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.detach(), norm
+
+
 def train(accelerator: Accelerator, optimizer_name: str, steps: int, save_at: int = 0,
           checkpoint: str | None = None, resume: str | None = None, layout: str = "full") -> dict:
     """One run on the accelerator's grid: from the start (saving into `checkpoint` after step `save_at`, and going
@@ -135,15 +151,9 @@ def train(accelerator: Accelerator, optimizer_name: str, steps: int, save_at: in
         accelerator.load_state(resume)
     losses, norms = [], []
     for step, batch in enumerate(loader, start=save_at + 1 if resume else 1):
-        batch["shift_labels"] = batch["labels"]  # already shifted: the loss takes them as they are
-        buffers = [batch[k] for k in ("input_ids", "labels", "position_ids", "attention_mask") if k in batch]
-        with accelerator.maybe_context_parallel(buffers=buffers, buffer_seq_dims=[1] * len(buffers)):
-            loss = model(**batch).loss
-            accelerator.backward(loss)
-        norms.append(float(accelerator.clip_grad_norm_(model.parameters(), CLIP)))
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(float(accelerator.reduce(loss.detach(), "mean")))
+        loss, norm = train_step(accelerator, model, optimizer, batch)
+        losses.append(float(accelerator.reduce(loss, "mean")))  # the mean over the global batch
+        norms.append(norm)
         if step == save_at and checkpoint and not resume:
             accelerator.save_state(checkpoint)
     state = accelerator.get_state_dict(model)
