@@ -364,6 +364,8 @@ class PreparedDataLoader(DataLoader):
             self.position = Position(epoch)
 
     def state_dict(self) -> dict[str, Any]:
+        if self._peer is not None:  # where the next read goes (catch_up)
+            return dict(self._peer)
         now = self._now()
         return {"epoch": now.epoch, "steps": now.steps,
                 "mark": now.mark if now.restored else self.source.mark(now.steps, now.running),

@@ -1,17 +1,19 @@
 """Fault tolerance across replica groups on torchft (issue 46; hf_backend/fault_tolerance.py): 2 replica groups of
-2 processes with FSDP inside each, each group its own `hf-backend launch --max_restarts 2`, joined by a torchft
-lighthouse in this process (tests/scripts/ft_loop.py). A process of group 1 is SIGKILLed twice (steps and ranks drawn
-from a fixed seed): group 0 keeps stepping alone, group 1's launcher restarts it, it heals from group 0 (no checkpoint
-exists to read) and the groups end with bitwise equal weights after as many optimizer steps as an uninterrupted
-run."""
+2 processes with FSDP inside each, each group its own `hf-backend launch --fault_tolerance`, joined by the torchft
+lighthouse group 0's launcher serves (tests/scripts/ft_loop.py). A process of group 1 is SIGKILLed twice (steps and
+ranks drawn from a fixed seed): group 0 keeps stepping alone, group 1's launcher restarts it, it heals from group 0
+(no checkpoint exists to read) and the groups end with bitwise equal weights after as many optimizer steps as an
+uninterrupted run. The Trainer's run (tests/scripts/ft_trainer.py): one kill, its step counters and state."""
 
 from __future__ import annotations
 
 import json
 import os
 import random
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -24,35 +26,53 @@ LATE_KILL = 36  # the second kill's step: after group 1 has healed from the firs
 SPREAD = 0.1  # the final loss of 3 uninterrupted seeds ranged over 0.092 (docs/fault_tolerance.md)
 
 
-def _run(tmp: Path, name: str, kills: tuple[str, ...] = (), seed: int = 0) -> dict:
-    from torchft.coordination import LighthouseServer
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
-    out = tmp / name
-    out.mkdir()
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000, quorum_tick_ms=100,
-                                  heartbeat_timeout_ms=2000)
+
+def _launch_groups(out: Path, scripts: list[list[str]]) -> None:
+    """Replica groups 0 and 1, each `hf-backend launch --fault_tolerance` of 2 processes running its script; group
+    0's launcher serves the lighthouse. The launcher's defaults for a replica group: 3 restarts, no hang watch."""
+    port = _free_port()
+    where = [["--lighthouse_port", str(port)], ["--lighthouse", f"http://127.0.0.1:{port}"]]
     logs = [open(out / f"group{replica}.log", "w") for replica in (0, 1)]  # noqa: SIM115
+    groups = []
     try:
-        groups = []
         for replica in (0, 1):
-            env = {**os.environ, "TORCHFT_LIGHTHOUSE": lighthouse.address(), "HF_BACKEND_REPLICA_ID": str(replica),
-                   "HF_BACKEND_REPLICA_GROUPS": "2", "PYTHONPATH": str(SCRIPTS)}
-            script = [str(SCRIPTS / "ft_loop.py"), "--steps", str(STEPS), "--step-seconds", str(STEP_SECONDS),
-                      "--seed", str(seed), "--out", str(out / f"group{replica}.json"), "--events",
-                      str(out / "events.jsonl"), *[a for kill in kills for a in ("--kill", kill)]]
-            # the hang watch off: its report from the failed group's survivor delays the restart by about 30 s
             groups.append(subprocess.Popen(
                 [*CLI, "launch", "--cpu", "--num_processes", "2", "--num_cpu_threads_per_process", "1",
-                 "--max_restarts", "2", "--hang_timeout", "0", *script],
-                env=env, stdout=subprocess.DEVNULL, stderr=logs[replica]))
+                 "--fault_tolerance", "--replica_id", str(replica), "--num_replica_groups", "2", *where[replica],
+                 *scripts[replica]], env={**os.environ, "PYTHONPATH": str(SCRIPTS)},
+                stdout=subprocess.DEVNULL, stderr=logs[replica]))
+            if replica == 0:  # its lighthouse up before group 1 asks it
+                _wait_for(out / "group0.log", "torchft lighthouse at")
         codes = [group.wait(timeout=400) for group in groups]
     finally:
-        lighthouse.shutdown()
+        for group in groups:
+            group.kill()
         for log in logs:
             log.close()
     assert codes == [0, 0], (codes, (out / "group1.log").read_text()[-3000:])
+
+
+def _run(tmp: Path, name: str, kills: tuple[str, ...] = (), seed: int = 0) -> dict:
+    out = tmp / name
+    out.mkdir()
+    _launch_groups(out, [[str(SCRIPTS / "ft_loop.py"), "--steps", str(STEPS), "--step-seconds", str(STEP_SECONDS),
+                          "--seed", str(seed), "--out", str(out / f"group{replica}.json"), "--events",
+                          str(out / "events.jsonl"), *[a for kill in kills for a in ("--kill", kill)]]
+                         for replica in (0, 1)])
     events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
     return {"groups": [json.loads((out / f"group{r}.json").read_text()) for r in (0, 1)], "events": events}
+
+
+def _wait_for(log: Path, text: str, seconds: float = 60) -> None:
+    deadline = time.monotonic() + seconds
+    while text not in log.read_text():
+        assert time.monotonic() < deadline, log.read_text()[-2000:]
+        time.sleep(0.1)
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="torch elastic restarts on Linux")
@@ -92,17 +112,72 @@ def test_killed_groups_heal_from_the_live_group_and_the_groups_end_equal(tmp_pat
     assert abs(final - uninterrupted) < 2 * SPREAD
 
 
-def test_fault_tolerance_without_the_launcher_settings_is_one_line() -> None:
+TRAINER_STEPS, TRAINER_KILL = 30, 8
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="torch elastic restarts on Linux")
+def test_the_trainer_counts_applied_steps_and_a_healed_group_takes_the_live_groups_state(tmp_path):
+    """hf_backend.Trainer in 2 replica groups: a process of group 1 dies in step 8's gradient exchange. The step
+    is discarded in group 0 too and not counted (global_step counts applied steps: both groups end at max_steps,
+    group 0's log has every step once); group 1 restarts, takes group 0's TrainerState (global step, epoch) with
+    the weights, and the groups end bitwise equal. Only group 0 writes checkpoints into the shared output_dir."""
+    _launch_groups(tmp_path, [[str(SCRIPTS / "ft_trainer.py"), "--steps", str(TRAINER_STEPS), "--step-seconds",
+                               str(STEP_SECONDS), "--out", str(tmp_path / f"group{replica}.json"), "--events",
+                               str(tmp_path / "events.jsonl"), "--output-dir", str(tmp_path / "run"),
+                               "--kill", f"1:1:{TRAINER_KILL}"] for replica in (0, 1)])
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    group0, group1 = (json.loads((tmp_path / f"group{r}.json").read_text()) for r in (0, 1))
+    assert group0["global_step"] == group1["global_step"] == TRAINER_STEPS
+    assert group0["discarded"] == 1 and group0["logged_steps"] == list(range(1, TRAINER_STEPS + 1))
+    assert group0["params"] == group1["params"]
+    steps0 = [e for e in events if e["replica"] == 0 and e["rank"] == 0]
+    assert [e["global_step"] for e in steps0].count(TRAINER_KILL) == 2  # the discarded step, then the same again
+    epoch_at = {e["global_step"]: e["epoch"] for e in steps0}
+    back = [e for e in events if e["replica"] == 1 and e["restart"] == 1]
+    assert back and back[0]["global_step"] > TRAINER_KILL + 1, back[:2]
+    assert all(e["epoch"] == epoch_at[e["global_step"]] for e in back)  # the live group's count, not its own
+    assert back[-1]["participants"] == 2
+    assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-10", "checkpoint-20",
+                                                                              "checkpoint-30"]
+
+
+def test_fault_tolerance_without_the_launcher_settings_is_one_line(monkeypatch) -> None:
+    from hf_backend.config import environment as env
     from hf_backend.errors import HfBackendError
     from hf_backend.fault_tolerance import FaultTolerance, resolve
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_BACKEND_REPLICA", "TORCHFT_"))}
-    with pytest.MonkeyPatch.context() as patch:
-        for key in set(os.environ) - set(env):
-            patch.delenv(key)
-        with pytest.raises(HfBackendError, match="HF_BACKEND_REPLICA_ID, HF_BACKEND_REPLICA_GROUPS, "
-                                                 "TORCHFT_LIGHTHOUSE from the environment"):
-            resolve(True)
+    monkeypatch.delenv(env.FAULT_TOLERANCE, raising=False)
+    with pytest.raises(HfBackendError, match="start each group with `hf-backend launch --fault_tolerance"):
+        resolve(True)
     assert resolve(None) is None and resolve(False) is None
     with pytest.raises(HfBackendError, match="the id counts the groups from 0"):
         FaultTolerance(replica_id=2, num_replica_groups=2, lighthouse="http://x:1")
+    assert resolve({"replica_id": 1, "num_replica_groups": 3, "lighthouse": "http://x:1"}) == FaultTolerance(
+        1, 3, "http://x:1")
+
+
+def test_the_launchers_flags_reach_every_process_as_one_value(monkeypatch) -> None:
+    """`hf-backend launch --replica_id 1 ...` (any of the flags implies --fault_tolerance): one JSON variable, which
+    `Accelerator()` reads without being asked (fault_tolerance=None follows the launcher)."""
+    from hf_backend.cli.launch import effective_config, process_environment
+    from hf_backend.cli.main import build_parser
+    from hf_backend.config import environment as env
+    from hf_backend.fault_tolerance import FaultTolerance, resolve
+
+    args = build_parser().parse_args(["launch", "--cpu", "--num_processes", "2", "--replica_id", "1",
+                                      "--num_replica_groups", "3", "--lighthouse", "http://h:7", "--min_replicas",
+                                      "2", "x.py"])
+    config, path = effective_config(args)
+    variables = process_environment(config, args, path)
+    assert config.fault_tolerance and variables["HF_BACKEND_HANG_TIMEOUT"] == "0"
+    monkeypatch.setenv(env.FAULT_TOLERANCE, variables[env.FAULT_TOLERANCE])
+    assert resolve(None) == FaultTolerance(1, 3, "http://h:7", min_replicas=2)
+
+
+def test_a_replica_group_without_the_lighthouses_address_is_one_line(tmp_path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("")
+    proc = subprocess.run([*CLI, "launch", "--cpu", "--replica_id", "1", str(script)], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "replica group 1 needs --lighthouse http://HOST:PORT" in proc.stderr

@@ -10,6 +10,7 @@ argument in the script wins over them).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -18,7 +19,14 @@ from typing import Any
 from .. import hang_watch
 from ..config import environment as env
 from ..config.loader import ConfigError, default_config_path, read_mapping, validate
-from ..config.schema import DeepSpeedSection, FsdpSection, LaunchConfig, ParallelismSection, fields_of
+from ..config.schema import (
+    DeepSpeedSection,
+    FaultToleranceSection,
+    FsdpSection,
+    LaunchConfig,
+    ParallelismSection,
+    fields_of,
+)
 from ..worker_failures import describe_failure
 
 _TOP_FLAGS = ("num_processes", "num_machines", "machine_rank", "main_process_ip", "main_process_port",
@@ -40,7 +48,8 @@ def add_parser(sub: Any) -> None:
         p.add_argument(f"--{name}", default=None, help=meta["help"],
                        choices=meta["choices"] if name != "num_processes" else None)
     p.add_argument("--cpu", action="store_true", default=None, help="train on the CPU (gloo) even with GPUs")
-    p.add_argument("--max_restarts", type=int, default=0, help="restart the workers this many times after a failure")
+    p.add_argument("--max_restarts", type=int, default=None,
+                   help="restart the workers this many times after a failure (default 0; 3 with --fault_tolerance)")
     p.add_argument("--nnodes", default=None, metavar="MIN:MAX",
                    help="an elastic job of MIN to MAX machines (c10d rendezvous; --num_processes "
                         "counts MAX machines)")
@@ -70,6 +79,11 @@ def add_parser(sub: Any) -> None:
     for name, f in fields_of(ParallelismSection).items():
         if not f.metadata["unused"]:
             p.add_argument(f"--{name}", default=None, metavar="VALUE", help=f.metadata["help"])
+    p.add_argument("--fault_tolerance", action="store_true", default=None,
+                   help="this launch is one replica group of a torchft run (docs/fault_tolerance.md); the flags "
+                        "below set it (any of them given implies it)")
+    for name, f in fields_of(FaultToleranceSection).items():
+        p.add_argument(f"--{name}", default=None, metavar="VALUE", help=f.metadata["help"])
     p.add_argument("-m", "--module", action="store_true", help="run training_script as a module (python -m)")
     p.add_argument("training_script", help="the script (or module, with -m) to run in every process")
     p.add_argument("training_script_args", nargs=argparse.REMAINDER, help="its arguments")
@@ -96,10 +110,13 @@ def effective_config(args: argparse.Namespace) -> tuple[LaunchConfig, str | None
     if args.debug:
         raw["debug"] = True
     for section, model in (("fsdp_config", FsdpSection), ("deepspeed_config", DeepSpeedSection),
-                           ("parallelism_config", ParallelismSection)):
+                           ("parallelism_config", ParallelismSection),
+                           ("fault_tolerance_config", FaultToleranceSection)):
         given = {name: flags[name] for name in fields_of(model) if flags.get(name) is not None}
         if given:
             raw[section] = {**(raw.get(section) or {}), **given}
+    if args.fault_tolerance or any(flags.get(name) is not None for name in fields_of(FaultToleranceSection)):
+        raw["fault_tolerance"] = True
     if args.use_fsdp and args.use_deepspeed:
         raise ConfigError("launch: --use_fsdp and --use_deepspeed exclude each other; pick one")
     if args.use_fsdp:
@@ -147,7 +164,7 @@ def torchrun_arguments(config: LaunchConfig, args: argparse.Namespace) -> list[s
         raise ConfigError("launch: rdzv_backend static cannot be entered again, "
                           "so restarts and --nnodes MIN:MAX cannot re-form the "
                           "group; use --rdzv_backend c10d (the default)")
-    out = [f"--nproc_per_node={per_machine}", f"--nnodes={nodes}", f"--max_restarts={args.max_restarts}",
+    out = [f"--nproc_per_node={per_machine}", f"--nnodes={nodes}", f"--max_restarts={args.max_restarts or 0}",
            f"--monitor_interval={getattr(args, 'monitor_interval', 0.1)}"]
     conf = [getattr(args, "rdzv_conf", None)]
     if config.num_machines == 1 and config.main_process_port is not None:
@@ -187,6 +204,10 @@ def process_environment(config: LaunchConfig, args: argparse.Namespace, path: st
     elif os.environ.get(hang_watch.TIMEOUT_VARIABLE, "").strip():
         # one inherited from the environment is checked here, not in every worker
         hang_watch.hang_timeout()
+    elif config.fault_tolerance:
+        # torchft's timeouts bound every wait between groups; the watch's report from a failed group's surviving
+        # process delayed that group's restart by about 30 s (docs/fault_tolerance.md)
+        out[hang_watch.TIMEOUT_VARIABLE] = "0"
     else:  # the launcher watches for hangs unless told otherwise
         out[hang_watch.TIMEOUT_VARIABLE] = f"{hang_watch.DEFAULT_TIMEOUT:g}"
     # A job that can restart (or change members) gets a store per rendezvous round: on the store
@@ -202,15 +223,51 @@ def process_environment(config: LaunchConfig, args: argparse.Namespace, path: st
 
 
 def run_launch(args: argparse.Namespace) -> int:
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
-
     config, path = effective_config(args)
     if not args.module and not os.path.isfile(args.training_script):
         raise ConfigError(f"launch: no script at {args.training_script}; "
                           "pass a path, or -m for a module")
-    os.environ.update(process_environment(config, args, path))
+    if args.max_restarts is None:  # a replica group that fails is restarted by its own agent
+        args.max_restarts = 3 if config.fault_tolerance else 0
+    with contextlib.ExitStack() as stack:
+        if config.fault_tolerance:
+            from .. import fault_tolerance  # torch and torchft: only for a replica group
+            # torchft logs several lines per step in every process (the lighthouse's and the workers' inherit this)
+            os.environ.setdefault("RUST_LOG", "warn")
+            config.fault_tolerance_config["lighthouse"] = _lighthouse(config, stack)
+            fault_tolerance.FaultTolerance.of_section(config.fault_tolerance_config)  # checked before any start
+        os.environ.update(process_environment(config, args, path))
+        return _run_agent(config, args)
+
+
+def _lighthouse(config: LaunchConfig, stack: contextlib.ExitStack) -> str:
+    """The lighthouse's address: the one given, else one this launcher serves (replica group 0's first machine) for
+    as long as it runs."""
+    group = config.replica_group
+    if group.lighthouse:
+        return group.lighthouse
+    if group.replica_id != 0:
+        raise ConfigError(f"launch: replica group {group.replica_id} needs --lighthouse http://HOST:PORT, the address "
+                          "replica group 0's launcher printed (or a lighthouse of your own)")
+    if config.machine_rank != 0:
+        if not group.lighthouse_port:
+            raise ConfigError("launch: replica group 0's other machines find the lighthouse on main_process_ip at "
+                              "lighthouse_port, which is 0 (a free port); give --lighthouse_port or --lighthouse")
+        return f"http://{config.main_process_ip}:{group.lighthouse_port}"
+    from ..fault_tolerance import serve_lighthouse
+
+    server = serve_lighthouse(group.lighthouse_port, group.min_replicas)
+    stack.callback(server.shutdown)
+    print(f"hf-backend launch: torchft lighthouse at {server.address()}; the other replica groups join with "
+          f"--lighthouse {server.address()}", file=sys.stderr, flush=True)
+    return server.address()
+
+
+def _run_agent(config: LaunchConfig, args: argparse.Namespace) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
     quiet = _QuietStop()
     for name in _STOP_LOGGERS:
         logging.getLogger(name).addFilter(quiet)

@@ -7,6 +7,7 @@ them (`resolve`, `read_launch_config`). Nothing here writes `os.environ`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Callable
@@ -23,6 +24,8 @@ DYNAMO_BACKEND = PREFIX + "DYNAMO_BACKEND"
 DISTRIBUTED_TYPE = PREFIX + "DISTRIBUTED_TYPE"
 FSDP_CONFIG = PREFIX + "FSDP_CONFIG"  # JSON of the validated fsdp_config section
 DEEPSPEED_CONFIG = PREFIX + "DEEPSPEED_CONFIG"  # JSON of the validated deepspeed_config section
+# JSON of the fault_tolerance_config section, its lighthouse resolved (fault_tolerance.FaultTolerance reads it)
+FAULT_TOLERANCE = PREFIX + "FAULT_TOLERANCE"
 # the file the launcher read, for `hf-backend env` and messages
 CONFIG_FILE = PREFIX + "CONFIG_FILE"
 # Accelerate's names, so that `accelerate launch --parallelism_config_tp_size 2` starts hf_backend
@@ -56,6 +59,8 @@ def to_environment(config: Any, config_file: str | None = None) -> dict[str, str
         for key, value in config.parallelism_config.items():
             # parallelism_config_tp_size -> PARALLELISM_CONFIG_TP_SIZE
             env[key.upper()] = str(value)
+    if config.fault_tolerance:
+        env[FAULT_TOLERANCE] = json.dumps(dataclasses.asdict(config.replica_group))
     if config_file:
         env[CONFIG_FILE] = str(config_file)
     return env

@@ -485,6 +485,8 @@ def _check_together(config: LaunchConfig, source: str) -> None:
         if getattr(config, section) and config.distributed_type != kind:
             note(f"{source}: {section} is not used because distributed_type is "
                  f"{config.distributed_type}")
+    if config.fault_tolerance_config and not config.fault_tolerance:
+        note(f"{source}: fault_tolerance_config is not used because fault_tolerance is false")
     if config.parallelism_config and config.distributed_type == "DEEPSPEED":
         raise ConfigError(f"{source}: parallelism_config goes with the native path, not DeepSpeed; "
                           "set distributed_type FSDP (or MULTI_CPU / MULTI_GPU) or drop "

@@ -5,7 +5,15 @@
 
 from __future__ import annotations
 
-from .schema import DeepSpeedSection, FsdpSection, LaunchConfig, ParallelismSection, default_of, fields_of
+from .schema import (
+    DeepSpeedSection,
+    FaultToleranceSection,
+    FsdpSection,
+    LaunchConfig,
+    ParallelismSection,
+    default_of,
+    fields_of,
+)
 
 _INTRO = """# Config file reference
 
@@ -44,7 +52,11 @@ def render() -> str:
              "## `deepspeed_config`", "", *_table(DeepSpeedSection), "",
              "## `parallelism_config`", "",
              "Each key is also a `hf-backend launch` flag (`--parallelism_config_tp_size 2`), as in `accelerate "
-             "launch`; what runs: docs/parallelism.md.", "", *_table(ParallelismSection), ""]
+             "launch`; what runs: docs/parallelism.md.", "", *_table(ParallelismSection), "",
+             "## `fault_tolerance_config`", "",
+             "Read with `fault_tolerance: true`. Each key is also a `hf-backend launch` flag (`--replica_id 1`, "
+             "any of them implies `--fault_tolerance`); what runs: docs/fault_tolerance.md.", "",
+             *_table(FaultToleranceSection), ""]
     return "\n".join(parts)
 
 

@@ -143,6 +143,24 @@ class ParallelismSection:
 
 
 @dataclass
+class FaultToleranceSection:
+    """`fault_tolerance_config:`, read when `fault_tolerance: true`: this launch is one replica group of a torchft
+    run (docs/fault_tolerance.md). Each key is also a `hf-backend launch` flag."""
+
+    replica_id: int = key(0, "this replica group's index, from 0 (every machine of a group gives the same)",
+                          minimum=0, maximum=MAX_MACHINES - 1)
+    num_replica_groups: int = key(2, "replica groups in the run", minimum=1, maximum=MAX_MACHINES)
+    lighthouse: str | None = key(None, "the torchft lighthouse's address, http://HOST:PORT (unset: replica group 0's "
+                                       "launcher starts one on lighthouse_port and prints it)")
+    lighthouse_port: int = key(29510, "port of the lighthouse replica group 0's launcher starts (0: a free one)",
+                               minimum=0, maximum=65535)
+    min_replicas: int = key(1, "the fewest live replica groups a step commits with", minimum=1, maximum=MAX_MACHINES)
+    collective_timeout: float = key(60.0, "seconds a gradient exchange, commit or healing may take",
+                                    minimum=1, maximum=86_400)
+    quorum_timeout: float = key(120.0, "seconds a step waits for a quorum of live groups", minimum=1, maximum=86_400)
+
+
+@dataclass
 class LaunchConfig:
     """What `hf-backend launch` starts and how `Accelerator()` in each process is set up."""
 
@@ -188,6 +206,9 @@ class LaunchConfig:
     fp8_config: dict = key({}, "fp8 is not supported", unused=True)
     parallelism_config: dict = key({}, "the process grid: tensor parallelism "
                                        "x FSDP / HSDP (see below)")
+    fault_tolerance: bool = key(False, "replica groups on torchft: a failed group restarts and heals from a live one "
+                                       "while the others train on")
+    fault_tolerance_config: dict = key({}, "this launch's replica group and the lighthouse (see below)")
     tpu_name: str | None = key(None, "TPU only", unused=True)
     tpu_zone: str | None = key(None, "TPU only", unused=True)
     tpu_use_cluster: bool = key(False, "TPU only", unused=True)
@@ -209,6 +230,10 @@ class LaunchConfig:
     def parallelism(self) -> ParallelismSection:
         return ParallelismSection(**self.parallelism_config)
 
+    @property
+    def replica_group(self) -> FaultToleranceSection:
+        return FaultToleranceSection(**self.fault_tolerance_config)
+
     def to_dict(self) -> dict[str, Any]:
         """The keys worth writing: everything used, plus unused keys only where they differ from the
         default."""
@@ -222,7 +247,7 @@ class LaunchConfig:
 
 
 SECTIONS: dict[str, type] = {"fsdp_config": FsdpSection, "deepspeed_config": DeepSpeedSection,
-                             "parallelism_config": ParallelismSection}
+                             "parallelism_config": ParallelismSection, "fault_tolerance_config": FaultToleranceSection}
 
 
 def fields_of(model: type) -> dict[str, dataclasses.Field]:

@@ -27,7 +27,7 @@ import torch
 import transformers
 from transformers.trainer_pt_utils import AcceleratorConfig
 
-from .. import accelerate_state, checks
+from .. import accelerate_state, checks, fault_tolerance
 from ..config import environment as env
 from ..config.backend import TRAINING_ARGUMENTS, choose_backend
 from ..config.fsdp import FsdpOptions
@@ -38,6 +38,7 @@ from ..config.training_arguments import deepspeed_config_from_argument, fsdp_opt
 from ..errors import HfBackendError
 from ..state import get_process_state, process_state_is_set_up
 from .accelerate_names import engine_named
+from .replica_groups import writes_for_the_run
 
 
 @dataclass
@@ -46,7 +47,11 @@ class TrainingArguments(engine_named(transformers.TrainingArguments)):
         "hf_backend: a checkpoint's large files are copied to host memory and written in the "
         "background while training goes on; the checkpoint counts (trainer_state.json, rotation) "
         "once every file is written")})
+    fault_tolerance: bool | None = dataclasses.field(default=None, metadata={"help": (
+        "hf_backend: this job is one replica group of a torchft run (docs/fault_tolerance.md); None: as "
+        "`hf-backend launch --fault_tolerance` says")})
     fsdp_options = None  # config.fsdp.FsdpOptions, resolved once by _process_fsdp_args
+    replica_group = None  # fault_tolerance.FaultTolerance, resolved once in __post_init__
 
     def __post_init__(self) -> None:
         for name in ("gradient_accumulation_steps", "per_device_train_batch_size", "per_device_eval_batch_size"):
@@ -56,6 +61,7 @@ class TrainingArguments(engine_named(transformers.TrainingArguments)):
             self.parallelism_config = ParallelismConfig.of(self.parallelism_config,
                                                            "TrainingArguments.parallelism_config")
         self.accelerator_config = _accelerator_config(self.accelerator_config)
+        self.replica_group = fault_tolerance.resolve(self.fault_tolerance)
         # fsdp / fsdp_config / deepspeed given here win (and are read below, once transformers has
         # parsed them); without them the launcher's FSDP or DeepSpeed options, read by
         # choose_backend, apply.
@@ -79,6 +85,11 @@ class TrainingArguments(engine_named(transformers.TrainingArguments)):
         self.deepspeed = deepspeed
         if not (self.fp16 or self.bf16) and "ACCELERATE_MIXED_PRECISION" not in os.environ:
             self.mixed_precision = env.resolve("mixed_precision")
+
+    @property
+    def should_save(self) -> bool:
+        """transformers' answer, and, in replica groups, only in group 0 (trainer/replica_groups.py)."""
+        return super().should_save and writes_for_the_run(self)
 
     @cached_property
     def _setup_devices(self) -> torch.device:

@@ -62,6 +62,7 @@ from .accelerate_names import engine_named
 from .arguments import TrainingArguments
 from .jit_checkpoint import JITCheckpoint
 from .loss import LossMembers
+from .replica_groups import ReplicaGroupSteps, writes_for_the_run
 
 # older than transformers_compat.OLDEST is an ImportError, newer than NEWEST a warning
 compat.check_version()
@@ -118,6 +119,10 @@ class Trainer(LossMembers, _EngineNamed):
         self._resume_index: checkpoint.CheckpointIndex | None = None
         with _checkpoints_allowed(model, args):
             super().__init__(model=model, args=args, **kwargs)
+        if self.accelerator.replica_groups is not None:  # right after DefaultFlowCallback (replica_groups.py)
+            callbacks = self.callback_handler.callbacks
+            flow = [i for i, c in enumerate(callbacks) if isinstance(c, transformers.DefaultFlowCallback)]
+            callbacks.insert(flow[0] + 1 if flow else 0, ReplicaGroupSteps(self))
         if args.enable_jit_checkpoint:
             self._coordinate_jit_checkpoint()
 
@@ -176,6 +181,7 @@ class Trainer(LossMembers, _EngineNamed):
             fsdp_plugin=args.fsdp_options,
             deepspeed_plugin=args.deepspeed_plugin,
             parallelism_config=parallelism,
+            fault_tolerance=args.replica_group or False,
         )
         self.gather_function = functools.partial(self.accelerator.gather_for_metrics,
                                                  use_gather_object=args.eval_use_gather_object)
@@ -262,6 +268,12 @@ class Trainer(LossMembers, _EngineNamed):
         self.accelerator.checkpoint_io.wait()
         return result
 
+    def is_world_process_zero(self) -> bool:
+        return super().is_world_process_zero() and writes_for_the_run(self.args)
+
+    def is_local_process_zero(self) -> bool:
+        return super().is_local_process_zero() and writes_for_the_run(self.args)
+
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         """transformers' save, then the manifest of every file in the checkpoint (once every process
         has written). With save_only_model the train loader's position is written too, so the
@@ -269,6 +281,8 @@ class Trainer(LossMembers, _EngineNamed):
         passed over) is removed first: transformers would write into it, among its stale or damaged
         files. With async_save the large files are written in the background and the manifest is
         sealed when they are (trainer/async_checkpoint.py)."""
+        if not writes_for_the_run(self.args):  # replica group 0 writes the run's checkpoints
+            return
         output_dir = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
         if self.args.should_save and os.path.lexists(output_dir):
             note(f"removing {output_dir}, left by an earlier run, before saving this step again")
@@ -292,6 +306,8 @@ class Trainer(LossMembers, _EngineNamed):
         `from_pretrained` reads, gathered under every strategy. A checkpoint's weights
         (`_internal_call`) are written as CheckpointIO writes them: shards under FSDP's
         SHARDED_STATE_DICT, in the background with async_save."""
+        if not writes_for_the_run(self.args):  # replica group 0 writes; every group holds the same weights
+            return
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         io, adapter = self.accelerator.checkpoint_io, self._adapter_weights()
         if _internal_call and not adapter:
