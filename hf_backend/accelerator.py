@@ -290,8 +290,7 @@ class Accelerator(ProcessView, SavingMembers, compat.AccelerateMembers, elastic.
         return self._register_optimizer(inner)
 
     def _register_optimizer(self, inner: Any) -> AcceleratedOptimizer:
-        wrapped = AcceleratedOptimizer(inner, self.gradient_state, self.scaler,
-                                       commit=self.replica_groups.commit if self.replica_groups else None)
+        wrapped = AcceleratedOptimizer(inner, self.gradient_state, self.scaler, replica_groups=self.replica_groups)
         self._objects.optimizers.append(wrapped)
         return wrapped
 

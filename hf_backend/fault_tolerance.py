@@ -49,7 +49,9 @@ _DEFAULTS = {name: default_of(f) for name, f in fields_of(FaultToleranceSection)
 class FaultTolerance:
     """Which replica group this process belongs to, of how many, and where the lighthouse is. `min_replicas`: the
     fewest live groups a step commits with; `collective_timeout`: seconds for a gradient exchange, a commit or a
-    healing; `quorum_timeout`: seconds to wait for a quorum (a group being restarted rejoins within it)."""
+    healing; `quorum_timeout`: seconds to wait for a quorum (a group being restarted rejoins within it);
+    `sync_every`, `outer_lr`, `outer_momentum`: the groups meet every step (gradients averaged) or every N steps
+    (LocalSGD / DiLoCo: each group steps alone in between; docs/fault_tolerance.md)."""
 
     replica_id: int
     num_replica_groups: int
@@ -57,6 +59,9 @@ class FaultTolerance:
     min_replicas: int = _DEFAULTS["min_replicas"]
     collective_timeout: float = _DEFAULTS["collective_timeout"]
     quorum_timeout: float = _DEFAULTS["quorum_timeout"]
+    sync_every: int = _DEFAULTS["sync_every"]
+    outer_lr: float = _DEFAULTS["outer_lr"]
+    outer_momentum: float = _DEFAULTS["outer_momentum"]
 
     @classmethod
     def from_environment(cls) -> FaultTolerance | None:
@@ -85,6 +90,10 @@ class FaultTolerance:
                                  f"num_replica_groups={self.num_replica_groups}")
         if not self.lighthouse:
             raise HfBackendError("FaultTolerance(lighthouse=...): give the lighthouse's address, http://HOST:PORT")
+        if self.sync_every < 1 or not 0 <= self.outer_momentum < 1 or self.outer_lr <= 0:
+            raise HfBackendError(f"FaultTolerance(sync_every={self.sync_every}, outer_lr={self.outer_lr}, "
+                                 f"outer_momentum={self.outer_momentum}): give sync_every >= 1, outer_lr > 0 and "
+                                 "0 <= outer_momentum < 1")
 
 
 def resolve(value: Any) -> FaultTolerance | None:
@@ -147,12 +156,21 @@ class ReplicaGroups:
             pg=ProcessGroupGloo(timeout=timeout), load_state_dict=self._load, state_dict=self._state,
             min_replica_size=config.min_replicas, replica_id=f"replica_{config.replica_id}", timeout=timeout,
             quorum_timeout=datetime.timedelta(seconds=config.quorum_timeout), rank=process.process_index,
-            world_size=process.num_processes, lighthouse_addr=config.lighthouse)
+            world_size=process.num_processes, lighthouse_addr=config.lighthouse,
+            # meeting every N steps: a group that is behind is healed as the quorum forms, before the groups'
+            # moves are averaged (torchft's DiLoCo needs the same)
+            use_async_quorum=config.sync_every == 1)
+        self.meets_every_step = config.sync_every == 1
         self._phase = "idle"  # idle -> gathering (quorum asked, gradients averaged) -> decided (committed or not)
         self._decision = False
         self.discarded = 0  # steps the quorum did not commit, since this process started
+        self.discarded_meetings = 0  # meeting every N steps: meetings the quorum did not finish
         self._short_since: int | None = None  # the step since which groups are missing
-        self._wait_for_everyone = first_start
+        self._wait_for_everyone = self._first_start = first_start
+        self._local_steps = 0  # optimizer steps taken, when the groups meet every N steps
+        self._stepped = 0  # optimizers stepped in this step
+        self._outer: _OuterStep | None = None  # the weights of the last meeting and the outer optimizer
+        self._healed = False  # whether the meeting under way healed this group
 
     # -- the step protocol -------------------------------------------------------------------------
     def _begin(self) -> None:
@@ -172,6 +190,8 @@ class ReplicaGroups:
         """Average every gradient across the quorum's groups, in one flat buffer per dtype (a group that is
         healing contributes zeros and receives the average). A trainable parameter without a gradient gets
         zeros: every group sends the same buffer."""
+        if not self.meets_every_step:
+            return
         if self._phase != "gathering":
             self._begin()
         grads = []
@@ -181,18 +201,30 @@ class ReplicaGroups:
                     if param.grad is None:
                         param.grad = torch.zeros_like(param)
                     grads.append(_local(param.grad))
-        for dtype in sorted({g.dtype for g in grads}, key=str):
-            same = [g for g in grads if g.dtype == dtype]
-            flat = torch.cat([g.reshape(-1) for g in same])
+        self._average(grads)
+
+    def _average(self, tensors: list[torch.Tensor]) -> None:
+        """Each tensor replaced by its average over the quorum's groups: one exchange per dtype."""
+        for dtype in sorted({t.dtype for t in tensors}, key=str):
+            same = [t for t in tensors if t.dtype == dtype]
+            flat = torch.cat([t.reshape(-1) for t in same])
             self.manager.allreduce(flat).wait()
             offset = 0
-            for g in same:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
+            for t in same:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
 
     def commit(self) -> bool:
         """Whether this step's update is applied (the same answer in every process of the group; once per step,
-        whatever the number of optimizers)."""
+        whatever the number of optimizers). Meeting every N steps, a local step is always applied, but for the
+        first: the groups meet before it (their starting weights agree), and a restarted group healed there skips
+        it."""
+        if not self.meets_every_step:
+            if self._outer is None:  # the first meeting
+                self._outer, self._healed = _OuterStep(self._trainable(), self.config), False
+                self._meet()
+                return not self._healed_on_restart()
+            return True
         if self._phase == "idle":
             self._begin()
         if self._phase == "gathering":
@@ -206,10 +238,20 @@ class ReplicaGroups:
                 self._note_missing_groups()
         return self._decision
 
+    def _healed_on_restart(self) -> bool:
+        """Whether a restarted group was healed at its first meeting: its first step's gradient was then taken on
+        the weights the meeting replaced, and is not applied. (On a first start torchft's `init_sync` copies one
+        group's starting weights into the others, which are the same weights when the script seeds them.) torchft
+        heals each process from its own source, so the group decides together."""
+        healed = torch.tensor(float(self._healed and not self._first_start))
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(healed, op=torch.distributed.ReduceOp.MAX)
+        return bool(healed.item())
+
     def _note_missing_groups(self) -> None:
         """One note when steps start committing without some groups (their parts of the batches go untrained), one
         when every group is back."""
-        step, present, groups = self.manager.current_step(), self.manager.num_participants(), \
+        step, present, groups = self.committed_steps, self.manager.num_participants(), \
             self.config.num_replica_groups
         if present < groups and self._short_since is None:
             self._short_since = step
@@ -220,9 +262,42 @@ class ReplicaGroups:
                  "steps trained without some groups' parts of their batches")
             self._short_since = None
 
+    def stepped(self) -> None:
+        """An optimizer stepped; meeting every N steps, once all have and the count is a multiple of N, the groups
+        meet: each group's move since the last meeting is averaged across the quorum and the outer optimizer steps
+        on it from the last meeting's weights (LocalSGD: lr 1, no momentum, the average of the weights; DiLoCo).
+        A meeting the quorum does not finish leaves every group at the last meeting's weights."""
+        if self.meets_every_step:
+            return
+        self._stepped += 1
+        if self._stepped < len(self.objects.optimizers):
+            return
+        self._stepped = 0
+        self._local_steps += 1
+        if self._local_steps % self.config.sync_every == 0:
+            self._meet()
+
+    def _meet(self) -> None:
+        self._begin()  # a group that is behind receives a live one's state as the quorum forms
+        params = self._trainable()
+        moves = self._outer.moves(params)
+        self._average(moves)
+        if self.manager.should_commit():
+            self._outer.step(moves)
+            self._note_missing_groups()
+        else:
+            self.discarded_meetings += 1
+            note(f"fault tolerance: the meeting after step {self._local_steps} failed (a replica group failed "
+                 f"during it); every group goes back to the weights of the meeting before")
+        self._outer.restore(params)
+
+    def _trainable(self) -> list[torch.Tensor]:
+        return [_local(p) for model in self.objects.models for p in model.parameters() if p.requires_grad]
+
     @property
     def committed_steps(self) -> int:
-        return self.manager.current_step()
+        """Optimizer steps the run has applied: committed steps, or meeting every N steps, the steps taken."""
+        return self.manager.current_step() if self.meets_every_step else self._local_steps
 
     def data_shard(self, shard: DataShard) -> DataShard:
         """Each group reads its own part of every global batch: the group's shards, times the groups."""
@@ -244,7 +319,8 @@ class ReplicaGroups:
                 "optimizers": [_local_optimizer_state(opt.state_dict()) for opt in objects.optimizers],
                 "schedulers": [s.state_dict() for s in objects.schedulers],
                 "loaders": [loader.state_dict() for loader in objects.dataloaders],
-                "rng": capture_rng(), "accumulation_step": self.accelerator.step}
+                "rng": capture_rng(), "accumulation_step": self.accelerator.step, "local_steps": self._local_steps,
+                "outer": self._outer.state_dict() if self._outer is not None else None}
 
     def _load(self, state: dict[str, Any]) -> None:
         objects = self.objects
@@ -260,8 +336,14 @@ class ReplicaGroups:
             loader.catch_up(saved)
         restore_rng(state["rng"])
         self.accelerator.step = state["accumulation_step"]
+        self._local_steps = state["local_steps"]
+        self._healed = True
+        if state["outer"] is not None:
+            if self._outer is None:
+                self._outer = _OuterStep(self._trainable(), self.config)
+            self._outer.load_state_dict(state["outer"])
         note(f"fault tolerance: replica group {self.config.replica_id} healed from a live group at step "
-             f"{self.manager.current_step()}")
+             f"{self.committed_steps}")
 
 
 def _tensors(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -286,3 +368,37 @@ def _distributed_optimizer_state(state: dict[str, Any], optimizer: Any) -> dict[
 
     return {**state, "state": {key: {name: like(value, params[int(key)]) for name, value in entry.items()}
                                for key, entry in state["state"].items()}}
+
+
+class _OuterStep:
+    """The groups' weights at the last meeting (this process's shards) and the outer optimizer that moves them: SGD
+    with Nesterov momentum on the averaged move (DiLoCo's outer step; lr 1 and no momentum: the average)."""
+
+    def __init__(self, params: list[torch.Tensor], config: FaultTolerance) -> None:
+        self.anchor = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        self.optimizer = torch.optim.SGD(self.anchor, lr=config.outer_lr, momentum=config.outer_momentum,
+                                         nesterov=config.outer_momentum > 0)
+
+    def moves(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """How far each parameter moved since the last meeting, as a gradient: anchor - now."""
+        return [anchor.detach() - p.detach() for anchor, p in zip(self.anchor, params, strict=True)]
+
+    def step(self, moves: list[torch.Tensor]) -> None:
+        for anchor, move in zip(self.anchor, moves, strict=True):
+            anchor.grad = move
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    @torch.no_grad()
+    def restore(self, params: list[torch.Tensor]) -> None:
+        for p, anchor in zip(params, self.anchor, strict=True):
+            p.copy_(anchor)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"anchor": [a.detach() for a in self.anchor], "optimizer": self.optimizer.state_dict()}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for mine, theirs in zip(self.anchor, state["anchor"], strict=True):
+            mine.copy_(theirs)
+        self.optimizer.load_state_dict(state["optimizer"])

@@ -34,6 +34,10 @@ class LocalSGD:
     parallelism only)."""
 
     def __init__(self, accelerator: Any, model: torch.nn.Module, local_sgd_steps: int, enabled: bool = True) -> None:
+        if getattr(accelerator, "replica_groups", None) is not None:
+            raise HfBackendError("LocalSGD with fault_tolerance: replica groups meet every N steps with "
+                                 "fault_tolerance_config sync_every=N (LocalSGD between the groups; DiLoCo with "
+                                 "outer_lr and outer_momentum), docs/fault_tolerance.md; drop LocalSGD")
         distributed_type = accelerator.distributed_type
         if distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
             raise HfBackendError("LocalSGD averages whole parameters of a DDP model; under "

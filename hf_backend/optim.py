@@ -3,7 +3,6 @@ steps."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -14,17 +13,18 @@ from .gradient_state import GradientState
 class AcceleratedOptimizer(torch.optim.Optimizer):
     """Steps (and zeroes) only on gradient-sync steps; with fp16, steps through the GradScaler.
 
-    `step_was_skipped` is True after a step the scaler skipped because of inf/nan gradients, or that
-    `commit` (fault tolerance's: whether the replica groups finished the step) turned down.
+    `step_was_skipped` is True after a step the scaler skipped because of inf/nan gradients, or that the replica
+    groups (fault_tolerance.ReplicaGroups: whether they finished the step) turned down; they hear of every step
+    taken (`stepped`: parameters synchronised every N steps).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, gradient_state: GradientState,
-                 scaler: torch.amp.GradScaler | None = None, commit: Callable[[], bool] | None = None) -> None:
+                 scaler: torch.amp.GradScaler | None = None, replica_groups: Any = None) -> None:
         # Deliberately not calling Optimizer.__init__: this object only forwards to `optimizer`.
         self.optimizer = optimizer
         self.gradient_state = gradient_state
         self.scaler = scaler
-        self.commit = commit
+        self.replica_groups = replica_groups
         self.step_was_skipped = False
 
     @property
@@ -65,17 +65,21 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> Any:
         if not self.gradient_state.sync_gradients:
             return None
-        if self.commit is not None and not self.commit():
+        if self.replica_groups is not None and not self.replica_groups.commit():
             self.step_was_skipped = True
             return None
+        result = None
         if self.scaler is None:
             self.step_was_skipped = False
-            return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
-        scale_before = self.scaler.get_scale()
-        self.scaler.step(self.optimizer, closure) if closure is not None else self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.step_was_skipped = self.scaler.get_scale() < scale_before
-        return None
+            result = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        else:
+            scale_before = self.scaler.get_scale()
+            self.scaler.step(self.optimizer, closure) if closure is not None else self.scaler.step(self.optimizer)
+            self.scaler.update()
+            self.step_was_skipped = self.scaler.get_scale() < scale_before
+        if self.replica_groups is not None:
+            self.replica_groups.stepped()
+        return result
 
     def train(self) -> None:
         if hasattr(self.optimizer, "train"):

@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler
 
 from hf_backend import HfBackendError
-from hf_backend.data import PreparedDataLoader, ShardedBatchSampler, prepare_dataloader
+from hf_backend.batch_sources import ShardedBatchSampler
+from hf_backend.data import PreparedDataLoader, prepare_dataloader
 from hf_backend.gradient_state import GradientState
 from hf_backend.options import GradientAccumulationPlugin
 

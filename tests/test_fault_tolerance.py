@@ -32,7 +32,7 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _launch_groups(out: Path, scripts: list[list[str]]) -> None:
+def _launch_groups(out: Path, scripts: list[list[str]], flags: tuple[str, ...] = ()) -> None:
     """Replica groups 0 and 1, each `hf-backend launch --fault_tolerance` of 2 processes running its script; group
     0's launcher serves the lighthouse. The launcher's defaults for a replica group: 3 restarts, no hang watch."""
     port = _free_port()
@@ -44,7 +44,7 @@ def _launch_groups(out: Path, scripts: list[list[str]]) -> None:
             groups.append(subprocess.Popen(
                 [*CLI, "launch", "--cpu", "--num_processes", "2", "--num_cpu_threads_per_process", "1",
                  "--fault_tolerance", "--replica_id", str(replica), "--num_replica_groups", "2", *where[replica],
-                 *scripts[replica]], env={**os.environ, "PYTHONPATH": str(SCRIPTS)},
+                 *flags, *scripts[replica]], env={**os.environ, "PYTHONPATH": str(SCRIPTS)},
                 stdout=subprocess.DEVNULL, stderr=logs[replica]))
             if replica == 0:  # its lighthouse up before group 1 asks it
                 _wait_for(out / "group0.log", "torchft lighthouse at")
@@ -57,13 +57,14 @@ def _launch_groups(out: Path, scripts: list[list[str]]) -> None:
     assert codes == [0, 0], (codes, (out / "group1.log").read_text()[-3000:])
 
 
-def _run(tmp: Path, name: str, kills: tuple[str, ...] = (), seed: int = 0) -> dict:
+def _run(tmp: Path, name: str, kills: tuple[str, ...] = (), seed: int = 0, steps: int = STEPS,
+         flags: tuple[str, ...] = ()) -> dict:
     out = tmp / name
     out.mkdir()
-    _launch_groups(out, [[str(SCRIPTS / "ft_loop.py"), "--steps", str(STEPS), "--step-seconds", str(STEP_SECONDS),
+    _launch_groups(out, [[str(SCRIPTS / "ft_loop.py"), "--steps", str(steps), "--step-seconds", str(STEP_SECONDS),
                           "--seed", str(seed), "--out", str(out / f"group{replica}.json"), "--events",
                           str(out / "events.jsonl"), *[a for kill in kills for a in ("--kill", kill)]]
-                         for replica in (0, 1)])
+                         for replica in (0, 1)], flags)
     events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
     return {"groups": [json.loads((out / f"group{r}.json").read_text()) for r in (0, 1)], "events": events}
 
@@ -112,6 +113,29 @@ def test_killed_groups_heal_from_the_live_group_and_the_groups_end_equal(tmp_pat
     assert abs(final - uninterrupted) < 2 * SPREAD
 
 
+DILOCO_STEPS, DILOCO_KILL = 40, 6
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="torch elastic restarts on Linux")
+def test_groups_meeting_every_4_steps_heal_at_a_meeting_and_end_equal(tmp_path):
+    """DiLoCo between the groups (`--sync_every 4 --outer_lr 0.7 --outer_momentum 0.9`): each group steps alone and
+    every 4 steps the groups average their moves and take the outer step. A process of group 1 dies after its
+    forward at step 6: group 0 goes on meeting alone; restarted, group 1 receives group 0's state (weights, inner
+    and outer optimizer, position) at a meeting, and the groups end after 40 steps bitwise equal."""
+    run = _run(tmp_path, "diloco", (f"1:1:{DILOCO_KILL}:forward:0",), steps=DILOCO_STEPS,
+               flags=("--sync_every", "4", "--outer_lr", "0.7", "--outer_momentum", "0.9"))
+    group0, group1 = run["groups"]
+    assert group0["committed"] == group1["committed"] == DILOCO_STEPS and group0["discarded"] == 0
+    assert group0["params"] == group1["params"]
+    steps0 = [e for e in run["events"] if e["event"] == "step" and e["replica"] == 0 and e["rank"] == 0]
+    assert max(b["t"] - a["t"] for a, b in zip(steps0, steps0[1:])) < 30
+    back = [e for e in run["events"] if e["event"] == "step" and e["replica"] == 1 and e["restart"] == 1]
+    assert back and back[-1]["participants"] == 2
+    first = group0["losses"][min(group0["losses"], key=int)]
+    print(f"DiLoCo: training loss at the first step {first:.4f}, loss of the final weights {group0['final_loss']:.4f}")
+    assert group0["final_loss"] < first / 2  # it learned, through the kill
+
+
 TRAINER_STEPS, TRAINER_KILL = 30, 8
 
 
@@ -154,6 +178,8 @@ def test_fault_tolerance_without_the_launcher_settings_is_one_line(monkeypatch) 
         FaultTolerance(replica_id=2, num_replica_groups=2, lighthouse="http://x:1")
     assert resolve({"replica_id": 1, "num_replica_groups": 3, "lighthouse": "http://x:1"}) == FaultTolerance(
         1, 3, "http://x:1")
+    with pytest.raises(HfBackendError, match="give sync_every >= 1, outer_lr > 0 and 0 <= outer_momentum < 1"):
+        FaultTolerance(replica_id=0, num_replica_groups=2, lighthouse="http://x:1", outer_momentum=1.0)
 
 
 def test_the_launchers_flags_reach_every_process_as_one_value(monkeypatch) -> None:

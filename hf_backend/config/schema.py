@@ -158,6 +158,15 @@ class FaultToleranceSection:
     collective_timeout: float = key(60.0, "seconds a gradient exchange, commit or healing may take",
                                     minimum=1, maximum=86_400)
     quorum_timeout: float = key(120.0, "seconds a step waits for a quorum of live groups", minimum=1, maximum=86_400)
+    sync_every: int = key(1, "optimizer steps between two meetings of the groups: 1, gradients averaged at every "
+                             "step; N > 1, each group steps alone and every N steps the groups average how far "
+                             "they moved (LocalSGD; DiLoCo with the outer settings below)",
+                          minimum=1, maximum=1_000_000)
+    outer_lr: float = key(1.0, "with sync_every > 1: the learning rate of the outer SGD step on the averaged move "
+                               "(1 with momentum 0: LocalSGD, the average of the groups' weights; DiLoCo: 0.7)",
+                          minimum=0, maximum=100)
+    outer_momentum: float = key(0.0, "with sync_every > 1: the outer step's Nesterov momentum (DiLoCo: 0.9)", minimum=0,
+                                maximum=0.999)
 
 
 @dataclass
