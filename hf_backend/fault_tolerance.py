@@ -135,7 +135,7 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 class ReplicaGroups:
     """This process's part in the replica groups: a torchft Manager, and the step protocol the Accelerator runs
-    (`average_gradients` on each synchronising backward, `commit` before each optimizer step)."""
+    (`average_gradients` on each synchronising backward, `commit` before and `stepped` after each optimizer step)."""
 
     def __init__(self, config: FaultTolerance, process: Any, objects: PreparedObjects, accelerator: Any,
                  first_start: bool) -> None:
