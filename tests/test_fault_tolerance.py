@@ -10,14 +10,13 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from helpers import CLI, SCRIPTS
+from helpers import CLI, SCRIPTS, free_port
 
 pytest.importorskip("torchft")
 
@@ -26,16 +25,10 @@ LATE_KILL = 36  # the second kill's step: after group 1 has healed from the firs
 SPREAD = 0.1  # the final loss of 3 uninterrupted seeds ranged over 0.092 (docs/fault_tolerance.md)
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def _launch_groups(out: Path, scripts: list[list[str]], flags: tuple[str, ...] = ()) -> None:
     """Replica groups 0 and 1, each `hf-backend launch --fault_tolerance` of 2 processes running its script; group
     0's launcher serves the lighthouse. The launcher's defaults for a replica group: 3 restarts, no hang watch."""
-    port = _free_port()
+    port = free_port()
     where = [["--lighthouse_port", str(port)], ["--lighthouse", f"http://127.0.0.1:{port}"]]
     logs = [open(out / f"group{replica}.log", "w") for replica in (0, 1)]  # noqa: SIM115
     groups = []
