@@ -10,6 +10,7 @@ the epoch so every process takes the same number of equal batches.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -50,6 +51,9 @@ class ShardedBatchSampler:
         self.order_seed: int | None = None
         # the order generator's state when the pass in progress began
         self._epoch_rng: torch.Tensor | None = None
+        # every process's part of each step handed out and not yet trained, when a PreparedDataLoader reads parts
+        # other than its own (`PreparedDataLoader.read_parts`)
+        self.step_parts: deque[list[list]] | None = None
 
     @property
     def sampler(self) -> Any:
@@ -77,6 +81,8 @@ class ShardedBatchSampler:
             gen.set_state(mark["rng_state"])
         self._epoch_rng = gen.get_state() if gen is not None else None
         self.skip = skip
+        if self.step_parts is not None:
+            self.step_parts.clear()
         for obj in (self.batch_sampler, self.sampler):
             if hasattr(obj, "set_epoch"):
                 obj.set_epoch(epoch)
@@ -126,10 +132,12 @@ class ShardedBatchSampler:
             steps = self._single_steps()
         else:
             steps = self._split_steps() if self.split_batches else self._grouped_steps()
-        for step, (batch, remainder) in enumerate(steps):
+        for step, (batch, remainder, parts) in enumerate(steps):
             if step < skip:
                 continue
             self.remainder = remainder
+            if self.step_parts is not None:
+                self.step_parts.append(parts)
             yield batch
 
     def _padded(self, real: list, size: int, first: list) -> list:
@@ -140,15 +148,15 @@ class ShardedBatchSampler:
             out.extend(pad[: size - len(out)])
         return out
 
-    def _single_steps(self) -> Iterator[tuple[list, int]]:
+    def _single_steps(self) -> Iterator[tuple[list, int, list[list]]]:
         """One process: the user's batches as they are; a short last batch still reports its real rows,
         for callers that pad or repeat per-batch values to the nominal batch size (transformers'
         evaluation loop does)."""
         for batch in self.batch_sampler:
             short = self.batch_size is not None and len(batch) < self.batch_size
-            yield batch, len(batch) if short else 0
+            yield batch, len(batch) if short else 0, [batch]
 
-    def _split_steps(self) -> Iterator[tuple[list, int]]:
+    def _split_steps(self) -> Iterator[tuple[list, int, list[list]]]:
         world, rank = self.num_processes, self.process_index
         first: list = []
         for batch in self.batch_sampler:
@@ -160,11 +168,11 @@ class ShardedBatchSampler:
             if remainder and self.even_batches:
                 batch = self._padded(batch, size, first)
             per_rank = size // world
-            mine = batch[rank * per_rank:(rank + 1) * per_rank]
-            if mine:
-                yield mine, remainder
+            parts = [batch[r * per_rank:(r + 1) * per_rank] for r in range(world)]
+            if parts[rank]:
+                yield parts[rank], remainder, parts
 
-    def _grouped_steps(self) -> Iterator[tuple[list, int]]:
+    def _grouped_steps(self) -> Iterator[tuple[list, int, list[list]]]:
         world, rank = self.num_processes, self.process_index
         group: list[list] = []
         first: list = []
@@ -176,7 +184,7 @@ class ShardedBatchSampler:
                 first = [i for b in group for i in b]
             full = self.batch_size is None or all(len(b) == self.batch_size for b in group)
             if full or not self.even_batches:
-                yield group[rank], 0 if full else sum(len(b) for b in group)
+                yield group[rank], 0 if full else sum(len(b) for b in group), group
             else:
                 yield self._even_part(group, first)
             group = []
@@ -186,16 +194,16 @@ class ShardedBatchSampler:
             if self.even_batches:
                 yield self._even_part(group, first)
             elif rank < len(group):
-                yield group[rank], sum(len(b) for b in group)
+                yield group[rank], sum(len(b) for b in group), group
 
-    def _even_part(self, group: list[list], first: list) -> tuple[list, int]:
+    def _even_part(self, group: list[list], first: list) -> tuple[list, int, list[list]]:
         """This rank's equal share of a short last global batch, padded from the start of the epoch.
         """
         per_rank = self.batch_size or max(len(b) for b in group)
         real = [i for b in group for i in b]
         padded = self._padded(real, per_rank * self.num_processes, first)
-        start = self.process_index * per_rank
-        return padded[start:start + per_rank], len(real)
+        parts = [padded[r * per_rank:(r + 1) * per_rank] for r in range(self.num_processes)]
+        return parts[self.process_index], len(real), parts
 
 
 class PlainBatches:

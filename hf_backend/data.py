@@ -28,7 +28,8 @@ part, which knows the global batch, the real rows of the last one, and where eac
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -97,6 +98,9 @@ class PreparedDataLoader(DataLoader):
         self.gradient_state = gradient_state
         self.end_of_dataloader = False
         self._peer: dict[str, Any] | None = None  # a live peer's position to catch up with (`catch_up`)
+        self._parts_of_step: Callable[[], list[int] | None] | None = None  # `read_parts`
+        self.handed_out = 0  # batches handed out since this loader was built (not restored by a state)
+        self._next_split: tuple[int, int] | None = None  # `split` while a pass is under way: for the next
         self.remainder = -1
         self.position = Position()
 
@@ -175,10 +179,11 @@ class PreparedDataLoader(DataLoader):
             steps = steps * saved // now
         self.position = Position(int(state["epoch"]), steps, state.get("mark"), restored=True)
 
-    def catch_up(self, state: dict[str, Any]) -> None:
-        """Take a live peer's position (fault_tolerance.py: a replica group healed mid-pass): in the pass under
-        way, the batches up to it are skipped; a peer in another pass ends this one, and the next starts where
-        the peer is."""
+    def catch_up(self, state: dict[str, Any], ahead: int = 0) -> None:
+        """Take a live peer's position, `ahead` batches further (fault_tolerance.py: a replica group healed
+        mid-pass): in the pass under way, the batches up to it are skipped; a peer in another pass ends this one,
+        and the next starts where the peer is."""
+        state = {**state, "steps": int(state["steps"]) + ahead}
         if self.position.running:
             self._peer = state
         else:
@@ -190,6 +195,8 @@ class PreparedDataLoader(DataLoader):
             self.load_state_dict(state)
             return _PEER_ELSEWHERE
         while self.position.steps < state["steps"] and current is not _END:
+            if self._parts_of_step is not None:
+                self.source.step_parts.popleft()  # `current`'s, passed over
             current = next(it, _END)
             self.position = self.position._replace(steps=self.position.steps + 1)
         return current
@@ -205,6 +212,49 @@ class PreparedDataLoader(DataLoader):
             mark = self.source.mark(0, False)
         self.position = Position(now.epoch, int(num_batches), mark, restored=True)
         return self
+
+    # -- reading other processes' parts --------------------------------------------------------------
+    @property
+    def split_here(self) -> bool:
+        """Whether the engine splits this loader's global batches (a map-style dataset)."""
+        return isinstance(self.source, ShardedBatchSampler) and self.source.num_processes > 1
+
+    @property
+    def can_read_parts(self) -> bool:
+        """Whether this loader can read another process's part of a step: split here, its batches handed out in
+        order."""
+        return self.split_here and getattr(self, "in_order", True)
+
+    def split(self, num_processes: int, process_index: int) -> None:
+        """Read part `process_index` of `num_processes` of each global batch, and only it, from now on (from the
+        next pass when a pass is under way). fault_tolerance.py: an evaluation loader split over its replica group's
+        processes only, so that every group evaluates all of it."""
+        self._parts_of_step, self._next_split = None, (num_processes, process_index)
+        if not self.position.running:
+            self._take_split()
+
+    def _take_split(self) -> None:
+        if self._next_split is not None:
+            self.source.num_processes, self.source.process_index = self._next_split
+            self.source.step_parts = self._next_split = None
+
+    def read_parts(self, parts_of_step: Callable[[], list[int] | None]) -> None:
+        """From now on, each step's batch is the parts of its global batch `parts_of_step()` names (indices of
+        processes; None: this process's own), asked as the step's batch is handed out (fault_tolerance.py: the
+        live replica groups train a missing group's part)."""
+        self.source.step_parts = deque()
+        self._parts_of_step = parts_of_step
+
+    def _step_batch(self, batch: Any) -> Any:
+        parts = self.source.step_parts.popleft()
+        wanted = self._parts_of_step()
+        if wanted is None:
+            return batch
+        indices = [i for p in wanted for i in parts[p]]
+        if not self._auto_collation:  # the sampler's index lists go to the dataset whole
+            return self.collate_fn(self.dataset[indices])
+        getitems = getattr(self.dataset, "__getitems__", None)
+        return self.collate_fn(getitems(indices) if getitems else [self.dataset[i] for i in indices])
 
     # -- iteration ---------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
@@ -231,14 +281,18 @@ class PreparedDataLoader(DataLoader):
                 if upcoming is _END:
                     self.end_of_dataloader = True
                     self.remainder = self.source.remainder_of(current)
+                if self._parts_of_step is not None:
+                    current = self._step_batch(current)
                 batch = current if self.device is None else send_to_device(current, self.device, self.non_blocking)
                 self.position = self.position._replace(steps=self.position.steps + 1)
+                self.handed_out += 1
                 yield batch
                 current = upcoming if self._peer is None else self._catch_up(it, upcoming)
             if current is not _PEER_ELSEWHERE:
                 self.position = self.position.after()
         finally:
             self.gradient_state.exit_dataloader(self)
+            self._take_split()
 
 
 _END = object()

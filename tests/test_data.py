@@ -150,6 +150,57 @@ def test_end_of_dataloader_and_remainder_are_known_on_the_last_batch():
     assert list(two)[-1] == [2, 3, 4, 5] and two.remainder == 2  # rank 1's last batch is all padding
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_loader_told_to_read_other_parts_reads_them_in_the_step_it_is_told(workers):
+    """fault_tolerance.py's live replica groups training a missing group's part: process 0 of 4 reads parts 0 and 2
+    of steps 1 and 3 (asked as each step's batch is handed out; workers read ahead), its own part otherwise, and
+    after catching up with a peer's position mid-pass it reads the parts of the steps it lands on."""
+
+    def loader(rank: int) -> PreparedDataLoader:
+        return prepare_dataloader(DataLoader(torch.arange(96) * 10, batch_size=3, shuffle=True, num_workers=workers),
+                                  num_processes=4, process_index=rank, device=None, split_batches=False,
+                                  even_batches=True, gradient_state=GradientState(GradientAccumulationPlugin()),
+                                  data_seed=7)
+
+    passes = [loader(rank) for rank in range(4)]
+    reference = [[b.tolist() for b in rank] for rank in passes]
+    following = [[b.tolist() for b in rank] for rank in passes]  # the next epoch
+    live = loader(0)
+    assert live.can_read_parts
+    steps, later = [], []
+    live.read_parts(lambda: later or ([0, 2] if len(steps) in (1, 3) else None))
+    for batch in live:
+        steps.append(batch.tolist())
+    assert steps[1] == reference[0][1] + reference[2][1] and steps[3] == reference[0][3] + reference[2][3]
+    assert [b for i, b in enumerate(steps) if i not in (1, 3)] == [b for i, b in enumerate(reference[0])
+                                                                   if i not in (1, 3)]
+    it = iter(live)
+    next(it)
+    peer = live.state_dict() | {"steps": 5}
+    live.catch_up(peer)
+    later.extend([1, 3])
+    assert next(it).tolist() == following[1][5] + following[3][5]
+
+
+def test_a_loader_split_again_reads_its_new_part_from_its_next_pass():
+    """fault_tolerance.py's evaluation loader: prepared as part 3 of 4 (2 replica groups of 2 processes), split over
+    its group's 2 processes only (part 1 of 2); asked mid-pass, from the next pass."""
+
+    def loader(world: int, rank: int) -> PreparedDataLoader:
+        return prepare_dataloader(DataLoader(torch.arange(21), batch_size=4), num_processes=world,
+                                  process_index=rank, device=None, split_batches=False, even_batches=True,
+                                  gradient_state=GradientState(GradientAccumulationPlugin()))
+
+    across, within = [b.tolist() for b in loader(4, 3)], [b.tolist() for b in loader(2, 1)]
+    evaluation = loader(4, 3)
+    it = iter(evaluation)
+    first = next(it).tolist()
+    evaluation.split(2, 1)
+    assert [first, *(b.tolist() for b in it)] == across
+    assert len(evaluation) == len(within) and [b.tolist() for b in evaluation] == within
+    assert evaluation.total_batch_size == 8 and not evaluation.can_read_parts or evaluation.source.step_parts is None
+
+
 def test_distributed_sampler_is_not_sharded_twice():
     data = torch.arange(8)
     sampler = torch.utils.data.DistributedSampler(data, num_replicas=2, rank=1, shuffle=False)
