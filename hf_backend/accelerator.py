@@ -324,6 +324,8 @@ class Accelerator(ProcessView, SavingMembers, compat.AccelerateMembers, elastic.
                                       device=device, split_batches=self.split_batches, even_batches=self.even_batches,
                                       gradient_state=self.gradient_state, data_seed=self.dataloader_config.data_seed,
                                       non_blocking=self.dataloader_config.non_blocking)
+        if self.replica_groups is not None:
+            self.replica_groups.follow_quorum(prepared, self.strategy.data_shard)
         self._objects.dataloaders.append(prepared)
         return prepared
 

@@ -154,7 +154,8 @@ class ReplicaGroups:
         timeout = datetime.timedelta(seconds=config.collective_timeout)
         self.manager = Manager(
             pg=ProcessGroupGloo(timeout=timeout), load_state_dict=self._load, state_dict=self._state,
-            min_replica_size=config.min_replicas, replica_id=f"replica_{config.replica_id}", timeout=timeout,
+            # zero-padded: torchft ranks a quorum's groups by their ids as strings (`_parts_of_step`)
+            min_replica_size=config.min_replicas, replica_id=f"replica_{config.replica_id:06d}", timeout=timeout,
             quorum_timeout=datetime.timedelta(seconds=config.quorum_timeout), rank=process.process_index,
             world_size=process.num_processes, lighthouse_addr=config.lighthouse,
             # meeting every N steps: a group that is behind is healed as the quorum forms, before the groups'
@@ -171,6 +172,11 @@ class ReplicaGroups:
         self._stepped = 0  # optimizers stepped in this step
         self._outer: _OuterStep | None = None  # the weights of the last meeting and the outer optimizer
         self._healed = False  # whether the meeting under way healed this group
+        self._covering = False  # whether this step's batches include missing groups' parts (`follow_quorum`)
+        self._weight = 1.0  # this group's share of the step's samples, times the live groups (`_parts_of_step`)
+        self._training_loader: Any = None  # the loader the last committed step's batches came from
+        self._asking = False  # whether the training loader is waiting for the step's quorum (`_parts_of_step`)
+        self._handed_out: dict[int, int] = {}  # each loader's batches handed out when the last step was decided
 
     # -- the step protocol -------------------------------------------------------------------------
     def _begin(self) -> None:
@@ -185,6 +191,7 @@ class ReplicaGroups:
                 note(f"fault tolerance: {self.manager.num_participants()} of {self.config.num_replica_groups} "
                      f"replica groups joined within {self.config.quorum_timeout:g} s; training with them")
         self._phase = "gathering"
+        self._covering, self._weight = False, 1.0
 
     def average_gradients(self, models: list[torch.nn.Module]) -> None:
         """Average every gradient across the quorum's groups, in one flat buffer per dtype (a group that is
@@ -201,13 +208,16 @@ class ReplicaGroups:
                     if param.grad is None:
                         param.grad = torch.zeros_like(param)
                     grads.append(_local(param.grad))
-        self._average(grads)
+        self._average(grads, self._weight)
 
-    def _average(self, tensors: list[torch.Tensor]) -> None:
-        """Each tensor replaced by its average over the quorum's groups: one exchange per dtype."""
+    def _average(self, tensors: list[torch.Tensor], weight: float = 1.0) -> None:
+        """Each tensor replaced by its average over the quorum's groups, this group's times `weight`: one exchange
+        per dtype."""
         for dtype in sorted({t.dtype for t in tensors}, key=str):
             same = [t for t in tensors if t.dtype == dtype]
             flat = torch.cat([t.reshape(-1) for t in same])
+            if weight != 1.0:
+                flat.mul_(weight)
             self.manager.allreduce(flat).wait()
             offset = 0
             for t in same:
@@ -230,6 +240,8 @@ class ReplicaGroups:
         if self._phase == "gathering":
             self._decision = self.manager.should_commit()
             self._phase = "decided"
+            self._training_loader = self.accelerator.gradient_state.active_dataloader or self._training_loader
+            self._handed_out = {id(loader): loader.handed_out for loader in self.objects.dataloaders}
             if not self._decision:
                 self.discarded += 1
                 note(f"fault tolerance: step {self.manager.current_step()} discarded (a replica group failed "
@@ -249,17 +261,21 @@ class ReplicaGroups:
         return bool(healed.item())
 
     def _note_missing_groups(self) -> None:
-        """One note when steps start committing without some groups (their parts of the batches go untrained), one
-        when every group is back."""
+        """One note when steps start committing without some groups (the live groups train their parts of the
+        batches, or nobody does), one when every group is back; from the live groups (a healing one was missing)."""
+        if self.manager.participating_rank() is None:
+            return
         step, present, groups = self.committed_steps, self.manager.num_participants(), \
             self.config.num_replica_groups
         if present < groups and self._short_since is None:
             self._short_since = step
-            note(f"fault tolerance: step {step} committed by {present} of {groups} replica groups; the missing "
-                 "groups' parts of the batches are not trained until they are back")
+            note(f"fault tolerance: step {step} committed by {present} of {groups} replica groups; " + (
+                "the live groups train the missing groups' parts of the batches" if self._covering else
+                "the missing groups' parts of the batches are not trained until they are back"))
         elif present == groups and self._short_since is not None:
-            note(f"fault tolerance: all {groups} replica groups back at step {step}; {step - self._short_since} "
-                 "steps trained without some groups' parts of their batches")
+            short = step - self._short_since
+            note(f"fault tolerance: all {groups} replica groups back at step {step}; {short} step"
+                 f"{'s' if short != 1 else ''} trained by fewer groups")
             self._short_since = None
 
     def stepped(self) -> None:
@@ -304,6 +320,50 @@ class ReplicaGroups:
         return shard._replace(count=shard.count * self.config.num_replica_groups,
                               index=self.config.replica_id * shard.count + shard.index)
 
+    def follow_quorum(self, loader: Any, shard: DataShard) -> None:
+        """While groups are missing, the live ones train their parts of every global batch: `loader` (prepared
+        over `data_shard(shard)`) asks the step's quorum before handing out its batch. Not when the groups meet
+        every N steps (no quorum between meetings) or for a loader that cannot read other processes' parts (a
+        stream, a DistributedSampler's): the missing parts are then not trained, and a note says so."""
+        if self.meets_every_step and loader.can_read_parts:
+            loader.read_parts(lambda: self._parts_of_step(loader, shard))
+
+    def evaluation_loader(self, loader: Any) -> Any:
+        """`loader` (prepared) made an evaluation loader: split over this group's processes only, so that every
+        group evaluates all of it (and group 0's metrics, the ones reported, cover the whole set), not its part of
+        each global batch as training does. The Trainer's evaluation and test loaders are; returns `loader`."""
+        if loader.split_here:
+            shard = self.accelerator.strategy.data_shard
+            loader.split(shard.count, shard.index)
+        else:
+            note("fault tolerance: an evaluation loader over a stream or a DistributedSampler keeps its split across "
+                 "the replica groups: each group evaluates its part of the set")
+        return loader
+
+    def _parts_of_step(self, loader: Any, shard: DataShard) -> list[int] | None:
+        """The parts of the global batch this process trains in the step about to begin, as process indices of
+        `data_shard(shard)`; None: its own. The quorum's participants, ranked 0 to k - 1 by replica id, share the
+        groups' parts round-robin: with every group live each trains its own; a healing group (not participating)
+        trains its own, and its gradients count for nothing. Only the loader that training steps read from (known
+        from the first step committed) asks: an evaluation loader reads its own part."""
+        if loader is not self._training_loader:
+            return None
+        self._asking = True  # a group healing from this one now receives the position before the step's batches
+        try:
+            if self._phase != "gathering":
+                self._begin()
+            rank, live = self.manager.participating_rank(), self.manager.num_participants()
+        finally:
+            self._asking = False
+        groups = self.config.num_replica_groups
+        if rank is None or (live == groups and rank == self.config.replica_id):
+            return None
+        parts = range(rank, groups, live)
+        # the live groups' gradients are averaged with equal weights: weighted by the parts each trains (2 of 3
+        # groups live: one trains 2 parts, the other 1), the average is the whole global batch's
+        self._covering, self._weight = live < groups, len(parts) * live / groups
+        return [group * shard.count + shard.index for group in parts]
+
     def register_state(self, name: str, state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None]) -> None:
         """More state a healing group receives from a live one (the Trainer's step counters), applied after the
         engine's."""
@@ -318,7 +378,8 @@ class ReplicaGroups:
         return {"models": [[_local(t).detach() for t in _tensors(m)] for m in objects.models],
                 "optimizers": [_local_optimizer_state(opt.state_dict()) for opt in objects.optimizers],
                 "schedulers": [s.state_dict() for s in objects.schedulers],
-                "loaders": [loader.state_dict() for loader in objects.dataloaders],
+                "loaders": [{"position": loader.state_dict(), "before_step": self._asking and loader is
+                             self._training_loader} for loader in objects.dataloaders],
                 "rng": capture_rng(), "accumulation_step": self.accelerator.step, "local_steps": self._local_steps,
                 "outer": self._outer.state_dict() if self._outer is not None else None}
 
@@ -333,7 +394,9 @@ class ReplicaGroups:
         for scheduler, saved in zip(objects.schedulers, state["schedulers"], strict=True):
             scheduler.load_state_dict(saved)
         for loader, saved in zip(objects.dataloaders, state["loaders"], strict=True):
-            loader.catch_up(saved)
+            # a position from before the live group's batches of this step: past the ones this group just took
+            ahead = loader.handed_out - self._handed_out.get(id(loader), 0) if saved["before_step"] else 0
+            loader.catch_up(saved["position"], ahead)
         restore_rng(state["rng"])
         self.accelerator.step = state["accumulation_step"]
         self._local_steps = state["local_steps"]

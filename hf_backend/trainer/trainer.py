@@ -236,6 +236,17 @@ class Trainer(LossMembers, _EngineNamed):
         self._train_loader = super().get_train_dataloader()
         return self._train_loader
 
+    # replica groups: every group evaluates the whole set, not its part of each global batch (fault_tolerance.py)
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
+        return self._evaluation_loader(super().get_eval_dataloader(eval_dataset))
+
+    def get_test_dataloader(self, test_dataset: Any) -> Any:
+        return self._evaluation_loader(super().get_test_dataloader(test_dataset))
+
+    def _evaluation_loader(self, loader: Any) -> Any:
+        groups = self.accelerator.replica_groups
+        return loader if groups is None else groups.evaluation_loader(loader)
+
     # -- the logged loss ---------------------------------------------------------------------------
     # transformers' epoch loop, its NaN/inf filter of the logged loss computed on the device
     _run_epoch = compat.loss_filter_on_device(_EngineNamed._run_epoch)

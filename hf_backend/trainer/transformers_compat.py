@@ -53,7 +53,8 @@ RUN_EPOCH_FINGERPRINTS = {
 # Trainer members trainer.py overrides or calls, present in every supported version.
 _NEEDED = ("_run_epoch", "_get_num_items_in_batch", "_save_optimizer_and_scheduler", "_load_optimizer_and_scheduler",
            "_load_from_checkpoint", "_load_best_model", "_prepare_for_training", "_load_scaler",
-           "create_accelerator_and_postprocess", "get_train_dataloader", "_save")
+           "create_accelerator_and_postprocess", "get_train_dataloader", "get_eval_dataloader", "get_test_dataloader",
+           "_save")
 
 
 def minor(version: str = transformers.__version__) -> str:

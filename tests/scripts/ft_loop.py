@@ -4,11 +4,13 @@ number of groups and the lighthouse come from the environment) until the groups 
 steps, epoch after epoch, with clipping and a linear schedule.
 
 `--kill R:RANK:STEP:WHERE:RESTART` (repeatable): in its start number RESTART (0: the first), process RANK of
-replica group R SIGKILLs itself in committed step STEP, after the forward (WHERE "forward": its group never joins
-that step's quorum) or as the gradients are exchanged (WHERE "allreduce": the quorum formed with it, so the step
-fails in every group); its launcher then restarts the group, which heals from a live group. `--step-seconds`: a pause
-per step, so that a group outlives another's restart. Each process appends one JSON line per event to `--events`
-(start, step, kill); rank 0 writes `--out` at the end (per-group file: the losses of the steps it committed, the
+replica group R SIGKILLs itself once committed step STEP is over (WHERE "stepped": its group never joins the next
+step's quorum, which the others form without it), after the forward or as the gradients are exchanged of the step
+after committed step STEP (WHERE "forward" or "allreduce": the quorum formed with it when its batch was handed out,
+so the step fails in every group); its launcher then restarts the group, which heals from a live group.
+`--step-seconds`: a pause per step, so that a group outlives another's restart. Each process appends one JSON line
+per event to `--events` (start, step, kill; a step's: the indices of the group's samples, whether the group took part
+and the step was applied); rank 0 writes `--out` at the end (per-group file: the losses of the steps it committed, the
 loss of the final weights on a fixed set, the parameters, the committed and discarded steps).
 """
 
@@ -55,7 +57,9 @@ def main() -> int:
     model = tiny_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     groups = replicas.config.num_replica_groups
-    loader = DataLoader(rows(PER_PROCESS * accelerator.num_processes * groups * 10), batch_size=PER_PROCESS,
+    dataset = [{**row, "index": torch.tensor(i)} for i, row in enumerate(rows(PER_PROCESS * accelerator.num_processes
+                                                                              * groups * 10))]
+    loader = DataLoader(dataset, batch_size=PER_PROCESS,
                         shuffle=True, generator=torch.Generator().manual_seed(args.seed))  # the seed: the order
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: max(0.1, 1 - step / (2 * args.steps)))
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
@@ -80,6 +84,7 @@ def main() -> int:
     while replicas.committed_steps < args.steps:
         for batch in loader:
             step = replicas.committed_steps
+            samples = accelerator.gather(batch.pop("index")).tolist()  # the group's (gathered in the group)
             batch["shift_labels"] = batch["labels"]
             loss = model(**batch).loss
             die_at("forward")
@@ -92,7 +97,10 @@ def main() -> int:
                 discarded += 1
             else:
                 losses[step] = float(accelerator.reduce(loss.detach(), "mean"))
-            event("step", step=replicas.committed_steps, participants=replicas.manager.num_participants())
+            event("step", step=replicas.committed_steps, participants=replicas.manager.num_participants(),
+                  samples=samples, applied=not accelerator.optimizer_step_was_skipped,
+                  participating=replicas.manager.participating_rank() is not None)
+            die_at("stepped")
             time.sleep(args.step_seconds)
             if replicas.committed_steps >= args.steps:
                 break

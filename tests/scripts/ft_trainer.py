@@ -5,7 +5,8 @@ nd_loop.py's tiny Llama under FSDP, `TrainingArguments(fault_tolerance=True)` (t
 `--kill R:RANK:STEP` makes process RANK of replica group R, in its first start, SIGKILL itself at global step STEP
 once the quorum has formed with it, as the gradients are exchanged (the step fails in every group). Each process
 appends one JSON line per step to `--events` (global step, epoch, the quorum's participants); rank 0 writes `--out`
-at the end (the global step, the parameters).
+at the end (the global step, the parameters, and `trainer.evaluate()`'s loss on 24 held-out sequences with the loss
+of the same weights on all 24 in one batch).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import signal
 import sys
 import time
 
+import torch
 from nd_loop import MODELS, rows, tiny_model
 from transformers import TrainerCallback
 
@@ -62,11 +64,16 @@ def main() -> int:
 
     trainer.add_callback(Events())
     trainer.train()
+    held_out = rows(24)  # 2 global batches of 16 in the group (8 a process), the second padded: 24 real
+    evaluated = trainer.evaluate(eval_dataset=held_out)["eval_loss"]
+    with torch.no_grad():  # every process the same batch: all 24
+        whole = float(trainer.model_wrapped(**{k: torch.stack([r[k] for r in held_out]) for k in held_out[0]}).loss)
     state = trainer.accelerator.get_state_dict(trainer.model_wrapped)
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump({"global_step": trainer.state.global_step, "discarded": replicas.discarded,
                        "logged_steps": [e["step"] for e in trainer.state.log_history if "loss" in e],
+                       "eval_loss": evaluated, "whole_set_loss": whole,
                        "params": {name: t.float().flatten().tolist() for name, t in sorted(state.items())}}, f)
     return 0
 
