@@ -12,8 +12,9 @@ when the last steps of both groups had 2 participants (one live group left is th
 wait is counted). A minute before the end it stops killing, then writes the stop step (the newest committed step +
 20), which both groups reach and exit on. Reported: committed steps per second over the soak against the run
 without failures, the kills and how many the killed group survived (it stepped again after its restart), discarded
-steps, steps committed by one group alone (half their samples not trained), the longest pause between two committed
-steps, and hangs (a pause longer than the collective timeout, 60 s, or a group that never finished).
+steps, steps committed by one group alone (it trains the missing group's part of the batch too: every committed step
+trains the whole global batch of 16 sequences), the longest pause between two committed steps, and hangs (a pause
+longer than the collective timeout, 60 s, or a group that never finished).
 
     .venv/bin/python benchmarks/fault_soak.py [--minutes 10] [--kill-every 30] [--baseline-minutes 2] [--json out]
 """
