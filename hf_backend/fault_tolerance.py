@@ -240,15 +240,22 @@ class ReplicaGroups:
         if self._phase == "gathering":
             self._decision = self.manager.should_commit()
             self._phase = "decided"
-            self._training_loader = self.accelerator.gradient_state.active_dataloader or self._training_loader
-            self._handed_out = {id(loader): loader.handed_out for loader in self.objects.dataloaders}
+            loader = self.accelerator.gradient_state.active_dataloader or self._training_loader
+            handed_out = {id(each): each.handed_out for each in self.objects.dataloaders}
             if not self._decision:
                 self.discarded += 1
-                note(f"fault tolerance: step {self.manager.current_step()} discarded (a replica group failed "
-                     "during it); its batches are not trained")
+                self._note_discarded(loader, handed_out)
             else:
                 self._note_missing_groups()
+            self._training_loader, self._handed_out = loader, handed_out
         return self._decision
+
+    def _note_discarded(self, loader: Any, handed_out: dict[int, int]) -> None:
+        batches = handed_out.get(id(loader), 0) - self._handed_out.get(id(loader), 0)
+        size = loader.total_batch_size if loader is not None else None
+        lost = f"its {batches * size} samples are" if batches and size else "its batches are"
+        note(f"fault tolerance: step {self.manager.current_step() + 1} discarded (a replica group failed during it) "
+             f"and taken again on the next batches; {lost} not trained")
 
     def _healed_on_restart(self) -> bool:
         """Whether a restarted group was healed at its first meeting: its first step's gradient was then taken on

@@ -109,6 +109,9 @@ def test_killed_groups_heal_from_the_live_group_and_the_groups_end_equal(tmp_pat
     batches, uninterrupted_batches = _trained_batches(events), iter(_trained_batches(whole["events"]))
     discarded = killed["groups"][0]["discarded"]
     assert all(any(b == u for u in uninterrupted_batches) for b in batches[:STEPS - discarded])
+    notes = (tmp_path / "killed" / "group0.log").read_text()
+    assert f"its {GLOBAL_BATCH} samples are not trained" in notes
+    assert "the live groups train the missing groups' parts of the batches" in notes
     # so the run with kills ends near the uninterrupted one (the loss of the final weights on a fixed set): within
     # a tenth of the spread of uninterrupted seeds (docs/fault_tolerance.md)
     final, uninterrupted = killed["groups"][0]["final_loss"], whole["groups"][0]["final_loss"]
