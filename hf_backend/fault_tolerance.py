@@ -5,8 +5,10 @@ which restarts the group when one of its processes dies. torchft joins the group
 live groups at every optimizer step, the gradients are averaged across the quorum through torchft's reconfigurable
 process group (rank i of a group with rank i of every other: the groups have one layout, so a process's shards are
 the same slices in every group), and a step the quorum did not finish is discarded in every group (torchft's
-`should_commit`). A restarted group is healed from a live peer: model, optimizer, schedulers, RNG and data position
-arrive through torchft's checkpoint transport (no disk) and are applied before its first step.
+`should_commit`). The quorum is asked as the training loader hands out a step's batch, so that while groups are
+missing the live ones read and train their parts of it too. A restarted group is healed from a live peer: model,
+optimizer, schedulers, RNG and data position arrive through torchft's checkpoint transport (no disk) and are applied
+before its first step.
 
 Off unless asked for (`hf-backend launch --fault_tolerance`, `Accelerator(fault_tolerance=...)`); torchft is imported
 only then.
