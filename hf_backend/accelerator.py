@@ -325,7 +325,7 @@ class Accelerator(ProcessView, SavingMembers, compat.AccelerateMembers, elastic.
                                       gradient_state=self.gradient_state, data_seed=self.dataloader_config.data_seed,
                                       non_blocking=self.dataloader_config.non_blocking)
         if self.replica_groups is not None:
-            self.replica_groups.follow_quorum(prepared, self.strategy.data_shard)
+            self.replica_groups.follow_quorum(prepared)
         self._objects.dataloaders.append(prepared)
         return prepared
 

@@ -329,13 +329,13 @@ class ReplicaGroups:
         return shard._replace(count=shard.count * self.config.num_replica_groups,
                               index=self.config.replica_id * shard.count + shard.index)
 
-    def follow_quorum(self, loader: Any, shard: DataShard) -> None:
+    def follow_quorum(self, loader: Any) -> None:
         """While groups are missing, the live ones train their parts of every global batch: `loader` (prepared
-        over `data_shard(shard)`) asks the step's quorum before handing out its batch. Not when the groups meet
-        every N steps (no quorum between meetings) or for a loader that cannot read other processes' parts (a
-        stream, a DistributedSampler's): the missing parts are then not trained, and a note says so."""
+        over `data_shard` of the strategy's shard) asks the step's quorum before handing out its batch. Not when the
+        groups meet every N steps (no quorum between meetings) or for a loader that cannot read other processes'
+        parts (a stream, a DistributedSampler's): the missing parts are then not trained, and a note says so."""
         if self.meets_every_step and loader.can_read_parts:
-            loader.read_parts(lambda: self._parts_of_step(loader, shard))
+            loader.read_parts(lambda: self._parts_of_step(loader, self.accelerator.strategy.data_shard))
 
     def evaluation_loader(self, loader: Any) -> Any:
         """`loader` (prepared) made an evaluation loader: split over this group's processes only, so that every

@@ -251,6 +251,8 @@ def test_the_live_groups_share_the_missing_groups_parts_and_are_weighted_by_them
     of each global batch, live group 2 (rank 1) group 1's; their gradients, averaged with equal weights by torchft,
     are weighted 4/3 and 2/3 so that the average is the whole batch's. All live: each its own part, weight 1; a
     healing group (not participating): its own part (its gradients count for nothing)."""
+    from types import SimpleNamespace
+
     import torch
     from torch.utils.data import DataLoader
 
@@ -270,7 +272,8 @@ def test_the_live_groups_share_the_missing_groups_parts_and_are_weighted_by_them
                                     process_index=across.index, device=None, split_batches=False,
                                     even_batches=True, gradient_state=GradientState(GradientAccumulationPlugin()))
         groups._training_loader = loader
-        groups.follow_quorum(loader, shard)
+        groups.accelerator = SimpleNamespace(strategy=SimpleNamespace(data_shard=shard))
+        groups.follow_quorum(loader)
         return groups, [b.tolist() for b in loader]
 
     # each global batch: 12 samples, 6 parts of 2 (group g, process p: part 2g + p); this process reads p = 1
