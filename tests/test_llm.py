@@ -29,7 +29,8 @@ def run(tmp: Path, name: str, args: list[str], nproc: int = 2) -> dict:
 def lora(tmp_path_factory) -> tuple[Path, dict[str, dict]]:
     """LoRA under FSDP (full checkpoints); resumed from its step 2 under FSDP with sharded checkpoints; that run's
     step-4 checkpoint resumed in one process (the same global batch); ZeRO-3 and DDP with gradient checkpointing from
-    the start; ZeRO-2 resumed from DDP's step 2; ZeRO-3's step 4 (saved with async_save) resumed in one process."""
+    the start; ZeRO-2 and ZeRO-3 resumed from DDP's step 2; ZeRO-3's step 4 (saved with async_save) resumed in one
+    process."""
     tmp = tmp_path_factory.mktemp("lora")
     runs = {"fsdp": run(tmp, "fsdp", ["--lora", "--strategy", "fsdp", "--save-final"])}
     runs["fsdp_sharded"] = run(tmp, "fsdp_sharded", ["--lora", "--strategy", "fsdp_sharded",
@@ -40,6 +41,8 @@ def lora(tmp_path_factory) -> tuple[Path, dict[str, dict]]:
     runs["ddp_gc"] = run(tmp, "ddp_gc", ["--lora", "--gradient-checkpointing"])
     runs["zero2"] = run(tmp, "zero2", ["--lora", "--strategy", "zero2", "--resume",
                                        str(tmp / "ddp_gc" / "checkpoint-2")])
+    runs["zero3_from_ddp"] = run(tmp, "zero3_from_ddp", ["--lora", "--strategy", "zero3", "--resume",
+                                                         str(tmp / "ddp_gc" / "checkpoint-2")])
     runs["one_from_zero3"] = run(tmp, "one_from_zero3", ["--lora", "--batch-size", "8", "--resume",
                                                          str(tmp / "zero3" / "checkpoint-4")], nproc=1)
     return tmp, runs
@@ -59,15 +62,16 @@ def test_lora_trains_the_same_adapter_under_every_strategy(lora) -> None:
 def test_lora_resumes_exactly_across_strategies_and_world_sizes(lora) -> None:
     _, runs = lora
     reference = runs["fsdp"]
-    # FSDP full -> FSDP sharded -> one process; DDP -> ZeRO-2; ZeRO-3 -> one process
-    for name in ("fsdp_sharded", "one", "zero2", "one_from_zero3"):
+    # FSDP full -> FSDP sharded -> one process; DDP -> ZeRO-2 and ZeRO-3 (two param groups, one of them empty,
+    # into DeepSpeed's one); ZeRO-3 -> one process
+    for name in ("fsdp_sharded", "one", "zero2", "zero3_from_ddp", "one_from_zero3"):
         assert runs[name]["global_step"] == 6
         assert relative(runs[name]["params"], reference["params"]) < 1e-5, name
 
 
 def test_lora_checkpoints_hold_the_adapter_not_the_frozen_base(lora) -> None:
     _, runs = lora
-    for name in ("fsdp", "fsdp_sharded", "one", "zero3", "zero2", "ddp_gc", "one_from_zero3"):
+    for name in ("fsdp", "fsdp_sharded", "one", "zero3", "zero2", "ddp_gc", "zero3_from_ddp", "one_from_zero3"):
         for step, files in runs[name]["checkpoints"].items():
             assert "adapter_model.safetensors" in files, (name, step)
             assert not {"model.safetensors", "model_dcp", "pytorch_model.bin"} & set(files), (name, step, files)

@@ -299,9 +299,10 @@ class CheckpointIO:
         (transformers' `optimizer.pt`), by position."""
         inner, model = self._optimizer_and_model(optimizer)
         unwrapped = self.strategy.unwrap_model(model)
-        state_dict = keyed_by_name(load_file(path, mmap=True) if state is None else state, inner, unwrapped, path)
+        groups = self.strategy.optimizer_parameters(model, inner)
+        state_dict = keyed_by_name(load_file(path, mmap=True) if state is None else state, groups, unwrapped, path)
         mapping = param_groups.group_map([len(g["params"]) for g in state_dict.get("param_groups", [])],
-                                         [len(g["params"]) for g in inner.param_groups], path)
+                                         [len(params) for params in groups], path)
         if mapping is not None:
             state_dict = param_groups.fit_optimizer_state(state_dict, mapping, inner.param_groups)
         self.strategy.load_optimizer_state_dict(model, inner, into_live_state(state_dict, inner, unwrapped))
@@ -371,21 +372,20 @@ def full_weights(state_dict: dict[str, torch.Tensor], directory: Path, stem: str
     return {}
 
 
-def keyed_by_name(state_dict: dict[str, Any], optimizer: torch.optim.Optimizer, model: torch.nn.Module,
+def keyed_by_name(state_dict: dict[str, Any], groups: list[list[torch.nn.Parameter]], model: torch.nn.Module,
                   path: Path) -> dict[str, Any]:
     """A full optimizer state keyed by parameter names. torch's `optimizer.state_dict()` numbers the
-    parameters in the order of its param groups; the same groups of this optimizer say which
-    parameter each number is."""
+    parameters in the order of its param groups; the same groups of this optimizer (`groups`: the
+    model's parameters in each, `Strategy.optimizer_parameters`) say which parameter each number is."""
     saved = state_dict.get("param_groups", [])
     if not any(isinstance(p, int) for group in saved for p in group["params"]):
         return state_dict  # already by name
-    shapes, mine = [len(g["params"]) for g in saved], [len(g["params"]) for g in optimizer.param_groups]
+    shapes, mine = [len(g["params"]) for g in saved], [len(params) for params in groups]
     if shapes != mine:
         raise HfBackendError(f"{path}: its optimizer has param groups of {shapes} parameters, this "
                              f"one {mine}; resume with the optimizer set up as when it was saved")
     names = {id(p): n for n, p in model.named_parameters()}
-    name_of = {i: names[id(p)] for group, mine in zip(saved, optimizer.param_groups)
-               for i, p in zip(group["params"], mine["params"])}
+    name_of = {i: names[id(p)] for group, params in zip(saved, groups) for i, p in zip(group["params"], params)}
     return {"state": {name_of[i]: value for i, value in state_dict.get("state", {}).items()},
             "param_groups": [{**group, "params": [name_of[i] for i in group["params"]]} for group in saved]}
 

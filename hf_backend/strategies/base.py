@@ -184,6 +184,12 @@ class Strategy:
         set_optimizer_state_dict(model, optimizer, state_dict,
                                  options=StateDictOptions() if sharded else self.load_options)
 
+    def optimizer_parameters(self, model: torch.nn.Module,
+                             optimizer: torch.optim.Optimizer) -> list[list[torch.nn.Parameter]]:
+        """The model's parameters each of the optimizer's param groups updates, in order: what the
+        groups of a saved optimizer state are matched against."""
+        return [list(group["params"]) for group in optimizer.param_groups]
+
     def reset(self) -> None:
         """Drop every reference to prepared objects this strategy holds (`Accelerator.free_memory`).
         """

@@ -320,6 +320,15 @@ class DeepSpeedStrategy(Strategy):
         deepspeed_state.load_full_optimizer_state(engine, state_dict, "the checkpoint's "
                                                                       "optimizer state")
 
+    def optimizer_parameters(self, model: torch.nn.Module,
+                             optimizer: torch.optim.Optimizer) -> list[list[torch.nn.Parameter]]:
+        """ZeRO's param groups hold flat partitions (ZeRO-3's only while it steps them): the module's
+        parameters come from the engine's own groups."""
+        engine = self._engine_of(model)
+        if not deepspeed_state.partitioned(engine):
+            return super().optimizer_parameters(engine.module, engine.optimizer)
+        return deepspeed_state.module_groups(engine.optimizer)
+
     def _engine_of(self, model: torch.nn.Module) -> Any:
         return model if hasattr(model, "_zero3_consolidated_16bit_state_dict") else self.engine
 

@@ -63,6 +63,12 @@ def _lp_groups(optimizer: Any) -> list[list[torch.nn.Parameter]] | None:
     return None
 
 
+def module_groups(optimizer: Any) -> list[list[torch.nn.Parameter]]:
+    """The module's trainable parameters in each param group of a partitioned engine's optimizer."""
+    unfused = _unfused(optimizer)
+    return [[lp for lp, _ in pairs] for pairs in unfused] if unfused is not None else _lp_groups(optimizer) or []
+
+
 def _flats(optimizer: Any) -> list[list[torch.Tensor]]:
     """The fp32 partitions (the tensors the torch optimizer's state is keyed by) of each param group.
     ZeRO-3 puts each sub group's into its param group only while it steps that sub group."""
@@ -155,9 +161,7 @@ def optimizer_template(engine: Any) -> dict[str, Any]:
     copy.step()
     state: dict[str, dict[str, Any]] = {}
     param_groups = []
-    unfused = _unfused(optimizer)
-    lp_groups = [[lp for lp, _ in pairs] for pairs in unfused] if unfused is not None else _lp_groups(optimizer)
-    for params, group in zip(lp_groups, inner.param_groups):
+    for params, group in zip(module_groups(optimizer), inner.param_groups):
         for param in params:
             shape = tuple(getattr(param, "ds_shape", param.shape))
             state[names[id(param)]] = {k: torch.empty(shape, dtype=torch.float32) if v.dim() else v.clone()
