@@ -55,9 +55,12 @@ def _launch_groups(out: Path, scripts: list[list[str]], flags: tuple[str, ...] =
 
 def _run(tmp: Path, name: str, kills: tuple[str, ...] = (), seed: int = 0, steps: int = STEPS,
          flags: tuple[str, ...] = (), groups: int = 2) -> dict:
+    """ft_loop.py in `groups` replica groups; paced (STEP_SECONDS a step) only where a process is killed, so that the
+    live groups outlive its restart."""
     out = tmp / name
     out.mkdir()
-    _launch_groups(out, [[str(SCRIPTS / "ft_loop.py"), "--steps", str(steps), "--step-seconds", str(STEP_SECONDS),
+    pace = STEP_SECONDS if kills else 0.0
+    _launch_groups(out, [[str(SCRIPTS / "ft_loop.py"), "--steps", str(steps), "--step-seconds", str(pace),
                           "--seed", str(seed), "--out", str(out / f"group{replica}.json"), "--events",
                           str(out / "events.jsonl"), *[a for kill in kills for a in ("--kill", kill)]]
                          for replica in range(groups)], flags)
