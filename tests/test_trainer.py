@@ -410,7 +410,7 @@ def test_sigterm_to_the_launcher_saves_a_checkpoint_and_the_run_resumes(strategy
         pytest.fail(f"the run did not reach step 9 (exit code {launcher.returncode}):\n{stderr}")
     announced = re.findall(r"SIGTERM: saving checkpoint-(\d+)", stderr)
     saved = sorted(int(p.name.split("-")[1]) for p in out_dir.glob("checkpoint-*"))
-    if not announced or saved[-1] != int(announced[-1]) or saved[-1] < 9:
+    if not announced or not saved or saved[-1] != int(announced[-1]) or saved[-1] < 9:
         pytest.fail(f"the SIGTERM checkpoint is missing (checkpoints {saved}):\n{stderr}")
     assert (out_dir / f"checkpoint-{saved[-1]}" / "trainer_state.json").is_file()
     _resumes_to_the_uninterrupted_run(tmp_path, args, saved[-1], ddp)
