@@ -120,6 +120,48 @@ def test_sft_with_lora_packed_under_zero3(zero_runs) -> None:
     assert report["losses"][-1] < report["losses"][0]
 
 
+def _published_model(path: Path) -> Path:
+    """The issue's model: a tiny Llama whose head (4096 x 64, untied) is large enough for ZeRO-3 to partition it
+    (DeepSpeed keeps parameters under 1e5 elements whole), saved with a tokenizer of as many words."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from trl_sft_published import WORDS
+
+    words = ["<pad>", "<eos>", "<unk>", *WORDS]
+    vocab = {word: i for i, word in enumerate(words + [f"w{i}" for i in range(len(words), 4096)])}
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=raw, pad_token="<pad>", eos_token="<eos>",
+                            unk_token="<unk>").save_pretrained(path)
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=4096, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, intermediate_size=128, tie_word_embeddings=False,
+                                 pad_token_id=0, eos_token_id=1, bos_token_id=None)).save_pretrained(path)
+    return path
+
+
+def test_published_sft_script_under_zero3_trains_checkpoints_and_resumes(tmp_path) -> None:
+    """Issue 54's script (tests/scripts/trl_sft_published.py): the model loaded before the config, full fine-tuning,
+    ZeRO-3 in 2 processes. The Trainer's loss check ran two forwards before the first step, which ZeRO-3 took for the
+    step's forward; the step's backward then dropped the prefetched head, and TRL's fused head loss (the head read
+    outside its module) failed in backward ("size of tensor a (0) must match ... (64)")."""
+    pytest.importorskip("deepspeed")
+    model = _published_model(tmp_path / "model")
+
+    def run(name: str, stage: int, *more: str) -> dict:
+        out = tmp_path / f"{name}.json"
+        run_script("trl_sft_published.py", ["--model", str(model), "--output-dir", str(tmp_path / name),
+                                            "--stage", str(stage), "--out", str(out), *more], nproc=2, timeout=300)
+        return json.loads(out.read_text())
+
+    zero3, zero2 = run("zero3", 3), run("zero2", 2)
+    resumed = run("resumed", 3, "--resume", str(tmp_path / "zero3" / "checkpoint-2"))
+    assert zero3["world"] == 2 and zero3["saved"] == ["checkpoint-2", "checkpoint-4"]
+    assert list(zero3["losses"]) == ["1", "2", "3", "4"] and zero3["losses"]["4"] < zero3["losses"]["1"]
+    assert relative(list(zero3["losses"].values()), list(zero2["losses"].values())) < 1e-5
+    assert relative([resumed["losses"][s] for s in ("3", "4")], [zero3["losses"][s] for s in ("3", "4")]) < 1e-5
+
+
 def dpo(tmp: Path, name: str, args: list[str], nproc: int = 1) -> dict:
     out = tmp / f"{name}.json"
     run_script("trl_dpo.py", ["--out", str(out), "--output-dir", str(tmp / name), *args], nproc=nproc, timeout=300)

@@ -128,6 +128,11 @@ class Strategy:
         block (only with context parallelism; elsewhere nothing happens)."""
         return contextlib.nullcontext()
 
+    def outside_training(self) -> contextlib.AbstractContextManager:
+        """A forward that is no training step's (the Trainer asking the model about its loss before
+        the first step): whatever the strategy learns from the steps' forwards stays untouched."""
+        return contextlib.nullcontext()
+
     def trigger_sync_in_backward(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
         """A block whose backward synchronizes although it runs under `no_sync` (only DDP needs to do
         anything)."""

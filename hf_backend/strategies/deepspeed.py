@@ -10,8 +10,9 @@ window's end (the Accelerator tells it where that is).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -252,6 +253,21 @@ class DeepSpeedStrategy(Strategy):
         self.engine.set_gradient_accumulation_boundary(sync)
         self.engine.backward(loss, **kwargs)
         self.engine.step()
+
+    @contextlib.contextmanager
+    def outside_training(self) -> Iterator[None]:
+        """ZeRO-3 learns the order its parameters are fetched in from the first forward and backward,
+        and prefetches by it. A forward before the first step would be taken for the step's forward,
+        the step's backward would then contradict it, and DeepSpeed would drop what it prefetched in
+        the middle of that backward: a head read outside its module (TRL's fused lm_head loss)
+        then receives its gradient partitioned. So the order is learnt again from the next step."""
+        try:
+            yield
+        finally:
+            offload = getattr(getattr(self.engine, "optimizer", None), "parameter_offload", None)
+            coordinator = offload.get_param_coordinator() if offload is not None else None
+            if coordinator is not None and not coordinator.is_invalid_trace():
+                coordinator._invalidate_trace()  # what DeepSpeed itself does when its hooks change
 
     def clip_grad_norm_(self, parameters: Iterable[torch.nn.Parameter], max_norm: float,
                         norm_type: float = 2.0) -> torch.Tensor:

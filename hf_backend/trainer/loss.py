@@ -109,9 +109,10 @@ class LossMembers:
     @torch.no_grad()
     def _loss_divides_by_item_count(self, batch: Mapping[str, Any]) -> bool:
         """Evaluate the loss of one batch with the item count and with twice the count: a loss that
-        divides by it halves. Dropout is off and the random state is kept, so training continues
-        exactly as without the check. Under context parallelism the model runs on its slices, as in
-        training (on copies: the batch is trained on next)."""
+        divides by it halves. Dropout is off, the random state is kept and the strategy is told
+        (`outside_training`), so training continues exactly as without the check. Under context
+        parallelism the model runs on its slices, as in training (on copies: the batch is trained on
+        next)."""
         model = self.model_wrapped
         inputs = self._prepare_inputs(batch)
         count = inputs["labels"].ne(-100).sum()
@@ -126,7 +127,7 @@ class LossMembers:
         was_training = model.training
         model.eval()
         try:
-            with torch.random.fork_rng(devices=[]):
+            with torch.random.fork_rng(devices=[]), self.accelerator.strategy.outside_training():
                 one, two = loss(count), loss(count * 2)
         finally:
             model.train(was_training)
