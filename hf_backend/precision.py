@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .errors import HfBackendError
 from .nested import recursively_apply
@@ -140,10 +141,7 @@ class Precision:
             return 0
         with torch.no_grad():
             for param in low.values():
-                param.data = param.data.float()
-                # a gradient from before prepare: accumulated in the master's dtype
-                if param.grad is not None:
-                    param.grad = param.grad.float()
+                _upcast(param)
         why = f"mixed_precision={self.mode}" if self.mode != "no" else \
             f"the FSDP mixed_precision_policy (param_dtype={dtype_name(policy)})"
         compute = self.mode if self.mode != "no" else dtype_name(policy)
@@ -160,3 +158,16 @@ class Precision:
             self.scaler.scale(loss).backward(**kwargs)
         else:
             loss.backward(**kwargs)
+
+
+def _upcast(param: torch.nn.Parameter) -> None:
+    """`param` as fp32 in place (the same Parameter object, which an optimizer may hold). A DTensor
+    (a model transformers split by its tp_plan) is swapped whole, as torch's own `Module.to` does:
+    `param.data = ...` would change its dtype but not its local shard's."""
+    grad = param.grad
+    if is_traceable_wrapper_subclass(param):
+        torch.utils.swap_tensors(param, torch.nn.Parameter(param.data.float(), requires_grad=param.requires_grad))
+    else:
+        param.data = param.data.float()
+    if grad is not None:  # a gradient from before prepare: accumulated in the master's dtype
+        param.grad = grad.float()

@@ -4,7 +4,9 @@ Detection order (set up once per process, shared by every `Accelerator`):
 1. a process group someone else already initialized (Ray Train, the user's own
    `init_process_group`): used as is;
 2. a torchrun-style environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT): we
-   initialize the group, NCCL when the process has a CUDA device, gloo otherwise;
+   initialize the group, NCCL when the process has a CUDA device, gloo otherwise; for a world of
+   one too, on every device (`hf-backend launch --num_processes 1`, torchrun), so a script's own
+   `dist.all_reduce` runs there as under `accelerate launch`;
 3. otherwise a single process.
 
 Process-group plugins (`add_process_group_plugin`: the hang watch, hf_backend/hang_watch.py, which
@@ -397,7 +399,7 @@ def get_process_state(cpu: bool = False, timeout: datetime.timedelta | None = No
             f"WORLD_SIZE is {os.environ['WORLD_SIZE']} but {', '.join(missing)} not set; "
             "start the processes with `hf-backend launch` or `torchrun`"
         )
-    if not missing and _env_int("WORLD_SIZE", 1) > 1:
+    if not missing:  # a launcher's environment, a world of one too (as on Accelerate)
         device = _pick_device(cpu, local_rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)

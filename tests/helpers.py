@@ -27,15 +27,17 @@ SCRIPTS = Path(__file__).parent / "scripts"
 
 
 def run_script(script: str | Path, args: list[str], nproc: int = 1, timeout: int = 240,
-               env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
+               env: dict[str, str] | None = None, check: bool = True, torchrun: bool = False
+               ) -> subprocess.CompletedProcess:
     """Run tests/scripts/<script> (or a script at a path) in `nproc` processes, forked warm (warm_processes.py;
-    torchrun's environment when nproc > 1). A timeout fails the test with every process's output, and so does a
-    failure when `check`."""
+    torchrun's environment when nproc > 1 or `torchrun`). A timeout fails the test with every process's output, and
+    so does a failure when `check`."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         full_env.pop(name, None)
     try:
-        proc = warm_processes.run(SCRIPTS / script, args, nproc=nproc, env=full_env, timeout=timeout)
+        proc = warm_processes.run(SCRIPTS / script, args, nproc=nproc, env=full_env, timeout=timeout,
+                                  torchrun=torchrun)
     except subprocess.TimeoutExpired as hung:
         pytest.fail(f"{script} {' '.join(map(str, args))} in {nproc} process(es): killed after {timeout} s\n"
                     f"{hung.stdout[-3000:]}\n{hung.stderr[-6000:]}")

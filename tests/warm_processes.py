@@ -104,8 +104,9 @@ _SERVER: _Server | None = None
 
 
 def run(script: str | Path, args: list[str], nproc: int = 1, env: dict[str, str] | None = None,
-        timeout: float = 240) -> subprocess.CompletedProcess:
-    """Run `script args` in `nproc` processes (torchrun's environment when nproc > 1), like subprocess.run with
+        timeout: float = 240, torchrun: bool = False) -> subprocess.CompletedProcess:
+    """Run `script args` in `nproc` processes (torchrun's environment when nproc > 1, or when `torchrun`: one
+    process as `torchrun --nproc_per_node 1` starts it), like subprocess.run with
     capture_output: returncode 0 when every process succeeded, else that of the first failure seen (negative for a
     signal), and `returncodes` each rank's; stdout and stderr hold every process's output, rank by rank. Raises
     subprocess.TimeoutExpired after `timeout`."""
@@ -121,7 +122,8 @@ def run(script: str | Path, args: list[str], nproc: int = 1, env: dict[str, str]
     logs = _SERVER.dir / f"job{_SERVER.jobs}"
     logs.mkdir()
     reply = _SERVER.submit({"script": str(script), "args": [str(a) for a in args], "nproc": nproc, "env": job_env,
-                            "cwd": os.getcwd(), "timeout": timeout, "logs": str(logs)})
+                            "cwd": os.getcwd(), "timeout": timeout, "logs": str(logs),
+                            "torchrun": torchrun or nproc > 1})
     streams = {}
     for stream in ("out", "err"):
         parts = [(logs / f"rank{r}.{stream}").read_text(errors="replace") for r in range(nproc)]
@@ -253,7 +255,7 @@ def _child(request: dict, rank: int, port: int, pgid: int, server: int) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         nproc = request["nproc"]
-        if nproc > 1:
+        if request["torchrun"]:
             os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
                               LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
                               MASTER_PORT=str(port))
