@@ -92,8 +92,23 @@ def test_an_accelerator_config_is_read_without_accelerate(tmp_path):
         assert isinstance(args.accelerator_config, AcceleratorConfig)
         assert args.accelerator_config.split_batches is split
         assert args.to_dict()["accelerator_config"]["split_batches"] is split
-    with pytest.raises(ConfigError, match=r"accelerator_config: .* \(an AcceleratorConfig instance, not the class\)"):
-        TrainingArguments(output_dir=str(tmp_path), accelerator_config=AcceleratorConfig, report_to="none")
+    # transformers' test_accelerator_config_not_instantiated: the class, given or as a subclass's field default, is
+    # NotImplementedError with transformers' message (and a ConfigError, as the engine's other config errors)
+    @dataclasses.dataclass
+    class CustomAcceleratorConfig(AcceleratorConfig):
+        pass
+
+    @dataclasses.dataclass
+    class CustomTrainingArguments(TrainingArguments):
+        accelerator_config: dict = dataclasses.field(default=CustomAcceleratorConfig)
+
+    for make in (lambda: TrainingArguments(output_dir=str(tmp_path), accelerator_config=AcceleratorConfig),
+                 lambda: CustomTrainingArguments(output_dir=str(tmp_path))):
+        with pytest.raises(NotImplementedError, match="^Tried passing in a callable to `accelerator_config`") as err:
+            make()
+        assert isinstance(err.value, ConfigError) and "fully constructed `AcceleratorConfig`" in str(err.value)
+    with pytest.raises(ConfigError, match=r"accelerator_config: 3 is neither a dict"):
+        TrainingArguments(output_dir=str(tmp_path), accelerator_config=3, report_to="none")
 
 
 def test_the_fingerprint_ignores_comments_and_blank_lines_only():

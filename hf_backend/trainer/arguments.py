@@ -161,19 +161,27 @@ _DEEPSPEED_NEEDS_ACCELERATE = (
     "install 'hf-backend[deepspeed]' (it brings accelerate)")
 
 
+class CallableAcceleratorConfigError(ConfigError, NotImplementedError):
+    """`accelerator_config` given as a class or other callable: NotImplementedError, as transformers
+    raises it (its tests assert the type and the message's start)."""
+
+
 def _accelerator_config(value: Any) -> AcceleratorConfig:
     """transformers' reading of `accelerator_config` (None, a dict, a JSON file's path, the object),
     which it does only when the accelerate package is installed: the engine needs its values either
     way."""
     if isinstance(value, AcceleratorConfig):
         return value
+    if callable(value):
+        raise CallableAcceleratorConfigError(
+            f"Tried passing in a callable to `accelerator_config` ({getattr(value, '__name__', value)!r}), but "
+            "this is not supported. Please pass in a fully constructed `AcceleratorConfig` object instead.")
     if value is None or isinstance(value, dict):
         return AcceleratorConfig(**(value or {}))
     if isinstance(value, (str, os.PathLike)):
         return AcceleratorConfig.from_json_file(value)
     raise ConfigError(f"TrainingArguments.accelerator_config: {value!r} is neither a dict, a JSON "
-                      "file's path nor an AcceleratorConfig(); pass one of those (an "
-                      "AcceleratorConfig instance, not the class)")
+                      "file's path nor an AcceleratorConfig(); pass one of those")
 
 
 def _check_hub_reachable() -> None:
