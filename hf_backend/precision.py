@@ -166,7 +166,9 @@ def _upcast(param: torch.nn.Parameter) -> None:
     `param.data = ...` would change its dtype but not its local shard's."""
     grad = param.grad
     if is_traceable_wrapper_subclass(param):
-        torch.utils.swap_tensors(param, torch.nn.Parameter(param.data.float(), requires_grad=param.requires_grad))
+        upcast = torch.nn.Parameter(param.data.float(), requires_grad=param.requires_grad)
+        upcast.__dict__.update(param.__dict__)  # swap_tensors swaps the attributes too (transformers' marks)
+        torch.utils.swap_tensors(param, upcast)
     else:
         param.data = param.data.float()
     if grad is not None:  # a gradient from before prepare: accumulated in the master's dtype
