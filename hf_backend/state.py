@@ -29,10 +29,12 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 
-from . import accelerate_state
+from . import accelerate_state, torch_window
 from .enums import DistributedType
 from .errors import HfBackendError
 from .gradient_state import GradientState as GradientState  # as accelerate.state has it
+
+torch_window.check()  # the torch release, in one line, before any strategy reaches into torch
 
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
