@@ -1,7 +1,8 @@
 """Accelerate's torch_native_parallelism examples with their imports changed (issues 42, 54): nd_parallel.py as
 published (tests/scripts/nd_parallel_published.py: bf16 loading, the unguarded `dist.all_reduce(loss, AVG)`, the
-final `model.save_pretrained`) in one process under `hf-backend launch` and on tp 2, dp_shard 2, cp 2, dp_shard 2 x
-cp 2 and HSDP 2 x 2, each step's loss against one process on the same global batch; nd_parallel_trainer.py
+final `model.save_pretrained`) in one process with torchrun's environment (and `hf-backend launch --num_processes 1`
+giving a script its process group) and on tp 2, dp_shard 2, cp 2, dp_shard 2 x cp 2 and HSDP 2 x 2, each step's loss
+against one process on the same global batch; nd_parallel_trainer.py
 (tests/scripts/nd_parallel_trainer_port.py) under the example's tp_hsdp.yaml and cp.yaml at 8 processes; Accelerate's
 ParallelismConfig API and mesh names; and the one line where transformers shards a model over another mesh than the
 run's."""
