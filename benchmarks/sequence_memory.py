@@ -7,7 +7,7 @@ then a second step, and reports the peak of private memory (`RssAnon`, sampled e
 script) above what it held just before the second step: the step's activations, attention's working memory, the
 communication buffers and the gradients made again. glibc's mmap threshold is fixed (`mallopt`) so that freed memory
 is returned at once. The largest rank's figure is reported, beside `hf-backend plan`'s activation estimate for the
-same run (hf_backend/plan.py). With the step's memory linear in the length (SDPA's fused causal kernel, the ring's
+same run (plan/memory.py). With the step's memory linear in the length (SDPA's fused causal kernel, the ring's
 chunk pairs, Ulysses' head groups), the longest sequence that fits a budget follows from two lengths: (budget -
 intercept) / slope, rounded down to a multiple of 1024 tokens.
 
@@ -97,8 +97,8 @@ def planned_mib(setting: str, length: int) -> float:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from hf_backend.config.parallelism import MeshShape
-    from hf_backend.plan import plan_memory
+    from hf_backend.parallel.dims import MeshShape
+    from hf_backend.plan.memory import plan_memory
 
     with torch.device("meta"):
         model = LlamaForCausalLM(LlamaConfig(**CONFIG))

@@ -20,34 +20,34 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:  # the public names (redundant aliases: explicit re-exports)
-    from .accelerator import Accelerator as Accelerator
-    from .availability import is_rich_available as is_rich_available
-    from .config.parallelism import ParallelismConfig as ParallelismConfig
-    from .config.parallelism import TorchTensorParallelConfig as TorchTensorParallelConfig
+    from .accelerator.facade import Accelerator as Accelerator
+    from .accelerator.states import PartialState as PartialState
+    from .config.options import AutocastKwargs as AutocastKwargs
+    from .config.options import DataLoaderConfiguration as DataLoaderConfiguration
+    from .config.options import DistributedDataParallelKwargs as DistributedDataParallelKwargs
+    from .config.options import GradientAccumulationPlugin as GradientAccumulationPlugin
+    from .config.options import GradScalerKwargs as GradScalerKwargs
+    from .config.options import InitProcessGroupKwargs as InitProcessGroupKwargs
+    from .config.options import ProfileKwargs as ProfileKwargs
+    from .config.options import ProjectConfiguration as ProjectConfiguration
     from .config.plugins import DeepSpeedPlugin as DeepSpeedPlugin
     from .config.plugins import FullyShardedDataParallelPlugin as FullyShardedDataParallelPlugin
-    from .data import skip_first_batches as skip_first_batches
-    from .enums import DDPCommunicationHookType as DDPCommunicationHookType
-    from .errors import HfBackendError as HfBackendError
-    from .launchers import debug_launcher as debug_launcher
-    from .launchers import notebook_launcher as notebook_launcher
-    from .local_sgd import LocalSGD as LocalSGD
-    from .memory import find_executable_batch_size as find_executable_batch_size
-    from .options import AutocastKwargs as AutocastKwargs
-    from .options import DataLoaderConfiguration as DataLoaderConfiguration
-    from .options import DistributedDataParallelKwargs as DistributedDataParallelKwargs
-    from .options import GradientAccumulationPlugin as GradientAccumulationPlugin
-    from .options import GradScalerKwargs as GradScalerKwargs
-    from .options import InitProcessGroupKwargs as InitProcessGroupKwargs
-    from .options import ProfileKwargs as ProfileKwargs
-    from .options import ProjectConfiguration as ProjectConfiguration
-    from .seeding import synchronize_rng_states as synchronize_rng_states
-    from .state import DistributedType as DistributedType
-    from .state import PartialState as PartialState
-    from .state import add_process_group_plugin as add_process_group_plugin
+    from .core.availability import is_rich_available as is_rich_available
+    from .core.enums import DDPCommunicationHookType as DDPCommunicationHookType
+    from .core.enums import DistributedType as DistributedType
+    from .core.errors import HfBackendError as HfBackendError
+    from .data.loader import skip_first_batches as skip_first_batches
+    from .launch.notebook import debug_launcher as debug_launcher
+    from .launch.notebook import notebook_launcher as notebook_launcher
+    from .parallel.config import ParallelismConfig as ParallelismConfig
+    from .parallel.config import TorchTensorParallelConfig as TorchTensorParallelConfig
+    from .runtime.process import add_process_group_plugin as add_process_group_plugin
+    from .runtime.seeding import synchronize_rng_states as synchronize_rng_states
     from .trainer import Trainer as Trainer
     from .trainer import TrainingArguments as TrainingArguments
     from .trainer import on_engine as on_engine
+    from .training.local_sgd import LocalSGD as LocalSGD
+    from .training.memory import find_executable_batch_size as find_executable_batch_size
 
 
 def _public_names() -> dict[str, str]:
@@ -73,7 +73,7 @@ def __getattr__(name: str) -> Any:
         globals()[name] = value  # later lookups skip this function
         return value
     if not name.startswith("__"):
-        from .refused import REFUSED_NAMES, refuse
+        from .core.refused import REFUSED_NAMES, refuse
 
         if name in REFUSED_NAMES:
             raise refuse(__name__, name)

@@ -37,10 +37,10 @@ from typing import Any
 
 import torch
 
-from .accelerator import Accelerator
+from .accelerator.facade import Accelerator
 from .checkpoint import manifest
 from .checkpoint.layout import RAY_MODEL_DIR
-from .errors import HfBackendError
+from .core.errors import HfBackendError
 
 
 def _ray_train() -> Any:

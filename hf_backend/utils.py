@@ -16,56 +16,56 @@ from typing import Any
 
 import torch
 
-from . import availability, refused
-from .availability import compare_versions as compare_versions
-from .availability import is_torch_version as is_torch_version
-from .collectives import broadcast as broadcast
-from .collectives import broadcast_object_list as broadcast_object_list
-from .collectives import gather as gather
-from .collectives import gather_object as gather_object
-from .collectives import pad_across_processes as pad_across_processes
-from .collectives import reduce as _reduce
-from .config.parallelism import DeepSpeedSequenceParallelConfig as DeepSpeedSequenceParallelConfig
-from .config.parallelism import ParallelismConfig as ParallelismConfig
-from .config.parallelism import TorchContextParallelConfig as TorchContextParallelConfig
-from .config.parallelism import TorchTensorParallelConfig as TorchTensorParallelConfig
+from .accelerator.states import PartialState
+from .config.options import AutocastKwargs as AutocastKwargs
+from .config.options import DataLoaderConfiguration as DataLoaderConfiguration
+from .config.options import DistributedDataParallelKwargs as DistributedDataParallelKwargs
+from .config.options import GradientAccumulationPlugin as GradientAccumulationPlugin
+from .config.options import GradScalerKwargs as GradScalerKwargs
+from .config.options import InitProcessGroupKwargs as InitProcessGroupKwargs
+from .config.options import KwargsHandler as KwargsHandler
+from .config.options import ProfileKwargs as ProfileKwargs
+from .config.options import ProjectConfiguration as ProjectConfiguration
+from .config.options import TorchDynamoPlugin as TorchDynamoPlugin
 from .config.plugins import DeepSpeedPlugin as DeepSpeedPlugin
 from .config.plugins import FullyShardedDataParallelPlugin as FullyShardedDataParallelPlugin
-from .enums import ComputeEnvironment as ComputeEnvironment
-from .enums import CustomDtype as CustomDtype
-from .enums import DDPCommunicationHookType as DDPCommunicationHookType
-from .enums import DistributedType as DistributedType
-from .enums import DynamoBackend as DynamoBackend
-from .enums import FP8BackendType as FP8BackendType
-from .enums import LoggerType as LoggerType
-from .enums import PrecisionType as PrecisionType
-from .enums import RNGType as RNGType
-from .enums import SageMakerDistributedType as SageMakerDistributedType
-from .errors import HfBackendError
-from .memory import find_executable_batch_size as find_executable_batch_size
-from .memory import release_memory as release_memory
-from .nested import recursively_apply as recursively_apply
-from .nested import send_to_device as send_to_device
-from .optim import DummyOptim as DummyOptim
-from .optim import DummyScheduler as DummyScheduler
-from .options import AutocastKwargs as AutocastKwargs
-from .options import DataLoaderConfiguration as DataLoaderConfiguration
-from .options import DistributedDataParallelKwargs as DistributedDataParallelKwargs
-from .options import GradientAccumulationPlugin as GradientAccumulationPlugin
-from .options import GradScalerKwargs as GradScalerKwargs
-from .options import InitProcessGroupKwargs as InitProcessGroupKwargs
-from .options import KwargsHandler as KwargsHandler
-from .options import ProfileKwargs as ProfileKwargs
-from .options import ProjectConfiguration as ProjectConfiguration
-from .options import TorchDynamoPlugin as TorchDynamoPlugin
-from .seeding import set_seed as set_seed
-from .seeding import synchronize_rng_state as synchronize_rng_state
-from .seeding import synchronize_rng_states as synchronize_rng_states
-from .state import PartialState
+from .core import availability, refused
+from .core.availability import compare_versions as compare_versions
+from .core.availability import is_torch_version as is_torch_version
+from .core.enums import ComputeEnvironment as ComputeEnvironment
+from .core.enums import CustomDtype as CustomDtype
+from .core.enums import DDPCommunicationHookType as DDPCommunicationHookType
+from .core.enums import DistributedType as DistributedType
+from .core.enums import DynamoBackend as DynamoBackend
+from .core.enums import FP8BackendType as FP8BackendType
+from .core.enums import LoggerType as LoggerType
+from .core.enums import PrecisionType as PrecisionType
+from .core.enums import RNGType as RNGType
+from .core.enums import SageMakerDistributedType as SageMakerDistributedType
+from .core.errors import HfBackendError
+from .core.nested import recursively_apply as recursively_apply
+from .core.nested import send_to_device as send_to_device
+from .parallel.config import DeepSpeedSequenceParallelConfig as DeepSpeedSequenceParallelConfig
+from .parallel.config import ParallelismConfig as ParallelismConfig
+from .parallel.config import TorchContextParallelConfig as TorchContextParallelConfig
+from .parallel.config import TorchTensorParallelConfig as TorchTensorParallelConfig
+from .runtime.collectives import broadcast as broadcast
+from .runtime.collectives import broadcast_object_list as broadcast_object_list
+from .runtime.collectives import gather as gather
+from .runtime.collectives import gather_object as gather_object
+from .runtime.collectives import pad_across_processes as pad_across_processes
+from .runtime.collectives import reduce as _reduce
+from .runtime.seeding import set_seed as set_seed
+from .runtime.seeding import synchronize_rng_state as synchronize_rng_state
+from .runtime.seeding import synchronize_rng_states as synchronize_rng_states
 from .strategies.compile import compile_regions as compile_regions
 from .strategies.compile import has_compiled_regions as has_compiled_regions
-from .unwrap import extract_model_from_parallel as extract_model_from_parallel
-from .unwrap import is_compiled_module as is_compiled_module
+from .training.memory import find_executable_batch_size as find_executable_batch_size
+from .training.memory import release_memory as release_memory
+from .training.optim import DummyOptim as DummyOptim
+from .training.optim import DummyScheduler as DummyScheduler
+from .training.unwrap import extract_model_from_parallel as extract_model_from_parallel
+from .training.unwrap import is_compiled_module as is_compiled_module
 
 # Accelerate's in-place variants for its FSDP2 and DeepSpeed paths: here every region is compiled in place
 compile_regions_fsdp2 = compile_regions_deepspeed = compile_regions
@@ -114,7 +114,7 @@ def find_batch_size(data: Any) -> int:
 
 
 def _leaves(data: Any) -> Iterator[Any]:
-    from .nested import leaves
+    from .core.nested import leaves
 
     return leaves(data)
 

@@ -38,6 +38,7 @@ def two_fake_processes():
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from hf_backend.accelerator.states import forget_accelerator_state
     from hf_backend.state import ProcessState, process_state_is_set_up, reset_process_state
 
     assert not dist.is_initialized()
@@ -49,6 +50,7 @@ def two_fake_processes():
         dist.destroy_process_group()
         if not had_state:
             reset_process_state()  # what the test set up on the fake group (TrainingArguments do) goes with it
+            forget_accelerator_state()
 
 
 @pytest.fixture(scope="module")

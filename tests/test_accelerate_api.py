@@ -478,14 +478,14 @@ def test_which_process_has_one_answer_before_the_process_state(monkeypatch, caps
     Accelerate-style logging and trackers take the group's rank, so rank 1 stays quiet."""
     import types
 
-    from hf_backend import notes, rank
+    from hf_backend.core import notes, rank
     from hf_backend.logging import get_logger
 
     monkeypatch.delenv("RANK", raising=False)
     group = types.SimpleNamespace(is_available=lambda: True, is_initialized=lambda: True, get_rank=lambda: 1,
                                   get_world_size=lambda: 2)
     monkeypatch.setitem(sys.modules, "torch.distributed", group)
-    monkeypatch.setattr("hf_backend.state._STATE", None)
+    monkeypatch.setattr("hf_backend.runtime.process._STATE", None)
     assert (rank.process_index(), rank.num_processes(), rank.is_main_process()) == (1, 2, False)
     notes.note("a note only rank 0 prints")
     get_logger("which_process").warning("a warning only rank 0 prints")

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from torch.utils.data import DataLoader, TensorDataset
 
 from hf_backend import Accelerator, DistributedType, HfBackendError, ProjectConfiguration
-from hf_backend.optim import AcceleratedOptimizer, AcceleratedScheduler
+from hf_backend.training.optim import AcceleratedOptimizer, AcceleratedScheduler
 from hf_backend.utils import set_seed
 
 
@@ -44,7 +44,7 @@ def test_one_process_state():
 
 def test_the_device_a_launcher_names_is_used(monkeypatch):
     """Ray Train names each worker's device in ACCELERATE_TORCH_DEVICE (as Accelerate reads it); cpu=True wins."""
-    from hf_backend.state import _pick_device
+    from hf_backend.runtime.process import _pick_device
 
     monkeypatch.setenv("ACCELERATE_TORCH_DEVICE", "meta")  # any device torch knows; meta exists on every machine
     assert _pick_device(cpu=False, local_rank=1) == torch.device("meta")

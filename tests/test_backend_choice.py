@@ -12,17 +12,18 @@ import pytest
 import torch
 from helpers import DOCS_FSDP_YAML
 
-from hf_backend import DeepSpeedPlugin, FullyShardedDataParallelPlugin, HfBackendError, notes
+from hf_backend import DeepSpeedPlugin, FullyShardedDataParallelPlugin, HfBackendError
 from hf_backend.config import backend as backend_module
 from hf_backend.config import environment as env
 from hf_backend.config.backend import ACCELERATOR, TRAINING_ARGUMENTS, choose_backend
 from hf_backend.config.loader import validate
+from hf_backend.config.options import Handlers
 from hf_backend.config.plugins import fsdp_options
-from hf_backend.enums import DistributedType
-from hf_backend.options import Handlers
-from hf_backend.precision import Precision
+from hf_backend.core import notes
+from hf_backend.core.enums import DistributedType
 from hf_backend.state import ProcessState
 from hf_backend.strategies import DDPStrategy, FSDPStrategy, select_strategy
+from hf_backend.training.precision import Precision
 
 TWO_CPU = ProcessState(torch.device("cpu"), 2, 0, 0, 2, "gloo")
 

@@ -9,12 +9,12 @@ import torch
 
 from hf_backend import FullyShardedDataParallelPlugin, HfBackendError
 from hf_backend.checkpoint import CheckpointIO
-from hf_backend.config.loader import ConfigError
-from hf_backend.options import Handlers
-from hf_backend.precision import Precision
-from hf_backend.prepared import PreparedObjects
+from hf_backend.config.options import Handlers
+from hf_backend.core.errors import ConfigError
 from hf_backend.state import ProcessState
 from hf_backend.strategies import SingleDeviceStrategy
+from hf_backend.training.precision import Precision
+from hf_backend.training.prepared import PreparedObjects
 
 
 class Position:

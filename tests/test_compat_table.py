@@ -15,7 +15,7 @@ import pytest
 import hf_backend
 import hf_backend.utils
 from hf_backend import Accelerator
-from hf_backend.errors import HfBackendError
+from hf_backend.core.errors import HfBackendError
 
 TABLE = Path(__file__).resolve().parents[1] / "docs" / "compat.md"
 SECTIONS = {"## `Accelerator` members": "Accelerator", "## Names in `accelerate` (top level)": "accelerate",

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from hf_backend.cli.launch import effective_config
 from hf_backend.cli.main import build_parser
 from hf_backend.config import reference
-from hf_backend.config.loader import ConfigError, load_config, validate, write_config
+from hf_backend.config.loader import load_config, validate, write_config
+from hf_backend.core.errors import ConfigError
 
 
 def _write(tmp_path: Path, text: str, name: str = "c.yaml") -> Path:
@@ -195,9 +196,9 @@ def test_every_deepspeed_section_key_reaches_the_config_or_is_refused():
 def test_a_launch_configs_dynamo_backend_compiles_unless_the_script_says_otherwise(monkeypatch):
     """`dynamo_backend` in a launch config reaches every process (HF_BACKEND_DYNAMO_BACKEND), where Accelerator()
     compiles with it as Accelerate does; the script's own dynamo_backend or dynamo_plugin wins."""
-    from hf_backend.compat import dynamo_plugin
+    from hf_backend.accelerator.compat import dynamo_plugin
     from hf_backend.config.environment import DYNAMO_BACKEND, to_environment
-    from hf_backend.options import TorchDynamoPlugin
+    from hf_backend.config.options import TorchDynamoPlugin
 
     monkeypatch.delenv(DYNAMO_BACKEND, raising=False)
     assert not dynamo_plugin(None, None).enabled
@@ -215,7 +216,7 @@ def test_the_options_in_effect_take_transformers_docs_full_state_dict_call():
     `save_model`: on the frozen options in effect it changes nothing (save_model writes full weights anyway); asking
     for another type than the one in effect is one line."""
     from hf_backend.config.fsdp import FsdpOptions
-    from hf_backend.errors import HfBackendError
+    from hf_backend.core.errors import HfBackendError
 
     options = FsdpOptions(state_dict_type="SHARDED_STATE_DICT")
     options.set_state_dict_type("FULL_STATE_DICT")

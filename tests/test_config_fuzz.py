@@ -21,11 +21,12 @@ import pytest
 import yaml
 from helpers import DOCS_FSDP_YAML, assert_valid_config, cli
 
-from hf_backend.checks import show
 from hf_backend.cli.main import main
 from hf_backend.config import loader
-from hf_backend.config.loader import ConfigError, load_config, write_config
+from hf_backend.config.loader import load_config, write_config
 from hf_backend.config.schema import DeepSpeedSection, FsdpSection, LaunchConfig, fields_of
+from hf_backend.core.checks import show
+from hf_backend.core.errors import ConfigError
 
 SEED, CASES, TIME_BOUND = 19, 300, 1.0
 

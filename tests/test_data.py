@@ -9,10 +9,10 @@ from hypothesis import strategies as st
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler
 
 from hf_backend import HfBackendError
-from hf_backend.batch_sources import ShardedBatchSampler
+from hf_backend.config.options import GradientAccumulationPlugin
 from hf_backend.data import PreparedDataLoader, prepare_dataloader
-from hf_backend.gradient_state import GradientState
-from hf_backend.options import GradientAccumulationPlugin
+from hf_backend.data.sources import ShardedBatchSampler
+from hf_backend.training.gradient_state import GradientState
 
 
 def _shards(n: int, batch: int, world: int, split: bool = False, even: bool = True, drop_last: bool = False):

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_backend.errors import HfBackendError
-from hf_backend.options import DistributedDataParallelKwargs as Kwargs
+from hf_backend.config.options import DistributedDataParallelKwargs as Kwargs
+from hf_backend.core.errors import HfBackendError
 from hf_backend.strategies import ddp
 
 STEPS = 4
@@ -158,7 +158,7 @@ def test_invalid_options_are_one_line(handler, words):
 
 
 def test_enum_members_and_their_values_are_both_accepted():
-    from hf_backend.enums import DDPCommunicationHookType
+    from hf_backend.core.enums import DDPCommunicationHookType
 
     assert ddp.communication_hook(Kwargs()) is None
     hook, state = ddp.communication_hook(Kwargs(comm_hook=DDPCommunicationHookType.FP16))

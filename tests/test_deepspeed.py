@@ -9,10 +9,10 @@ import torch
 from helpers import BERT_LOOP, BERT_TRAIN, relative_difference, run_report
 
 from hf_backend import DeepSpeedPlugin, HfBackendError
-from hf_backend.gradient_state import GradientState
-from hf_backend.options import GradientAccumulationPlugin, Handlers
-from hf_backend.precision import Precision
+from hf_backend.config.options import GradientAccumulationPlugin, Handlers
 from hf_backend.state import ProcessState
+from hf_backend.training.gradient_state import GradientState
+from hf_backend.training.precision import Precision
 
 pytest.importorskip("deepspeed")
 transformers = pytest.importorskip("transformers")

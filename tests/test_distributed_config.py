@@ -104,8 +104,8 @@ def test_another_grid_than_the_models_is_one_line(model_dir, tmp_path):
 
 
 def test_pipeline_and_expert_parallel_configs_are_refused():
-    from hf_backend.config.loader import ConfigError
-    from hf_backend.config.parallelism import MeshShape, loaded_shape
+    from hf_backend.core.errors import ConfigError
+    from hf_backend.parallel.dims import MeshShape, loaded_shape
 
     def model(**sizes):
         config = types.SimpleNamespace(dp_replicate_size=1, fsdp_size=2, tp_size=1, pp_size=1, ep_size=1)

@@ -17,8 +17,8 @@ import pytest
 from helpers import CLI, SCRIPTS, cli, cli_env, free_port, run_script
 
 from hf_backend.cli.launch import elastic_range, process_environment, torchrun_arguments
-from hf_backend.config.loader import ConfigError
 from hf_backend.config.schema import LaunchConfig
+from hf_backend.core.errors import ConfigError
 
 SCRIPT = str(SCRIPTS / "elastic_loop.py")
 EVERY = 4

@@ -21,6 +21,9 @@ pytest.importorskip("transformers")
 
 SCRIPT = "nd_loop.py"
 LOSS, SGD_PARAMS, ADAMW_PARAMS, NORM = 1e-6, 1e-6, 5e-5, 1e-5
+# padded, left-padded and packed batches split over sp ranks: their losses sum the tokens in another order; 4.5e-6
+# apart at step 4 (of 3.5) on some CPUs' kernels, 1e-6 on others
+LAYOUT_LOSS = 1e-5
 EP2, EP2_FSDP2, EP4, SP2_EP2 = "1x2x1x1x1x2", "1x4x1x1x1x2", "1x4x1x1x1x4", "1x1x1x1x2x2"
 LAYOUTS = ["padded", "left", "packed"]
 
@@ -84,7 +87,7 @@ def test_experts_split_over_the_ep_ranks_train_as_one_process(runs, model, grid,
     if grid == SP2_EP2:  # the ep ranks are sp ranks: padded and packed batches, uneven targets, exact
         for layout in LAYOUTS:
             a, b = one["runs"][f"adamw/{layout}"], many["runs"][f"adamw/{layout}"]
-            assert _steps(a["losses"], b["losses"]) <= LOSS, layout
+            assert _steps(a["losses"], b["losses"]) <= LAYOUT_LOSS, layout
             assert _largest(a["params"], b["params"]) <= ADAMW_PARAMS, layout
 
 
@@ -180,8 +183,8 @@ def test_the_plan_prices_experts_per_rank_as_a_run_holds_them(runs):
     as the run measured them."""
     from nd_loop import tiny_model
 
-    from hf_backend.config.parallelism import MeshShape
-    from hf_backend.plan import plan_memory
+    from hf_backend.parallel.dims import MeshShape
+    from hf_backend.plan.memory import plan_memory
 
     measured = runs(EP2_FSDP2)["runs"]["adamw"]
     plan = plan_memory(tiny_model("qwen3_moe"), "fsdp", 4, shape=MeshShape(dp_shard=4, ep=2))
@@ -204,11 +207,10 @@ def test_the_plan_prices_experts_per_rank_as_a_run_holds_them(runs):
 ])
 def test_an_ep_size_that_cannot_split_is_refused_in_one_line(config, world, message):
     from hf_backend import ParallelismConfig
-    from hf_backend.config.loader import ConfigError
-    from hf_backend.config.parallelism import MeshShape
+    from hf_backend.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match=message):
-        MeshShape.of(ParallelismConfig(**config), world)
+        ParallelismConfig(**config).shape(world)
 
 
 class _Mesh:

@@ -1,4 +1,4 @@
-"""Fault tolerance across replica groups on torchft (issue 46; hf_backend/fault_tolerance.py): 2 replica groups of
+"""Fault tolerance across replica groups on torchft (issue 46; fault_tolerance/groups.py): 2 replica groups of
 2 processes with FSDP inside each, each group its own `hf-backend launch --fault_tolerance`, joined by the torchft
 lighthouse group 0's launcher serves (tests/scripts/ft_loop.py). A process of group 1 is SIGKILLed twice (steps and
 ranks drawn from a fixed seed): group 0 keeps stepping alone, training group 1's part of every batch too, group 1's
@@ -191,7 +191,7 @@ def test_the_trainer_counts_applied_steps_and_a_healed_group_takes_the_live_grou
 
 def test_fault_tolerance_without_the_launcher_settings_is_one_line(monkeypatch) -> None:
     from hf_backend.config import environment as env
-    from hf_backend.errors import HfBackendError
+    from hf_backend.core.errors import HfBackendError
     from hf_backend.fault_tolerance import FaultTolerance, resolve
 
     monkeypatch.delenv(env.FAULT_TOLERANCE, raising=False)
@@ -259,11 +259,11 @@ def test_the_live_groups_share_the_missing_groups_parts_and_are_weighted_by_them
     import torch
     from torch.utils.data import DataLoader
 
+    from hf_backend.config.options import GradientAccumulationPlugin
     from hf_backend.data import prepare_dataloader
     from hf_backend.fault_tolerance import FaultTolerance, ReplicaGroups
-    from hf_backend.gradient_state import GradientState
-    from hf_backend.options import GradientAccumulationPlugin
-    from hf_backend.strategies.mesh import DataShard
+    from hf_backend.parallel.dims import DataShard
+    from hf_backend.training.gradient_state import GradientState
 
     def group(replica: int, quorum: _Quorum) -> tuple[ReplicaGroups, list[list[int]]]:
         groups = ReplicaGroups.__new__(ReplicaGroups)  # the step protocol without torchft's Manager

@@ -9,10 +9,10 @@ import torch
 from helpers import BERT_LOOP, BERT_TRAIN, DOCS_FSDP_YAML, SCRIPTS, cli, relative_difference, run_report, run_script
 
 from hf_backend import FullyShardedDataParallelPlugin, HfBackendError
-from hf_backend.options import Handlers
-from hf_backend.precision import Precision
+from hf_backend.config.options import Handlers
 from hf_backend.state import ProcessState
 from hf_backend.strategies import FSDPStrategy
+from hf_backend.training.precision import Precision
 
 transformers = pytest.importorskip("transformers")
 from bert_loop import CONFIG, data  # noqa: E402 - tests/scripts, on pytest's `pythonpath` (pyproject)

@@ -1,4 +1,4 @@
-"""Hangs that name their rank (hf_backend/hang_watch.py): a script whose rank 1 skips a collective (early stopping on
+"""Hangs that name their rank (launch/hang_watch.py): a script whose rank 1 skips a collective (early stopping on
 a per-rank metric) fails at once under `--debug` in one line naming each rank's operation and call site, and without
 it ends after the hang timeout with every rank's stacks and one line naming where each waits, under `hf-backend
 launch` and plain torchrun alike; no process is left behind."""
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from helpers import CLI, SCRIPTS, cli, cli_env, run_script
 
-from hf_backend import hang_watch
+from hf_backend.launch import hang_watch
 
 SCRIPT = "early_stop_hang.py"
 ROOT = Path(__file__).resolve().parents[1]
@@ -177,7 +177,7 @@ ONE_SIDED = """\
 import datetime, os, sys, time
 import torch.distributed as dist
 from hf_backend import Accelerator
-from hf_backend.hang_watch import HangWatch
+from hf_backend.launch.hang_watch import HangWatch
 accelerator = Accelerator(cpu=True, kwargs_handlers=[HangWatch(300)] if sys.argv[2:] else [])
 with open(os.path.join(sys.argv[1], f"pid{accelerator.process_index}"), "w") as f:
     f.write(str(os.getpid()))
@@ -211,7 +211,7 @@ BUSY = """\
 import os, sys, time
 import torch
 from hf_backend import Accelerator, add_process_group_plugin
-from hf_backend.hang_watch import HangWatch
+from hf_backend.launch.hang_watch import HangWatch
 add_process_group_plugin(HangWatch(float(sys.argv[3])))  # as a script with a Trainer would
 accelerator = Accelerator(cpu=True)
 with open(os.path.join(sys.argv[1], f"pid{accelerator.process_index}"), "w") as f:
@@ -430,11 +430,11 @@ import json, sys, threading
 from hf_backend import Accelerator
 handlers = []
 if sys.argv[1:]:
-    from hf_backend.hang_watch import HangWatch
+    from hf_backend.launch.hang_watch import HangWatch
     handlers.append(HangWatch(300))
 accelerator = Accelerator(cpu=True, kwargs_handlers=handlers)
 accelerator.wait_for_everyone()
-imported = "hf_backend.hang_watch" in sys.modules
+imported = "hf_backend.launch.hang_watch" in sys.modules
 print(json.dumps({"threads": sorted(t.name for t in threading.enumerate()), "imported": imported,
                   "excepthook": getattr(sys.excepthook, "__module__", "")}))  # torch's init_process_group sets its own
 """
@@ -451,4 +451,4 @@ def test_no_watchdog_or_excepthook_unless_asked(tmp_path, asked, monkeypatch):
     report = json.loads(proc.stdout.splitlines()[1])  # rank 0's line, after "[rank 0]"
     assert ("hf-backend-hang-watchdog" in report["threads"]) == asked, report
     assert report["imported"] == asked, report
-    assert (report["excepthook"] == "hf_backend.hang_watch") == asked, report
+    assert (report["excepthook"] == "hf_backend.launch.hang_watch") == asked, report

@@ -16,7 +16,7 @@ import psutil
 import pytest
 from helpers import CLI, cli_env, free_port
 
-from hf_backend.worker_failures import describe_failure, one_line
+from hf_backend.launch.worker_failures import describe_failure, one_line
 
 # Each worker writes its pid to <dir>/pid<local rank>, then waits to be stopped; no process group, no collectives.
 SLEEPER = """\

@@ -259,7 +259,7 @@ def test_on_a_gpu_machine_an_unsafe_fork_is_refused(monkeypatch, initialized, gp
     """Simulated: this machine has no GPU. No process is started either way."""
     import torch
 
-    from hf_backend import launchers
+    from hf_backend.launch import notebook as launchers
 
     monkeypatch.setattr(launchers, "_cuda_present", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: initialized)

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from hf_backend import Accelerator
-from hf_backend.enums import DistributedType
-from hf_backend.errors import HfBackendError
+from hf_backend.core.enums import DistributedType
+from hf_backend.core.errors import HfBackendError
 from hf_backend.local_sgd import LocalSGD
 
 EVERY = 3  # local_sgd_steps

@@ -1,4 +1,4 @@
-"""`hf-backend plan` (hf_backend/plan.py): its arithmetic on meta models, its one-line refusals, and its figures
+"""`hf-backend plan` (hf_backend/plan/memory.py): its arithmetic on meta models, its one-line refusals, and its figures
 against the memory real runs take (tests/scripts/memory_measure.py: resident memory per phase, per process)."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from memory_measure import CONFIG
 
 from hf_backend import HfBackendError
 from hf_backend.cli.main import main as cli
-from hf_backend.config.parallelism import MeshShape
-from hf_backend.plan import build_on_meta, plan_memory
+from hf_backend.parallel.dims import MeshShape
+from hf_backend.plan.memory import build_on_meta, plan_memory
 
 MIB = 2**20
 

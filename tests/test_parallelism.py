@@ -201,33 +201,34 @@ def test_the_plan_has_full_module_paths():
 ])
 def test_a_grid_that_does_not_fit_is_one_line(config, world, message):
     from hf_backend import HfBackendError
-    from hf_backend.config.parallelism import MeshShape, ParallelismConfig
+    from hf_backend.parallel.config import ParallelismConfig
 
     with pytest.raises(HfBackendError, match=message):
-        MeshShape.of(ParallelismConfig.of(config), world)
+        ParallelismConfig.of(config).shape(world)
 
 
 def test_sizes_come_from_accelerates_variables(monkeypatch):
     """`accelerate launch --parallelism_config_tp_size 2` and `hf-backend launch` hand the sizes over the same way."""
-    from hf_backend.config import environment
-    from hf_backend.config.parallelism import MeshShape
+    from hf_backend.parallel.config import requested_shape
+    from hf_backend.parallel.dims import MeshShape
 
     monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
     monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "2")
     monkeypatch.setenv("PARALLELISM_CONFIG_DP_SHARD_SIZE", "2")
-    assert environment.parallelism_shape(None, 4) == MeshShape(dp_shard=2, tp=2)
+    assert requested_shape(None, 4) == MeshShape(dp_shard=2, tp=2)
     monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "false")
-    assert environment.parallelism_shape(None, 4) is None
+    assert requested_shape(None, 4) is None
 
 
 def test_accelerates_parallelism_config_is_read_by_its_fields():
     from accelerate.parallelism_config import ParallelismConfig as AccelerateConfig
 
-    from hf_backend.config.parallelism import MeshShape, ParallelismConfig
+    from hf_backend.parallel.config import ParallelismConfig
+    from hf_backend.parallel.dims import MeshShape
 
     ours = ParallelismConfig.of(AccelerateConfig(dp_shard_size=2, tp_size=2))
-    assert MeshShape.of(ours, 4) == MeshShape(dp_shard=2, tp=2)
-    assert MeshShape.of(ParallelismConfig(), 4) == MeshShape(dp_replicate=4)  # empty: data parallel, as Accelerate
+    assert ours.shape(4) == MeshShape(dp_shard=2, tp=2)
+    assert ParallelismConfig().shape(4) == MeshShape(dp_replicate=4)  # empty: data parallel, as Accelerate
     assert not MeshShape(dp_replicate=4).needs_mesh and MeshShape(tp=2).needs_mesh
 
 
@@ -257,11 +258,11 @@ def test_the_launchers_flags_lay_out_every_process(runs, tmp_path):
 def test_what_the_mesh_path_does_not_run_is_one_line(shape, deepspeed, message):
     from hf_backend import DeepSpeedPlugin, HfBackendError
     from hf_backend.config.backend import DATA_PARALLEL, DEEPSPEED, Backend
-    from hf_backend.config.parallelism import MeshShape
-    from hf_backend.options import Handlers
-    from hf_backend.precision import Precision
+    from hf_backend.config.options import Handlers
+    from hf_backend.parallel.dims import MeshShape
     from hf_backend.state import ProcessState
     from hf_backend.strategies import select_strategy
+    from hf_backend.training.precision import Precision
 
     process = ProcessState(torch.device("cpu"), 4, 0, 0, 4, "gloo")
     backend = Backend(DEEPSPEED, deepspeed=DeepSpeedPlugin()) if deepspeed else Backend(DATA_PARALLEL)
@@ -277,10 +278,10 @@ def test_a_model_sharded_on_a_mesh_of_its_own_is_refused(two_fake_processes):
 
     from hf_backend import HfBackendError
     from hf_backend.config.fsdp import FsdpOptions
-    from hf_backend.config.parallelism import MeshShape
-    from hf_backend.options import Handlers
-    from hf_backend.precision import Precision
+    from hf_backend.config.options import Handlers
+    from hf_backend.parallel.dims import MeshShape
     from hf_backend.strategies import FSDPStrategy
+    from hf_backend.training.precision import Precision
 
     process = two_fake_processes
     strategy = FSDPStrategy(process, Precision("no", process.device), Handlers(), FsdpOptions(),
@@ -300,10 +301,10 @@ def test_cpu_ram_efficient_loading_of_a_model_sharded_by_from_pretrained_is_refu
 
     from hf_backend import HfBackendError
     from hf_backend.config.fsdp import FsdpOptions
-    from hf_backend.config.parallelism import MeshShape
-    from hf_backend.options import Handlers
-    from hf_backend.precision import Precision
+    from hf_backend.config.options import Handlers
+    from hf_backend.parallel.dims import MeshShape
     from hf_backend.strategies import FSDPStrategy
+    from hf_backend.training.precision import Precision
 
     process = two_fake_processes
     strategy = FSDPStrategy(process, Precision("no", process.device), Handlers(),
@@ -382,8 +383,8 @@ def test_heads_that_sequence_parallelism_cannot_split_are_one_line():
 
 def test_gather_for_metrics_under_context_parallelism_is_refused():
     from hf_backend import HfBackendError
-    from hf_backend.collectives import gather_for_metrics
-    from hf_backend.strategies.mesh import DataShard
+    from hf_backend.parallel.dims import DataShard
+    from hf_backend.runtime.collectives import gather_for_metrics
 
     with pytest.raises(HfBackendError, match=r"^gather_for_metrics with the sequences split over 2 ranks \(cp_size "
                                              r"or sp_size\): each rank holds a slice of every sequence; evaluate "

@@ -22,14 +22,14 @@ import torch
 import torch.distributed as dist
 from helpers import run_script
 
-import hf_backend.notes
+import hf_backend.core.notes
 from hf_backend.checkpoint.inspect import describe, inspect_checkpoint
 from hf_backend.cli.main import main
+from hf_backend.config.options import Handlers
 from hf_backend.config.plugins import FullyShardedDataParallelPlugin
-from hf_backend.options import Handlers
-from hf_backend.precision import Precision
 from hf_backend.state import ProcessState
 from hf_backend.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy
+from hf_backend.training.precision import Precision
 
 precision_dtypes = pytest.importorskip("precision_dtypes")  # tests/scripts, on pytest's `pythonpath`
 
@@ -54,10 +54,10 @@ def notes():
     heard: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: heard.append(record.getMessage())  # type: ignore[method-assign]
-    hf_backend.notes._said.clear()
-    hf_backend.notes.logger.addHandler(handler)
+    hf_backend.core.notes._said.clear()
+    hf_backend.core.notes.logger.addHandler(handler)
     yield heard
-    hf_backend.notes.logger.removeHandler(handler)
+    hf_backend.core.notes.logger.removeHandler(handler)
 
 
 # -- every strategy, trained ------------------------------------------------------------------------------------------

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from hf_backend import Accelerator
-from hf_backend.errors import HfBackendError
-from hf_backend.options import ProfileKwargs
-from hf_backend.profiling import profile
+from hf_backend.config.options import ProfileKwargs
+from hf_backend.core.errors import HfBackendError
+from hf_backend.runtime.profiling import profile
 
 
 def _work(tag: str) -> None:

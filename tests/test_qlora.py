@@ -115,7 +115,7 @@ def test_what_is_not_run_is_one_line(tmp_path) -> None:
     from transformers import BitsAndBytesConfig, LlamaForCausalLM
 
     from hf_backend import Accelerator, HfBackendError
-    from hf_backend.config.parallelism import MeshShape
+    from hf_backend.parallel.dims import MeshShape
     from hf_backend.strategies import quantized
 
     tiny_llama(tied=False).save_pretrained(tmp_path / "base")

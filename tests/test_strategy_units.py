@@ -15,15 +15,15 @@ import torch
 import torch.distributed as dist
 
 from hf_backend.checkpoint import CheckpointIO, manifest
+from hf_backend.config.options import GradientAccumulationPlugin, Handlers
 from hf_backend.config.plugins import DeepSpeedPlugin, FullyShardedDataParallelPlugin
-from hf_backend.errors import HfBackendError
-from hf_backend.gradient_state import GradientState
-from hf_backend.options import GradientAccumulationPlugin, Handlers
-from hf_backend.precision import Precision
-from hf_backend.prepared import PreparedObjects
+from hf_backend.core.errors import HfBackendError
 from hf_backend.state import ProcessState
 from hf_backend.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, SingleDeviceStrategy
 from hf_backend.strategies.capabilities import Joinable, ValueClipping, capability
+from hf_backend.training.gradient_state import GradientState
+from hf_backend.training.precision import Precision
+from hf_backend.training.prepared import PreparedObjects
 
 STRATEGIES = ["single", "ddp", "fsdp_full", "fsdp_sharded", "zero2", "zero3"]
 

@@ -1,10 +1,12 @@
 """The house's structure, read from the code's own imports (module-level and inside functions alike): no import
-cycles among hf_backend's modules, the command line above the library (nothing outside `hf_backend.cli` imports it),
-and the hang watch an optional room that the process state and the strategies never import."""
+cycles among hf_backend's modules, the packages in layers whose imports point down only (the command line on top,
+the core at the bottom), few modules loose at the top (Accelerate's module paths, re-exporting), and the hang watch
+an optional room that the process state and the strategies never import."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -72,8 +74,8 @@ def _cycle() -> list[str] | None:
 
 
 def test_the_reader_sees_every_import():
-    assert "hf_backend.state" in GRAPH["hf_backend.accelerator"]  # a module-level relative import
-    assert "hf_backend.worker_failures" in GRAPH["hf_backend.launchers"]  # one inside a function
+    assert "hf_backend.runtime.process" in GRAPH["hf_backend.accelerator.facade"]  # a module-level relative import
+    assert "hf_backend.launch.worker_failures" in GRAPH["hf_backend.launch.notebook"]  # one inside a function
 
 
 def test_no_import_cycles():
@@ -86,10 +88,10 @@ def test_the_library_does_not_import_the_command_line():
     assert {name: targets for name, targets in upward.items() if targets} == {}
 
 
-@pytest.mark.parametrize("importer", ["hf_backend.state", "hf_backend.accelerator", "hf_backend.strategies"])
+@pytest.mark.parametrize("importer", ["hf_backend.runtime", "hf_backend.accelerator", "hf_backend.strategies"])
 def test_the_hang_watch_is_an_optional_room(importer):
     rooms = [name for name in GRAPH if name == importer or name.startswith(importer + ".")]
-    assert rooms and all("hf_backend.hang_watch" not in GRAPH[name] for name in rooms)
+    assert rooms and all("hf_backend.launch.hang_watch" not in GRAPH[name] for name in rooms)
 
 
 def test_long_lines_are_few():
@@ -103,5 +105,30 @@ def test_long_lines_are_few():
 def test_the_architecture_page_names_every_module():
     page = (PACKAGE.parent / "docs" / "architecture.md").read_text()
     unnamed = sorted(str(path.relative_to(PACKAGE)) for path in MODULES.values()
-                     if path.name != "__init__.py" and f" {path.name} " not in page and f" {path.name}\n" not in page)
+                     if path.name != "__init__.py" and not re.search(rf"(?<![\w/.]){re.escape(path.name)}(?!\w)", page))
     assert unnamed == []
+
+
+# The packages bottom to top: a module imports its own package and those below it, never one above.
+LAYERS = ["core", "config", "runtime", "parallel", "training", "data", "strategies", "checkpoint", "fault_tolerance",
+          "accelerator", "launch", "plan", "trainer", "ray_train", "top", "cli"]
+# directly under hf_backend/: the package's names and Accelerate's module paths, each a thin re-export
+TOP = {"hf_backend", "hf_backend.utils", "hf_backend.state", "hf_backend.logging", "hf_backend.tracking",
+       "hf_backend.launchers", "hf_backend.local_sgd", "hf_backend.parallelism_config"}
+
+
+def _layer(module: str) -> int:
+    if module in TOP:
+        return LAYERS.index("top")
+    return LAYERS.index(module.split(".")[1])
+
+
+def test_imports_point_down_the_layers():
+    upward = sorted(f"{name} -> {target}" for name, targets in GRAPH.items() for target in targets
+                    if _layer(target) > _layer(name))
+    assert upward == []
+
+
+def test_few_modules_are_loose_at_the_top():
+    loose = {name for name, path in MODULES.items() if path.parent == PACKAGE and name != "hf_backend.ray_train"}
+    assert loose == TOP and len(loose) + 1 <= 15

@@ -1,4 +1,4 @@
-"""The torch window (hf_backend/torch_window.py): pyproject.toml's requirement, one line at import outside it."""
+"""The torch window (hf_backend/core/torch_window.py): pyproject.toml's requirement, one line at import outside it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_backend import torch_window
+from hf_backend.core import torch_window
 
 
 def test_pyproject_requires_the_tested_window():

@@ -14,7 +14,7 @@ from helpers import run_script
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from hf_backend import Accelerator, HfBackendError, ProjectConfiguration
-from hf_backend.enums import LoggerType
+from hf_backend.core.enums import LoggerType
 from hf_backend.tracking import GeneralTracker, JSONLTracker, TensorBoardTracker, on_main_process
 
 

@@ -9,7 +9,7 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
-from hf_backend import enums as hf_backend_enums  # noqa: E402
+from hf_backend.core import enums as hf_backend_enums  # noqa: E402
 from hf_backend.trainer import Trainer, accelerate_names  # noqa: E402
 from hf_backend.trainer import transformers_compat as compat  # noqa: E402
 
@@ -82,7 +82,7 @@ def test_an_accelerator_config_is_read_without_accelerate(tmp_path):
     from transformers.trainer_pt_utils import AcceleratorConfig
 
     from hf_backend import TrainingArguments
-    from hf_backend.config.loader import ConfigError
+    from hf_backend.core.errors import ConfigError
 
     path = tmp_path / "accelerator.json"
     path.write_text('{"split_batches": true}')

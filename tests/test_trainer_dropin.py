@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
 from hf_backend import Accelerator, HfBackendError, Trainer, TrainingArguments
-from hf_backend.options import GradientAccumulationPlugin
+from hf_backend.config.options import GradientAccumulationPlugin
 
 ROWS, BATCH = 66, 8  # the last batch holds 2 rows
 
@@ -93,7 +93,7 @@ def test_sync_each_batch_still_accumulates():
 
 
 def test_use_configured_state_without_a_state_is_an_error(tmp_path, monkeypatch):
-    import hf_backend.state as state
+    import hf_backend.runtime.process as state
 
     monkeypatch.setattr(state, "_STATE", None)
     with pytest.raises(ValueError, match="requires a pre-configured `AcceleratorState` or `PartialState`") as err:

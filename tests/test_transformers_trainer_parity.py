@@ -15,9 +15,10 @@ from torch.utils.data import Dataset
 from transformers import TrainerCallback
 from transformers.trainer_jit_checkpoint import CheckpointManager, JITCheckpointCallback
 
-import hf_backend.state as state
+import hf_backend.accelerator.states as accelerator_states
+import hf_backend.runtime.process as process
 from hf_backend import Accelerator, Trainer, TrainingArguments
-from hf_backend.options import GradientAccumulationPlugin
+from hf_backend.config.options import GradientAccumulationPlugin
 from hf_backend.state import AcceleratorState, GradientState, PartialState
 from hf_backend.trainer.jit_checkpoint import JITCheckpoint
 
@@ -42,8 +43,9 @@ def _arguments(tmp_path, **kwargs) -> TrainingArguments:
 @pytest.fixture
 def fresh_state(monkeypatch):
     """The process state as before any Accelerator; whatever a test sets up is put back afterwards."""
-    for name in ("_STATE", "_CURRENT_ACCELERATOR_STATE", "_OUR_GROUP"):
-        monkeypatch.setattr(state, name, None)
+    for name in ("_STATE", "_OUR_GROUP"):
+        monkeypatch.setattr(process, name, None)
+    monkeypatch.setattr(accelerator_states, "_CURRENT_ACCELERATOR_STATE", None)
 
 
 # -- 1. gradient_state.plugin_kwargs keeps num_steps, as Accelerate's does ------------------------------------------
@@ -77,7 +79,7 @@ def test_trainer_with_num_steps_1_in_accelerator_config(tmp_path):
 def test_use_configured_state_after_reset_state(tmp_path, fresh_state):
     Accelerator()
     AcceleratorState._reset_state(reset_partial_state=True)
-    assert not state.process_state_is_set_up()
+    assert not process.process_state_is_set_up()
     with pytest.raises(ValueError, match="requires a pre-configured `AcceleratorState` or `PartialState`"):
         _arguments(tmp_path, accelerator_config={"use_configured_state": True})
     Accelerator()
@@ -92,12 +94,12 @@ def test_state_reset_state_between_runs(fresh_state):
     assert AcceleratorState().mixed_precision == "bf16"
     acc.state._reset_state()  # as Accelerate's test scripts call it between runs
     assert AcceleratorState().mixed_precision == "no" and AcceleratorState().fsdp_plugin is None
-    assert state.process_state_is_set_up()  # without reset_partial_state the process state stays
+    assert process.process_state_is_set_up()  # without reset_partial_state the process state stays
     assert acc.state.mixed_precision == "bf16" and acc.mixed_precision == "bf16"  # objects keep their state
     assert Accelerator(mixed_precision="no").state.mixed_precision == "no"
     PartialState._reset_state()
-    assert not state.process_state_is_set_up()
-    assert PartialState().num_processes == 1 and state.process_state_is_set_up()
+    assert not process.process_state_is_set_up()
+    assert PartialState().num_processes == 1 and process.process_state_is_set_up()
 
 
 def test_reset_state_keeps_the_process_group_and_who_tears_it_down(fresh_state):
@@ -107,18 +109,18 @@ def test_reset_state_keeps_the_process_group_and_who_tears_it_down(fresh_state):
     try:
         for ours in (True, False):
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-            state._OUR_GROUP = dist.group.WORLD if ours else None  # as get_process_state records its own group
+            process._OUR_GROUP = dist.group.WORLD if ours else None  # as get_process_state records its own group
             first = PartialState().process
             AcceleratorState._reset_state(reset_partial_state=True)
-            assert dist.is_initialized() and not state.process_state_is_set_up()
+            assert dist.is_initialized() and not process.process_state_is_set_up()
             again = PartialState().process
             assert again is not first and again.backend == "gloo" and again.owns_group is ours
             AcceleratorState._reset_state(reset_partial_state=True)
-            state.shutdown_process_group()  # what runs at exit
+            process.shutdown_process_group()  # what runs at exit
             assert dist.is_initialized() is not ours
             if dist.is_initialized():
                 dist.destroy_process_group()
-            state._STATE = None
+            process._STATE = None
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

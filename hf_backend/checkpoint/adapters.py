@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..errors import HfBackendError
+from ..core.errors import HfBackendError
 
 
 def is_peft_model(model: torch.nn.Module) -> bool:

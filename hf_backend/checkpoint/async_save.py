@@ -33,10 +33,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
-from ..collectives import gather_object
-from ..errors import HfBackendError
-from ..nested import recursively_apply
-from ..notes import note
+from ..core.errors import HfBackendError
+from ..core.nested import recursively_apply
+from ..core.notes import note
+from ..runtime.collectives import gather_object
 from . import durable
 from .directories import Staging
 

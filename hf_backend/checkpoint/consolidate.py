@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..errors import HfBackendError
+from ..core.errors import HfBackendError
 from . import layout, manifest
 from .files import read_weights, write_weights
 from .index import CheckpointIndex, read_index

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from ..errors import HfBackendError
-from ..notes import note
+from ..core.errors import HfBackendError
+from ..core.notes import note
 
 # module, name: what DeepSpeed 0.19's ZeRO-1/2/3 and bf16 checkpoint files hold besides tensors
 _ALLOWED = (

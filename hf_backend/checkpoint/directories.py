@@ -11,10 +11,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..collectives import gather_object
-from ..errors import HfBackendError
-from ..notes import note
-from ..state import ProcessState
+from ..core.errors import HfBackendError
+from ..core.notes import note
+from ..runtime.collectives import gather_object
+from ..runtime.process import ProcessState
 from . import durable, layout, manifest
 from .index import CheckpointIndex, read_index
 

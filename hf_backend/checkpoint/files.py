@@ -15,7 +15,7 @@ import torch
 from huggingface_hub import save_torch_state_dict
 from safetensors.torch import load_file as load_safetensors
 
-from ..errors import HfBackendError
+from ..core.errors import HfBackendError
 from .safe_load import torch_load
 
 

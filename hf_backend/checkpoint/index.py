@@ -16,8 +16,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..errors import HfBackendError
-from ..notes import note
+from ..core.errors import HfBackendError
+from ..core.notes import note
 from . import layout, manifest
 
 

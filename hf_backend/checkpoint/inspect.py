@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..errors import HfBackendError
+from ..core.errors import HfBackendError
 from . import layout
 from .index import CheckpointIndex, read_index
 from .safe_load import check_dcp, read_dcp_metadata, torch_load
@@ -208,7 +208,7 @@ def _safetensors_dtypes(paths: list[Path]) -> dict[str, Any]:
 
 
 def _dtype_name(dtype: Any) -> str:
-    from ..precision import dtype_name
+    from ..core.dtypes import dtype_name
 
     return dtype_name(dtype)
 

@@ -32,9 +32,9 @@ from typing import Any
 
 import xxhash
 
-from ..errors import HfBackendError
-from ..notes import note
-from ..rank import group_size, process_index
+from ..core.errors import HfBackendError
+from ..core.notes import note
+from ..core.rank import group_size, process_index
 from . import layout
 
 # of the metadata's other keys: a changed count or a dropped manifest shows
@@ -128,7 +128,7 @@ def machine_sharing() -> Sharing | None:
     if group_size() == 1:
         return None
     # torch.distributed: only where there are processes to share with
-    from ..collectives import gather_object
+    from ..runtime.collectives import gather_object
 
     machine = machine_id()
     same = [rank for rank, other in enumerate(gather_object([machine])) if other == machine]

@@ -15,7 +15,7 @@ import copy
 from pathlib import Path
 from typing import Any
 
-from ..errors import HfBackendError
+from ..core.errors import HfBackendError
 
 # For each param group of the optimizer loaded into: the saved group it takes, or None (it has no
 # parameters).

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-from ..errors import HfBackendError
+from ..core.errors import HfBackendError
 from .mapped_dcp import MappedReader
 
 _REFUSED_GLOBAL = re.compile(r"GLOBAL (\S+) was not an allowed global")

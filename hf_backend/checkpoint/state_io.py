@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import HfBackendError
-from ..optim import EngineStepped
-from ..precision import Precision
-from ..prepared import PreparedObjects
-from ..state import ProcessState
+from ..core.errors import HfBackendError
+from ..runtime.process import ProcessState
+from ..training.optim import EngineStepped
+from ..training.precision import Precision
+from ..training.prepared import PreparedObjects
 from . import adapters, durable, layout, manifest, param_groups
 from . import async_save as async_save_
 from .directories import automatic_saved, stage

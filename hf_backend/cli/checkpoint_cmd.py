@@ -15,7 +15,7 @@ import argparse
 import json
 from typing import Any
 
-from ..errors import HfBackendError
+from ..core.errors import HfBackendError
 
 
 def add_parser(sub: Any) -> None:

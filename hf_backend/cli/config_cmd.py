@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from ..config.loader import ConfigError, coerce, default_config_path, load_config, validate, write_config
+from ..config.loader import coerce, default_config_path, load_config, validate, write_config
 from ..config.schema import (
     DeepSpeedSection,
     FsdpSection,
@@ -22,6 +22,7 @@ from ..config.schema import (
     default_of,
     fields_of,
 )
+from ..core.errors import ConfigError
 
 
 def add_parser(sub: Any) -> None:

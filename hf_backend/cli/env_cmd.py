@@ -13,7 +13,8 @@ from typing import Any
 import hf_backend
 
 from ..config import environment as env
-from ..config.loader import ConfigError, default_config_path, load_config
+from ..config.loader import default_config_path, load_config
+from ..core.errors import ConfigError
 
 PACKAGES = ("torch", "transformers", "accelerate", "deepspeed", "ray", "safetensors", "huggingface_hub", "numpy",
             "datasets", "evaluate")
@@ -37,7 +38,7 @@ def _autocast_dtypes(device: str) -> str:
     autocast with a warning for a dtype a device does not support)."""
     import torch
 
-    from ..precision import dtype_name
+    from ..core.dtypes import dtype_name
 
     works = []
     for dtype in (torch.bfloat16, torch.float16):
@@ -56,7 +57,7 @@ def _autocast_dtypes(device: str) -> str:
 def _dtype_lines(config: Any) -> list[str]:
     import torch
 
-    from ..precision import dtype_name
+    from ..core.dtypes import dtype_name
 
     devices = [f"cpu {_autocast_dtypes('cpu')} (cpu capability "
                f"{torch.backends.cpu.get_cpu_capability()})"]

@@ -7,7 +7,7 @@ import sys
 
 import hf_backend
 
-from ..errors import HfBackendError
+from ..core.errors import HfBackendError
 from . import checkpoint_cmd, config_cmd, env_cmd, launch, plan_cmd
 
 

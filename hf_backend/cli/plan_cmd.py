@@ -1,4 +1,4 @@
-"""`hf-backend plan`: memory per process of a training run, before launching it (hf_backend/plan.py).
+"""`hf-backend plan`: memory per process of a training run, before launching it (hf_backend/plan/memory.py).
 
     hf-backend plan MODEL_DIR_OR_CONFIG --strategy fsdp --num_processes 8 [--mixed_precision bf16]
         [--lora 16 [--lora_targets q_proj v_proj]] [--parallelism dp_shard=4,tp=2 | dp_shard=8,ep=4] [--batch_size 4]
@@ -14,11 +14,11 @@ import argparse
 import json
 from typing import Any
 
-from ..errors import HfBackendError
+from ..core.errors import HfBackendError
 
 
 def add_parser(sub: Any) -> None:
-    from ..plan import STRATEGIES
+    from ..plan.memory import STRATEGIES
 
     p = sub.add_parser("plan", help="memory per process of a training run (parameters, gradients, optimizer state, "
                                     "activations), from the model's config alone")
@@ -46,7 +46,8 @@ def add_parser(sub: Any) -> None:
 
 def parse_sizes(text: str | None) -> Any:
     """`dp_shard=4,tp=2` as a MeshShape (sizes left out are 1), checked as a ParallelismConfig is."""
-    from ..config.parallelism import MeshShape, ParallelismConfig
+    from ..parallel.config import ParallelismConfig
+    from ..parallel.dims import MeshShape
 
     if not text:
         return None
@@ -68,7 +69,7 @@ def _gib(n: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..plan import build_on_meta, plan_memory
+    from ..plan.memory import build_on_meta, plan_memory
 
     model = build_on_meta(args.model, args.lora, args.lora_targets, args.dtype)
     plan = plan_memory(model, args.strategy, args.num_processes, mixed_precision=args.mixed_precision,

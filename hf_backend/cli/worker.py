@@ -19,8 +19,8 @@ import sys
 import threading
 import time
 
-from hf_backend import hang_watch
-from hf_backend.worker_failures import record_error
+from ..launch import hang_watch
+from ..launch.worker_failures import record_error
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 

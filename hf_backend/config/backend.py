@@ -14,10 +14,10 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from ..notes import note
+from ..core.errors import ConfigError
+from ..core.notes import note
 from .environment import read_launch_config
 from .fsdp import FsdpOptions
-from .loader import ConfigError
 from .plugins import DeepSpeedPlugin, fsdp_options
 
 FSDP, DEEPSPEED, DATA_PARALLEL = "FSDP", "DEEPSPEED", "DATA_PARALLEL"

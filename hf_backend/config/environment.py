@@ -13,8 +13,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import HfBackendError
-from ..notes import warn
+from ..core.errors import HfBackendError
+from ..core.notes import warn
 
 PREFIX = "HF_BACKEND_"
 MIXED_PRECISION = PREFIX + "MIXED_PRECISION"
@@ -30,7 +30,7 @@ FAULT_TOLERANCE = PREFIX + "FAULT_TOLERANCE"
 CONFIG_FILE = PREFIX + "CONFIG_FILE"
 # Accelerate's names, so that `accelerate launch --parallelism_config_tp_size 2` starts hf_backend
 # scripts too; the sizes travel in PARALLELISM_CONFIG_<NAME>_SIZE, which ParallelismConfig reads
-# (config/parallelism.py)
+# (parallel/config.py)
 USE_PARALLELISM_CONFIG = "ACCELERATE_USE_PARALLELISM_CONFIG"
 
 
@@ -87,19 +87,6 @@ def read_launch_config() -> Any | None:
                 raise HfBackendError(f"environment variable {name} is not JSON; start the job with "
                                      "hf-backend launch, or unset it") from None
     return validate(raw, source=f"the launcher's environment ({PREFIX}*)")
-
-
-def parallelism_shape(given: Any, world: int) -> Any:
-    """The process grid (a MeshShape) for `Accelerator(parallelism_config=...)`, or the launcher's when
-    none is given; None when neither asks for one."""
-    from .parallelism import MeshShape, ParallelismConfig
-
-    if given is None:
-        raw = launcher_setting(USE_PARALLELISM_CONFIG)
-        if raw is None or not parse_bool(raw):
-            return None
-        given = ParallelismConfig()
-    return MeshShape.of(ParallelismConfig.of(given), world)
 
 
 def parse_bool(raw: str) -> bool:

@@ -18,8 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ..errors import HfBackendError
-from ..notes import note
+from ..core.errors import HfBackendError
+from ..core.notes import note
 from .schema import FsdpSection, default_of, fields_of
 
 _SECTION = fields_of(FsdpSection)

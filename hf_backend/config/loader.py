@@ -28,15 +28,10 @@ from yaml.reader import Reader
 from yaml.resolver import Resolver
 from yaml.scanner import Scanner
 
-from ..checks import show
-from ..errors import HfBackendError
-from ..notes import note
+from ..core.checks import show
+from ..core.errors import ConfigError
+from ..core.notes import note
 from .schema import SECTIONS, LaunchConfig, default_of, fields_of
-
-
-class ConfigError(HfBackendError, ValueError):
-    """A config file or setting is wrong; the message is one line naming the file, the key and the fix.
-    """
 
 
 def default_config_path() -> Path:

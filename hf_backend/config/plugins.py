@@ -18,9 +18,10 @@ from typing import Any
 
 import torch
 
-from ..notes import note
+from ..core.errors import ConfigError
+from ..core.notes import note
 from .fsdp import FsdpOptions, section_fields
-from .loader import ConfigError, coerce, read_mapping
+from .loader import coerce, read_mapping
 from .schema import DeepSpeedSection, FsdpSection, fields_of
 
 _POLICY_FUNCTION = ("FullyShardedDataParallelPlugin(auto_wrap_policy=<function>): give the policy "
@@ -120,7 +121,7 @@ class FullyShardedDataParallelPlugin:
                             override: bool = False) -> None:
         """FSDP2's policy for `mixed_precision` ("fp16", "bf16" or "fp32"): parameters in that dtype,
         gradients reduced in fp32. Kept when one is set, unless `override`."""
-        from ..precision import dtype_of
+        from ..core.dtypes import dtype_of
 
         dtype = dtype_of("fp32" if mixed_precision == "no" else mixed_precision, "set_mixed_precision")
         if self.mixed_precision_policy is None or override:

@@ -18,9 +18,10 @@ import json
 import os
 from typing import Any
 
-from ..notes import note
+from ..core.errors import ConfigError
+from ..core.notes import note
 from .fsdp import FsdpOptions, given_in_section
-from .loader import ConfigError, read_mapping, validate, validate_section
+from .loader import read_mapping, validate, validate_section
 from .plugins import DeepSpeedPlugin, FullyShardedDataParallelPlugin, note_limit_all_gathers
 from .schema import FsdpSection
 

@@ -7,13 +7,13 @@ import dataclasses
 
 from ..config.backend import DATA_PARALLEL, Backend
 from ..config.fsdp import FsdpOptions
-from ..config.parallelism import MeshShape
-from ..errors import HfBackendError
-from ..gradient_state import GradientState
-from ..notes import note
-from ..options import Handlers
-from ..precision import Precision
-from ..state import ProcessState
+from ..config.options import Handlers
+from ..core.errors import HfBackendError
+from ..core.notes import note
+from ..parallel.dims import MeshShape
+from ..runtime.process import ProcessState
+from ..training.gradient_state import GradientState
+from ..training.precision import Precision
 from .base import Strategy
 from .ddp import DDPStrategy
 from .deepspeed import DeepSpeedStrategy

@@ -27,16 +27,16 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from ..config.parallelism import loaded_shape
-from ..errors import HfBackendError
-from ..optim import DummyScheduler
-from ..options import Handlers
-from ..precision import Precision
-from ..state import DistributedType, ProcessState
-from ..unwrap import extract_model_from_parallel
+from ..config.options import Handlers
+from ..core.enums import DistributedType
+from ..core.errors import HfBackendError
+from ..parallel.dims import DataShard, loaded_shape
+from ..runtime.process import ProcessState
+from ..training.optim import DummyScheduler
+from ..training.precision import Precision
+from ..training.unwrap import extract_model_from_parallel
 from . import quantized
 from .compile import compile_regions
-from .mesh import DataShard
 
 
 class Strategy:

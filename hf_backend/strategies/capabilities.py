@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from ..errors import HfBackendError
+from ..core.errors import HfBackendError
 
 
 class Joinable(ABC):

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import HfBackendError
+from ..core.errors import HfBackendError
 
 NAME = "hf_backend_context_parallel"
 

@@ -14,10 +14,10 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 
-from ..enums import DDPCommunicationHookType as Hook
-from ..errors import HfBackendError
-from ..options import DistributedDataParallelKwargs
-from ..state import DistributedType
+from ..config.options import DistributedDataParallelKwargs
+from ..core.enums import DDPCommunicationHookType as Hook
+from ..core.enums import DistributedType
+from ..core.errors import HfBackendError
 from .base import Strategy
 from .capabilities import Joinable, ValueClipping
 

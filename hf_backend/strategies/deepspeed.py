@@ -18,14 +18,15 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from ..config.options import Handlers
 from ..config.plugins import DeepSpeedPlugin
-from ..errors import HfBackendError
-from ..gradient_state import GradientState
-from ..notes import note
-from ..optim import DummyOptim, DummyScheduler, EngineStepped, EngineSteppedScheduler
-from ..options import Handlers
-from ..precision import Precision
-from ..state import DistributedType, ProcessState
+from ..core.enums import DistributedType
+from ..core.errors import HfBackendError
+from ..core.notes import note
+from ..runtime.process import ProcessState
+from ..training.gradient_state import GradientState
+from ..training.optim import DummyOptim, DummyScheduler, EngineStepped, EngineSteppedScheduler
+from ..training.precision import Precision
 from . import deepspeed_state, quantized
 from .base import Strategy, check_loaded_grid
 

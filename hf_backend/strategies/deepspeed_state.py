@@ -19,8 +19,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..errors import HfBackendError
-from ..notes import note
+from ..core.errors import HfBackendError
+from ..core.notes import note
 
 
 class LoadResult(NamedTuple):

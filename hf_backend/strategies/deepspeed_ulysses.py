@@ -30,13 +30,13 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from ..config.parallelism import MeshShape
+from ..config.options import Handlers
 from ..config.plugins import DeepSpeedPlugin
-from ..errors import HfBackendError
-from ..gradient_state import GradientState
-from ..options import Handlers
-from ..precision import Precision
-from ..state import ProcessState
+from ..core.errors import HfBackendError
+from ..parallel.dims import MeshShape
+from ..runtime.process import ProcessState
+from ..training.gradient_state import GradientState
+from ..training.precision import Precision
 from .capabilities import SequenceLoader
 from .deepspeed import DeepSpeedStrategy
 

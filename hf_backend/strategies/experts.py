@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,18 +34,10 @@ from torch.distributed._functional_collectives import all_to_all_single
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from ..errors import HfBackendError
+from ..core.errors import HfBackendError
 from .tensor_parallel import config_plan, refuse_unknown_styles
 
 STYLES = ("grouped_gemm", "ep_dispatch_experts")
-
-
-class ExpertMeshes(NamedTuple):
-    """`ep`: the ranks one layer's experts are split over; `fsdp`: the ranks holding the same experts
-    (`efsdp`, across replicas too under HSDP), which shard them."""
-
-    ep: DeviceMesh
-    fsdp: DeviceMesh
 
 
 def ep_plan(model: torch.nn.Module) -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""The native N-D path: parallelisms applied to the model over one DeviceMesh (strategies/mesh.py), the
+"""The native N-D path: parallelisms applied to the model over one DeviceMesh (parallel/dims.py), the
 torchtitan way, in one order: tensor parallelism from the model's tp_plan, the sequence split (cp or
 sp: sequences.py), expert parallelism from the model's ep_plan (experts.py: each experts module its
 own FSDP unit), activation checkpointing, then FSDP2's `fully_shard` over the data-parallel
@@ -25,19 +25,19 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor, Shard
 
 from ..config.fsdp import FsdpOptions
-from ..config.parallelism import MeshShape
-from ..device_mesh import build_mesh
-from ..errors import HfBackendError
-from ..notes import note
-from ..options import Handlers
-from ..precision import Precision, dtype_of
-from ..state import DistributedType, ProcessState
+from ..config.options import Handlers
+from ..core.dtypes import dtype_of
+from ..core.enums import DistributedType
+from ..core.errors import HfBackendError
+from ..core.notes import note
+from ..parallel.dims import DataShard, MeshShape, build_mesh, data_shard, expert_meshes, fsdp_mesh, sequence_mesh
+from ..runtime.process import ProcessState
+from ..training.precision import Precision
 from . import context_parallel, quantized, ulysses
 from .base import Strategy
 from .capabilities import ValueClipping
 from .experts import apply_expert_parallel
 from .fsdp_overlap import schedule
-from .mesh import DataShard, data_shard, expert_meshes, fsdp_mesh, sequence_mesh
 from .sequences import SequenceSplit
 from .tensor_parallel import apply_tensor_parallel, is_tensor_parallel
 

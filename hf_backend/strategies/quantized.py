@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..errors import HfBackendError
+from ..core.errors import HfBackendError
 
 RUN_METHODS = ("bitsandbytes",)
 _EIGHT_BIT = ("prepare(): the base was loaded in 8 bits (load_in_8bit); its layers save a scale (SCB) that is no "

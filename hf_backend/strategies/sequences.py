@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..errors import HfBackendError
+from ..core.errors import HfBackendError
 
 _NOT_SPLIT = ("call the model inside accelerator.maybe_context_parallel(buffers=[input_ids, shift_labels, "
               "position_ids], buffer_seq_dims=[1, 1, 1]) so that each rank holds its slice of the sequences")

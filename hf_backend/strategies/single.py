@@ -6,7 +6,7 @@ import contextlib
 
 import torch
 
-from ..notes import note
+from ..core.notes import note
 from .base import Strategy
 from .capabilities import Joinable, ValueClipping
 

@@ -17,8 +17,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
-from ..errors import HfBackendError
-from ..notes import note
+from ..core.errors import HfBackendError
+from ..core.notes import note
 
 
 class VocabularyParallelEmbedding(RowwiseParallel):

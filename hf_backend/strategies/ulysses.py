@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import HfBackendError
+from ..core.errors import HfBackendError
 from .context_parallel import masked_attention
 
 NAME = "hf_backend_ulysses"

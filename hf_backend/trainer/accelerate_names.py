@@ -23,9 +23,12 @@ from typing import Any
 
 from transformers.trainer_pt_utils import AcceleratorConfig
 
-from .. import enums, memory, options, state
-from ..accelerator import Accelerator
-from ..config.parallelism import ParallelismConfig
+from ..accelerator import states
+from ..accelerator.facade import Accelerator
+from ..config import options
+from ..core import enums
+from ..parallel.config import ParallelismConfig
+from ..training import memory
 from .transformers_compat import with_globals
 
 
@@ -58,8 +61,8 @@ def _find_executable_batch_size(function: Callable | None = None, starting_batch
 ENGINE_OBJECTS: dict[str, Any] = {
     "Accelerator": Accelerator,
     "AcceleratorConfig": AcceleratorConfig,
-    "AcceleratorState": state.AcceleratorState,
-    "PartialState": state.PartialState,
+    "AcceleratorState": states.AcceleratorState,
+    "PartialState": states.PartialState,
     "DistributedType": enums.DistributedType,
     "DataLoaderConfiguration": options.DataLoaderConfiguration,
     "DistributedDataParallelKwargs": options.DistributedDataParallelKwargs,

@@ -27,16 +27,17 @@ import torch
 import transformers
 from transformers.trainer_pt_utils import AcceleratorConfig
 
-from .. import accelerate_state, checks, fault_tolerance
 from ..config import environment as env
 from ..config.backend import TRAINING_ARGUMENTS, choose_backend
 from ..config.fsdp import FsdpOptions
-from ..config.loader import ConfigError
-from ..config.parallelism import ParallelismConfig
 from ..config.plugins import DeepSpeedPlugin
 from ..config.training_arguments import deepspeed_config_from_argument, fsdp_options_from_arguments
-from ..errors import HfBackendError
-from ..state import get_process_state, process_state_is_set_up
+from ..core import checks
+from ..core.errors import ConfigError, HfBackendError
+from ..fault_tolerance import groups as fault_tolerance
+from ..parallel.config import ParallelismConfig
+from ..runtime import accelerate_state
+from ..runtime.process import get_process_state, process_state_is_set_up
 from .accelerate_names import engine_named
 from .replica_groups import writes_for_the_run
 

@@ -24,8 +24,8 @@ from typing import Any
 
 from transformers.trainer_jit_checkpoint import CheckpointManager, JITCheckpointCallback
 
-from ..notes import note
-from ..trigger import Trigger
+from ..core.notes import note
+from ..training.trigger import Trigger
 
 
 class CoordinatedCheckpointManager(CheckpointManager):

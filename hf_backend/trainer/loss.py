@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from transformers.utils import is_torch_xla_available
 
-from ..notes import note
+from ..core.notes import note
 from . import transformers_compat as compat
 
 

@@ -11,7 +11,7 @@ checkpoint's `training_args.bin` loads in a fresh process).
 
 Code of the third-party class that asks Accelerate's own state (TRL's `PartialState()` calls,
 `set_seed(..., device_specific=True)`, `gather_object`) is told the engine's processes, device and
-distributed type (hf_backend/accelerate_state.py).
+distributed type (hf_backend/runtime/accelerate_state.py).
 """
 
 from __future__ import annotations

@@ -43,19 +43,20 @@ from typing import Any
 import torch
 import transformers
 
-from .. import checkpoint, elastic
-from ..accelerator import Accelerator
-from ..config.loader import ConfigError
-from ..config.parallelism import MeshShape, loaded_shape
-from ..errors import HfBackendError
-from ..notes import note
-from ..options import (
+from .. import checkpoint
+from ..accelerator import elastic
+from ..accelerator.facade import Accelerator
+from ..config.options import (
     DataLoaderConfiguration,
     DistributedDataParallelKwargs,
     GradientAccumulationPlugin,
     TorchDynamoPlugin,
 )
-from ..prepared import PreparedObjects
+from ..core.errors import ConfigError, HfBackendError
+from ..core.notes import note
+from ..parallel.config import ParallelismConfig
+from ..parallel.dims import MeshShape, loaded_shape
+from ..training.prepared import PreparedObjects
 from . import async_checkpoint
 from . import transformers_compat as compat
 from .accelerate_names import engine_named
@@ -147,9 +148,9 @@ class Trainer(LossMembers, _EngineNamed):
         loaded = loaded_shape(self.model)
         # as transformers does: the grid the model was loaded for
         if loaded is not None and parallelism is None:
-            parallelism = loaded.as_config()
-        elif loaded is not None and MeshShape.of(parallelism, args.world_size) != loaded:
-            raise ConfigError(_loaded_elsewhere(loaded, MeshShape.of(parallelism, args.world_size)))
+            parallelism = ParallelismConfig.of_shape(loaded)
+        elif loaded is not None and parallelism.shape(args.world_size) != loaded:
+            raise ConfigError(_loaded_elsewhere(loaded, parallelism.shape(args.world_size)))
         config = args.accelerator_config
         accumulation = dict(config.gradient_accumulation_kwargs or {})
         if "num_steps" in accumulation:

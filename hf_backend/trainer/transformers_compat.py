@@ -39,7 +39,7 @@ from typing import Any
 import transformers
 from packaging.version import Version
 
-from ..notes import warn
+from ..core.notes import warn
 
 OLDEST, NEWEST = (5, 17), (5, 24)
 _RELEASE = Version(transformers.__version__).release[:2]

@@ -18,12 +18,12 @@ from helpers import bert_rows, tiny_bert
 from torch.utils.data import default_collate
 
 from hf_backend import Accelerator, DeepSpeedPlugin, FullyShardedDataParallelPlugin
-from hf_backend.gradient_state import GradientState
-from hf_backend.optim import EngineStepped
-from hf_backend.options import GradientAccumulationPlugin, Handlers
-from hf_backend.precision import Precision
+from hf_backend.config.options import GradientAccumulationPlugin, Handlers
 from hf_backend.state import ProcessState
 from hf_backend.strategies import DeepSpeedStrategy, FSDPStrategy, SingleDeviceStrategy
+from hf_backend.training.gradient_state import GradientState
+from hf_backend.training.optim import EngineStepped
+from hf_backend.training.precision import Precision
 from hf_backend.utils import DummyOptim
 
 CUDA0 = torch.device("cuda", 0)

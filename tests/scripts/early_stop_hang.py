@@ -11,7 +11,7 @@ import time
 import torch
 
 from hf_backend import Accelerator
-from hf_backend.hang_watch import HangWatch
+from hf_backend.launch.hang_watch import HangWatch
 
 out = sys.argv[1]
 accelerator = Accelerator(cpu=True, kwargs_handlers=[HangWatch(float(arg)) for arg in sys.argv[2:3]])

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from hf_backend import Accelerator
-from hf_backend.options import DistributedDataParallelKwargs
+from hf_backend.config.options import DistributedDataParallelKwargs
 
 
 class Net(torch.nn.Module):

@@ -16,7 +16,7 @@ import logging
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import hf_backend.notes
+import hf_backend.core.notes
 from hf_backend import Accelerator, DeepSpeedPlugin, FullyShardedDataParallelPlugin
 
 CONFIG = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -49,8 +49,8 @@ def train(strategy: str, loaded: str, mixed_precision: str, steps: int, lr: floa
     notes: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: notes.append(record.getMessage())  # type: ignore[method-assign]
-    hf_backend.notes.logger.addHandler(handler)
-    hf_backend.notes._said.clear()  # each run's notes, even where an earlier run said the same
+    hf_backend.core.notes.logger.addHandler(handler)
+    hf_backend.core.notes._said.clear()  # each run's notes, even where an earlier run said the same
     accelerator = accelerator_for(strategy, mixed_precision)
     model = tiny_llama(loaded)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)  # over the loaded parameters, before prepare
@@ -100,7 +100,7 @@ def train(strategy: str, loaded: str, mixed_precision: str, steps: int, lr: floa
     if save:
         accelerator.save_state(save)
     accelerator.free_memory(model, optimizer, loader)
-    hf_backend.notes.logger.removeHandler(handler)
+    hf_backend.core.notes.logger.removeHandler(handler)
     return report
 
 

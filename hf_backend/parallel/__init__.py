@@ -1,0 +1,1 @@
+"""The device mesh and what each parallelism uses of it."""

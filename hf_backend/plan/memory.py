@@ -1,0 +1,250 @@
+"""Memory per process of a training run, worked out before it is launched (`hf-backend plan`).
+
+The model is built on the meta device (no weights, no hardware); each of its parameters is then
+placed the way the strategy places it: whole on every process (DDP), cut along its first dimension
+with padding (FSDP2's `fully_shard`), flattened and partitioned (DeepSpeed ZeRO), after tensor
+parallelism has cut it by the model's own `tp_plan` (the same plan `strategies/tensor_parallel.py`
+applies), and a mixture of experts' expert tensors by its `ep_plan` (strategies/experts.py: whole
+experts per ep rank, then FSDP over the ranks holding the same ones, on their second dimension).
+Parameters, gradients and AdamW's state follow from those local sizes; what each strategy adds
+(DDP's gradient buckets, DeepSpeed's fp32 master partition) is counted where the strategy allocates
+it. Activations are an estimate from the model's shape. docs/memory.md says what was
+measured against real runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import TYPE_CHECKING, Any
+
+from ..core.errors import HfBackendError
+from ..parallel.dims import MeshShape
+
+# torch is imported where a model is built: the command line's parser loads without it
+if TYPE_CHECKING:
+    import torch
+
+STRATEGIES = ("no", "ddp", "fsdp", "zero1", "zero2", "zero3")
+_ZERO_STAGE = {"zero1": 1, "zero2": 2, "zero3": 3}
+_MAX_LIVE_PARAMETERS = 10**9  # DeepSpeed's default stage3_max_live_parameters
+# How each tp_plan style cuts a weight (dimension) and its bias (None: kept whole);
+# strategies/tensor_parallel.py
+_TP_DIMS = {"colwise": (0, 0), "colwise_rep": (0, 0), "colwise_gather_output": (0, 0), "rowwise": (1, None),
+            "rowwise_rep": (1, None), "rowwise_split_input": (1, None), "embedding_rowwise": (0, None)}
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes per process (the largest share where processes differ), by what holds them."""
+
+    strategy: str
+    shape: MeshShape
+    parameters: int  # how many the model has
+    trainable: int
+    # the model's weights as this process holds them, plus DeepSpeed's fp32 master partition
+    parameter_bytes: int
+    gradient_bytes: int  # gradients, plus DDP's gradient buckets
+    optimizer_bytes: int  # AdamW's two moments
+    activation_bytes: int  # an estimate for one micro batch
+    notes: tuple[str, ...] = ()
+    experts_per_rank: int = 0  # of each mixture-of-experts layer, the experts one rank runs (0: no experts split)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.parameter_bytes + self.gradient_bytes + self.optimizer_bytes + self.activation_bytes
+
+    def to_json(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["shape"] = {**dict(zip(MeshShape.DIMS, self.shape.sizes)), "ep": self.shape.ep}
+        out["total_bytes"] = self.total_bytes
+        out["notes"] = list(self.notes)
+        return out
+
+
+def plan_memory(model: torch.nn.Module, strategy: str, num_processes: int = 1, *, mixed_precision: str = "no",
+                shape: MeshShape | None = None, batch_size: int = 1, sequence_length: int = 512,
+                activation_checkpointing: bool = False) -> MemoryPlan:
+    """The plan for `model` (on the meta device or not: only shapes, dtypes and `requires_grad` are
+    read) trained with AdamW under `strategy` by `num_processes` processes. `shape`: a
+    ParallelismConfig's mesh (FSDP over dp_shard x cp, tensor parallelism over tp); default: every
+    process a data-parallel replica (DDP, ZeRO) or shard (FSDP)."""
+    if strategy not in STRATEGIES:
+        raise HfBackendError(f"plan: strategy {strategy!r} is not one of {', '.join(STRATEGIES)}")
+    if num_processes < 1:
+        raise HfBackendError(f"plan: num_processes={num_processes}; give 1 or more")
+    if shape is None:
+        shape = MeshShape(dp_shard=num_processes) if strategy == "fsdp" else MeshShape(dp_replicate=num_processes)
+    if shape.world != num_processes:
+        raise HfBackendError("plan: the parallelism sizes "
+                             f"{dict(zip(MeshShape.DIMS, shape.sizes))} make "
+                             f"{shape.world} processes, not {num_processes}; "
+                             f"make them multiply to {num_processes}")
+    if shape.needs_mesh and strategy not in ("fsdp",):
+        raise HfBackendError("plan: dp_shard, cp and tp sizes run under FSDP (the engine's mesh), "
+                             f"not {strategy}; pass --strategy fsdp")
+    if num_processes == 1 and strategy != "no":
+        # the engine trains one process unsharded whatever was asked (docs/fsdp.md,
+        # docs/deepspeed.md)
+        strategy = "no"
+    if shape.tp > 1 and hasattr(model, "peft_config"):
+        raise HfBackendError("plan: tensor parallelism does not take a PEFT adapter (the engine "
+                             "refuses it); drop tp or --lora")
+    tp_dims = _tp_dims(model) if shape.tp > 1 else {}
+    experts, experts_per_rank = _expert_tensors(model, shape.ep) if shape.ep > 1 else (set(), 0)
+    shards = shape.dp_shard * shape.sequence_slices if strategy == "fsdp" else \
+        num_processes if strategy == "zero3" else 1
+    weights = grads = masters = full_trainable = 0
+    seen: set[int] = set()
+    count = trainable = 0
+    for name, param in model.named_parameters():
+        if id(param) in seen:
+            continue  # a tied weight is held once
+        seen.add(id(param))
+        count += param.numel()
+        local = list(param.shape)
+        dim = tp_dims.get(name)
+        if dim is not None and dim < len(local):
+            local[dim] = math.ceil(local[dim] / shape.tp)
+        numel = math.prod(local)
+        if name in experts:  # whole experts per ep rank, FSDP over the rest on the second dimension
+            local[0] //= shape.ep
+            numel = local[0] * math.ceil(local[1] / shape.expert_shards) * math.prod(local[2:])
+        elif strategy == "fsdp" and shards > 1:
+            numel = math.ceil(local[0] / shards) * math.prod(local[1:]) if local else numel
+        elif strategy == "zero3":
+            numel = math.ceil(numel / shards)
+        size = param.element_size()
+        weights += numel * size
+        if param.requires_grad:
+            trainable += param.numel()
+            grads += numel * size
+            full_trainable += math.prod(local) * size
+    stage = _ZERO_STAGE.get(strategy, 0)
+    notes: list[str] = []
+    optimizer, masters = 2 * grads, 0
+    if strategy == "ddp":
+        # DDP's reducer copies every gradient into its buckets (gradient_as_bucket_view=False)
+        grads *= 2
+        notes.append("DDP: gradients twice, the parameters' own and the reducer's buckets")
+    elif stage:
+        partition = math.ceil(trainable / num_processes)  # flattened, then cut in N
+        master = 4 * partition  # DeepSpeed's fp32 copy of its partition
+        optimizer = 2 * master
+        if stage == 3:
+            grads = master  # a flat fp32 gradient partition, allocated at setup
+            # the gathered trainable weights it keeps between uses, up to stage3_max_live_parameters
+            # elements
+            weights += min(full_trainable, _MAX_LIVE_PARAMETERS * _element_size(model))
+            notes.append("ZeRO-3: with DeepSpeed's default stage3_max_live_parameters and "
+                         "stage3_max_reuse_distance (1e9) the gathered trainable weights stay "
+                         "after the first step, up to 1e9 of them (counted with the parameters)")
+        else:
+            grads = full_trainable if stage == 1 else partition * _element_size(model)
+            notes.append(f"ZeRO-{stage}: gradients exist during backward only (freed by the step)")
+        masters = master
+        notes.append(f"ZeRO-{stage}: an fp32 copy of this process's 1/{num_processes} of the "
+                     "trainable weights (counted with the parameters)")
+    activations = _activations(model, mixed_precision, batch_size, sequence_length, shape, activation_checkpointing)
+    return MemoryPlan(strategy=strategy, shape=shape, parameters=count, trainable=trainable,
+                      parameter_bytes=weights + masters, gradient_bytes=grads, optimizer_bytes=optimizer,
+                      activation_bytes=activations, notes=tuple(notes), experts_per_rank=experts_per_rank)
+
+
+def _element_size(model: torch.nn.Module) -> int:
+    return next((p.element_size() for p in model.parameters() if p.requires_grad), 4)
+
+
+
+
+def _expert_tensors(model: torch.nn.Module, ep: int) -> tuple[set[str], int]:
+    """The parameters the model's ep_plan splits over the `ep` ranks, and how many experts each rank runs."""
+    from ..strategies.experts import ep_plan, expert_tensors
+
+    names = expert_tensors(model, ep_plan(model))
+    if not names:
+        raise HfBackendError(f"plan: {type(model).__name__} has no ep_plan (it is not a mixture-of-experts model "
+                             "transformers can split); drop ep")
+    count = dict(model.named_parameters())[min(names)].shape[0]
+    if count % ep:
+        raise HfBackendError(f"plan: {type(model).__name__} has {count} experts per layer, which do not split "
+                             f"over ep {ep}; use an ep that divides it")
+    return names, count // ep
+
+
+def _tp_dims(model: torch.nn.Module) -> dict[str, int]:
+    """Which dimension tensor parallelism cuts, per parameter name, by the model's tp_plan."""
+    from ..strategies.tensor_parallel import tp_plan
+
+    plan = tp_plan(model)
+    if not plan:
+        raise HfBackendError(f"plan: {type(model).__name__} has no tp_plan "
+                             "(BERT and GPT-2 have none); drop tp")
+    patterns = [(re.compile(path.replace(".", r"\.").replace("*", r"[^.]+")), style) for path, style in plan.items()]
+    dims: dict[str, int] = {}
+    for module_name, module in model.named_modules():
+        style = next((s for pattern, s in patterns if pattern.fullmatch(module_name)), None)
+        if style not in _TP_DIMS:
+            continue
+        weight_dim, bias_dim = _TP_DIMS[style]
+        for pname, dim in (("weight", weight_dim), ("bias", bias_dim)):
+            if dim is not None and getattr(module, pname, None) is not None:
+                dims[f"{module_name}.{pname}"] = dim
+    return dims
+
+
+def _activations(model: torch.nn.Module, mixed_precision: str, batch: int, seq: int, shape: MeshShape,
+                 checkpointing: bool) -> int:
+    """What backward keeps of one micro batch, for a transformer (an estimate; 0 for a model without a
+    config that says its width): per layer about 8 hidden-wide and 5 MLP-wide tensors per token
+    (norms, q/k/v, attention output, residuals; gate, up, activation, product, down input), only the
+    layer's input under activation checkpointing; plus the fp32 logits and their gradient."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hidden = getattr(text, "hidden_size", None)
+    layers = getattr(text, "num_hidden_layers", None)
+    if not isinstance(hidden, int) or not isinstance(layers, int):
+        return 0
+    width = getattr(text, "intermediate_size", None) or 4 * hidden
+    element = 2 if mixed_precision in ("bf16", "fp16") else 4
+    tokens = batch * math.ceil(seq / shape.sequence_slices)
+    per_layer = tokens * element * (8 * hidden + 5 * width // shape.tp)
+    kept = layers * tokens * element * hidden + per_layer if checkpointing else layers * per_layer
+    vocab = getattr(text, "vocab_size", 0) if hasattr(model, "get_output_embeddings") and \
+        model.get_output_embeddings() is not None else 0
+    return kept + 2 * tokens * vocab * 4
+
+
+def build_on_meta(source: str, lora_rank: int = 0, lora_targets: list[str] | None = None,
+                  dtype: str | None = None) -> torch.nn.Module:
+    """The model a config (a directory with config.json, or the file) describes, built on the meta
+    device, with a LoRA adapter when `lora_rank` (peft)."""
+    from pathlib import Path
+
+    import torch
+    import transformers
+
+    path = Path(source)
+    if not path.exists():
+        raise HfBackendError(f"plan: {source} does not exist; pass "
+                             "a model directory or its config.json")
+    config = transformers.AutoConfig.from_pretrained(path.parent if path.is_file() else path)
+    names = getattr(config, "architectures", None) or []
+    cls = getattr(transformers, names[0], None) if names else None
+    chosen = dtype or str(getattr(config, "dtype", None) or "float32")
+    torch_dtype = getattr(torch, chosen.replace("torch.", ""), None)
+    if not isinstance(torch_dtype, torch.dtype):
+        raise HfBackendError(f"plan: dtype {chosen!r} is not a torch "
+                             "dtype; pass float32, bfloat16 or float16")
+    with torch.device("meta"):
+        if cls is None:
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+        else:
+            model = cls._from_config(config, dtype=torch_dtype)
+    if lora_rank:
+        from peft import LoraConfig, get_peft_model
+
+        targets = lora_targets or ["q_proj", "v_proj"]
+        model = get_peft_model(model, LoraConfig(r=lora_rank, target_modules=targets))
+    return model
