@@ -21,9 +21,10 @@ pytest.importorskip("transformers")
 
 SCRIPT = "nd_loop.py"
 LOSS, SGD_PARAMS, ADAMW_PARAMS, NORM = 1e-6, 1e-6, 5e-5, 1e-5
-# padded, left-padded and packed batches split over sp ranks: their losses sum the tokens in another order; 4.5e-6
-# apart at step 4 (of 3.5) on some CPUs' kernels, 1e-6 on others
-LAYOUT_LOSS = 1e-5
+# padded, left-padded and packed batches split over sp ranks: their losses sum the tokens in another order; on one
+# machine's CPU kernels (2026-12-02) the padded layout's step-4 loss is 4.5e-6 apart (of 3.5) and an lm_head element
+# 1.1e-4 (AdamW, an element whose gradient is near eps), on another's within 1e-6 and 5e-5
+LAYOUT_LOSS, LAYOUT_PARAMS = 1e-5, 2e-4
 EP2, EP2_FSDP2, EP4, SP2_EP2 = "1x2x1x1x1x2", "1x4x1x1x1x2", "1x4x1x1x1x4", "1x1x1x1x2x2"
 LAYOUTS = ["padded", "left", "packed"]
 
@@ -88,7 +89,7 @@ def test_experts_split_over_the_ep_ranks_train_as_one_process(runs, model, grid,
         for layout in LAYOUTS:
             a, b = one["runs"][f"adamw/{layout}"], many["runs"][f"adamw/{layout}"]
             assert _steps(a["losses"], b["losses"]) <= LAYOUT_LOSS, layout
-            assert _largest(a["params"], b["params"]) <= ADAMW_PARAMS, layout
+            assert _largest(a["params"], b["params"]) <= LAYOUT_PARAMS, layout
 
 
 @pytest.mark.parametrize("target", ["single", EP4, "1x2"])

@@ -254,29 +254,26 @@ def test_the_live_groups_share_the_missing_groups_parts_and_are_weighted_by_them
     of each global batch, live group 2 (rank 1) group 1's; their gradients, averaged with equal weights by torchft,
     are weighted 4/3 and 2/3 so that the average is the whole batch's. All live: each its own part, weight 1; a
     healing group (not participating): its own part (its gradients count for nothing)."""
-    from types import SimpleNamespace
-
     import torch
     from torch.utils.data import DataLoader
 
     from hf_backend.config.options import GradientAccumulationPlugin
     from hf_backend.data import prepare_dataloader
-    from hf_backend.fault_tolerance import FaultTolerance, ReplicaGroups
+    from hf_backend.fault_tolerance import EveryStep, FaultTolerance
     from hf_backend.parallel.dims import DataShard
     from hf_backend.training.gradient_state import GradientState
 
-    def group(replica: int, quorum: _Quorum) -> tuple[ReplicaGroups, list[list[int]]]:
-        groups = ReplicaGroups.__new__(ReplicaGroups)  # the step protocol without torchft's Manager
+    def group(replica: int, quorum: _Quorum) -> tuple[EveryStep, list[list[int]]]:
+        groups = EveryStep.__new__(EveryStep)  # the step protocol without torchft's Manager
         groups.config = FaultTolerance(replica_id=replica, num_replica_groups=3, lighthouse="http://x:1")
-        groups.manager, groups.meets_every_step, groups._phase, groups._wait_for_everyone = quorum, True, "idle", False
-        shard = DataShard(count=2, index=1)  # process 1 of the group's 2
+        groups.manager, groups._phase, groups._wait_for_everyone = quorum, "idle", False
+        groups.shard = shard = DataShard(count=2, index=1)  # process 1 of the group's 2
         across = groups.data_shard(shard)
         loader = prepare_dataloader(DataLoader(torch.arange(48), batch_size=2), num_processes=across.count,
                                     process_index=across.index, device=None, split_batches=False,
                                     even_batches=True, gradient_state=GradientState(GradientAccumulationPlugin()))
         groups._training_loader = loader
-        groups.accelerator = SimpleNamespace(strategy=SimpleNamespace(data_shard=shard))
-        groups.follow_quorum(loader)
+        groups.loader_prepared(loader)
         return groups, [b.tolist() for b in loader]
 
     # each global batch: 12 samples, 6 parts of 2 (group g, process p: part 2g + p); this process reads p = 1

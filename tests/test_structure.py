@@ -132,3 +132,29 @@ def test_imports_point_down_the_layers():
 def test_few_modules_are_loose_at_the_top():
     loose = {name for name, path in MODULES.items() if path.parent == PACKAGE and name != "hf_backend.ray_train"}
     assert loose == TOP and len(loose) + 1 <= 15
+
+
+def test_fault_tolerance_never_holds_the_accelerator_and_the_facade_reaches_it_only_as_step_hooks():
+    ft = [name for name in GRAPH if name.startswith("hf_backend.fault_tolerance")]
+    assert ft and all(not t.startswith("hf_backend.accelerator") for name in ft for t in GRAPH[name])
+    assert not any(t.startswith("hf_backend.fault_tolerance") for t in GRAPH["hf_backend.accelerator.facade"])
+    assert "hf_backend.training.step_hooks" in GRAPH["hf_backend.training.optim"]
+
+
+def _lines(module: str, qualified: str) -> int:
+    tree = ast.parse(MODULES[module].read_text())
+    cls, _, fn = qualified.rpartition(".")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and item.name == fn:
+                    return item.end_lineno - item.lineno + 1
+    raise AssertionError(f"{module}: no {qualified}")
+
+
+@pytest.mark.parametrize(("module", "qualified", "most"), [
+    ("hf_backend.accelerator.facade", "Accelerator.__init__", 40),  # the connector decides the parts
+    ("hf_backend.strategies.fsdp", "FSDPStrategy.setup_model", 25),  # the parallelize plan applies them
+])
+def test_the_assembly_reads_in_a_screen(module, qualified, most):
+    assert _lines(module, qualified) <= most

@@ -19,34 +19,24 @@ import torch
 from torch.utils.data import DataLoader
 
 from .. import checkpoint
-from ..config import environment as env
-from ..config.backend import choose_backend
-from ..config.options import DataLoaderConfiguration, GradientAccumulationPlugin, Handlers, ProjectConfiguration
+from ..config.options import DataLoaderConfiguration, GradientAccumulationPlugin, ProjectConfiguration
 from ..core import checks
 from ..core.enums import DistributedType
 from ..core.errors import HfBackendError
 from ..data.loader import PreparedDataLoader, prepare_dataloader, skip_first_batches
-from ..fault_tolerance import groups as fault_tolerance
-from ..parallel.config import requested_shape
 from ..runtime import accelerate_state, collectives
 from ..runtime.process import (
-    ProcessGroupPlugin,
-    ProcessState,
     ProcessView,
-    add_process_group_plugin,
-    get_process_state,
     shutdown_process_group,
 )
-from ..strategies import select_strategy
 from ..strategies.capabilities import Joinable, SequenceLoader, ValueClipping, capability
-from ..training.gradient_state import GradientState
 from ..training.memory import release_memory
 from ..training.optim import AcceleratedOptimizer, AcceleratedScheduler, DummyOptim, DummyScheduler, as_placeholder
 from ..training.precision import Precision
-from ..training.prepared import PreparedObjects
 from ..training.trigger import Trigger, uneven_inputs
 from ..training.unwrap import is_compiled_module
-from . import compat, elastic, rank0_loading
+from . import compat, elastic
+from .connector import connect
 from .saving import SavingMembers
 from .states import AcceleratorState
 
@@ -72,83 +62,23 @@ class Accelerator(ProcessView, SavingMembers, compat.AccelerateMembers, elastic.
         parallelism_config: Any = None,
         **other: Any,
     ) -> None:
-        """Accelerate's arguments. Those that name features hf_backend does not run (Megatron-LM,
-        sequence parallelism) are refused in one line; those with nothing to do here are accepted
-        with a note (hf_backend.compat lists both). `parallelism_config` (ours or Accelerate's, or
-        from the launcher's PARALLELISM_CONFIG_* variables) lays the processes out on one
-        DeviceMesh: tensor parallelism from the model's tp_plan, FSDP / HSDP over the data-parallel
-        dimensions (docs/parallelism.md). `fault_tolerance` (hf_backend's own: True or a FaultTolerance) makes
-        this process's job one replica group of a torchft run (docs/fault_tolerance.md)."""
-        self.dynamo_plugin = compat.dynamo_plugin(other.pop("dynamo_backend", None), other.pop("dynamo_plugin", None))
-        replicas = fault_tolerance.resolve(other.pop("fault_tolerance", None))  # hf_backend's own (torchft)
-        deepspeed_plugin = compat.check_accelerator_arguments(other, deepspeed_plugin)
-        loader_options = {k: other.pop(k) for k in ("dispatch_batches", "use_seedable_sampler") if k in other}
-
-        for name, flag in (("cpu", cpu), ("split_batches", split_batches), ("even_batches", even_batches)):
-            checks.flag(flag, name, optional=True)  # None: the launcher's or the default
-        checks.flag(device_placement, "device_placement")
-        checks.flag(step_scheduler_with_optimizer, "step_scheduler_with_optimizer")
-        self.handlers, plugins = Handlers.of(kwargs_handlers, passed_through=ProcessGroupPlugin)
-        for plugin in plugins:  # hf_backend.hang_watch.HangWatch
-            add_process_group_plugin(plugin)
-
-        cpu = env.resolve("cpu", cpu)
-        init = self.handlers.init
-        self.process: ProcessState = get_process_state(cpu=cpu, timeout=init.timeout, backend=init.backend)
-
-        # Accelerate's PrecisionType enum
-        mixed_precision = getattr(mixed_precision, "value", mixed_precision)
-        mixed_precision = env.resolve("mixed_precision", mixed_precision)
-        self.precision = Precision(str(mixed_precision), self.process.device, self.handlers.scaler,
-                                   self.handlers.autocast)
-
-        if gradient_accumulation_plugin is not None and gradient_accumulation_steps not in (None, 1):
-            raise HfBackendError("pass gradient_accumulation_steps or "
-                                 "gradient_accumulation_plugin, not both")
-        if gradient_accumulation_plugin is None:
-            steps = env.resolve("gradient_accumulation_steps", gradient_accumulation_steps)
-            gradient_accumulation_plugin = GradientAccumulationPlugin(num_steps=steps)
-        checks.whole(gradient_accumulation_plugin.num_steps, "gradient_accumulation_steps", minimum=1)
-        self.gradient_state = GradientState(gradient_accumulation_plugin)
-
-        overrides = {k: v for k, v in (("split_batches", split_batches), ("even_batches", even_batches),
-                                       *loader_options.items()) if v is not None}
-        self.dataloader_config = dataclasses.replace(
-            compat.checked(dataloader_config, DataLoaderConfiguration, "dataloader_config"), **overrides)
-
-        self.project_configuration = compat.checked(project_config, ProjectConfiguration, "project_config")
-        if project_dir is not None:
-            self.project_configuration.set_directories(str(project_dir))
-        from .tracking import Tracking  # trackers' packages load only when asked for
-
-        self.tracking = Tracking(log_with, self.project_configuration.logging_dir, self.process.is_main_process)
-
-        self.device_placement = device_placement
-        self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
-        # what `hf-backend launch` handed over, or None
-        self.launch_config = env.read_launch_config()
-        backend = choose_backend(fsdp_plugin, deepspeed_plugin, self.launch_config)
-        self._parallelism_shape = requested_shape(parallelism_config, self.process.num_processes)
-        self.strategy = select_strategy(self.process, self.precision, self.handlers, backend, self.gradient_state,
-                                        self.dataloader_config.split_batches, self._parallelism_shape)
-        if self.strategy.receives_rank0_weights:  # from_pretrained may load on rank 0 only
-            rank0_loading.tell_transformers()
-        # a grid of replicas only (DDP) still has Accelerate's mesh
-        self._config_mesh = compat.config_mesh(self)
-        self._objects = PreparedObjects()
+        """Accelerate's arguments; those naming what hf_backend does not run are refused in one line, those with
+        nothing to do here noted (docs/compat.md). `parallelism_config` lays the processes out on one DeviceMesh
+        (docs/parallelism.md); `fault_tolerance` (hf_backend's own) makes this job one replica group of a torchft
+        run (docs/fault_tolerance.md). connector.py turns them into the engine's parts, once."""
+        arguments = {name: value for name, value in locals().items() if name not in ("self", "other")}
+        engine = connect(arguments, other)
+        for field in dataclasses.fields(engine):
+            setattr(self, field.name, getattr(engine, field.name))
+        self.replica_groups = engine.replica_groups  # the documented view (docs/fault_tolerance.md), or None
+        self._config_mesh = compat.config_mesh(self)  # a grid of replicas only (DDP) still has Accelerate's mesh
         self.checkpoint_io = checkpoint.CheckpointIO(self.process, self.strategy, self.precision, self._objects,
                                                      self._progress)
-        self.step = 0  # micro steps seen by accumulate() since the last sync
-        # torchft replica groups (fault_tolerance.py), or None
-        self.replica_groups = None if replicas is None else fault_tolerance.ReplicaGroups(
-            replicas, self.process, self._objects, self, first_start=not elastic.restart_count())
         self.trigger = Trigger(self.process)
         self._save_state_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
         self._load_state_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
-        # built now: `AcceleratorState()` describes the newest Accelerator, as in Accelerate
-        _ = self.state
-        # and so do Accelerate's own, when third-party code loaded it
-        accelerate_state.tell_accelerator(self)
+        _ = self.state  # built now: `AcceleratorState()` describes the newest Accelerator, as in Accelerate
+        accelerate_state.tell_accelerator(self)  # and so do Accelerate's own, when third-party code loaded it
 
     # -- process state -----------------------------------------------------------------------------
     @functools.cached_property
@@ -184,6 +114,15 @@ class Accelerator(ProcessView, SavingMembers, compat.AccelerateMembers, elastic.
         """Scripts that pick the accumulation after `find_executable_batch_size` set it here, as in
         Accelerate."""
         self.gradient_state.num_steps = checks.whole(steps, "gradient_accumulation_steps", minimum=1)
+
+    @property
+    def step(self) -> int:
+        """Micro steps seen by `accumulate()` since the last sync."""
+        return self.gradient_state.micro_step
+
+    @step.setter
+    def step(self, step: int) -> None:
+        self.gradient_state.micro_step = step
 
     @property
     def sync_gradients(self) -> bool:
@@ -284,7 +223,7 @@ class Accelerator(ProcessView, SavingMembers, compat.AccelerateMembers, elastic.
         return self._register_optimizer(inner)
 
     def _register_optimizer(self, inner: Any) -> AcceleratedOptimizer:
-        wrapped = AcceleratedOptimizer(inner, self.gradient_state, self.scaler, replica_groups=self.replica_groups)
+        wrapped = AcceleratedOptimizer(inner, self.gradient_state, self.scaler, hooks=self._hooks)
         self._objects.optimizers.append(wrapped)
         return wrapped
 
@@ -311,15 +250,12 @@ class Accelerator(ProcessView, SavingMembers, compat.AccelerateMembers, elastic.
         # Batches are built on the CPU: placing them on a CPU device would only cost time.
         device = self.device if placement and self.device.type != "cpu" else None
         # tensor / context parallel neighbours read the same batches
-        shard = self.strategy.data_shard
-        if self.replica_groups is not None:
-            shard = self.replica_groups.data_shard(shard)
+        shard = self._hooks.data_shard(self.strategy.data_shard)
         prepared = prepare_dataloader(data_loader, num_processes=shard.count, process_index=shard.index,
                                       device=device, split_batches=self.split_batches, even_batches=self.even_batches,
                                       gradient_state=self.gradient_state, data_seed=self.dataloader_config.data_seed,
                                       non_blocking=self.dataloader_config.non_blocking)
-        if self.replica_groups is not None:
-            self.replica_groups.follow_quorum(prepared)
+        self._hooks.loader_prepared(prepared)
         self._objects.dataloaders.append(prepared)
         return prepared
 
@@ -345,8 +281,8 @@ class Accelerator(ProcessView, SavingMembers, compat.AccelerateMembers, elastic.
             raise HfBackendError(f"backward(loss={checks.show(loss)}): pass the loss tensor (e.g. "
                                  f"outputs.loss), not a {type(loss).__name__}")
         self.strategy.backward(loss, self.gradient_state.num_steps, self.sync_gradients, **kwargs)
-        if self.replica_groups is not None and self.sync_gradients:
-            self.replica_groups.average_gradients(self._objects.models)
+        if self.sync_gradients:
+            self._hooks.after_backward(self._objects.models)
 
     def _do_sync(self) -> None:
         state = self.gradient_state
@@ -494,7 +430,6 @@ class Accelerator(ProcessView, SavingMembers, compat.AccelerateMembers, elastic.
         self.tracking.finish()
         self.wait_for_checkpoint()
         self.wait_for_everyone()
-        if self.replica_groups is not None:
-            self.replica_groups.shutdown()
+        self._hooks.close()
         shutdown_process_group()
 

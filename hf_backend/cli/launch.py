@@ -232,7 +232,7 @@ def run_launch(args: argparse.Namespace) -> int:
         args.max_restarts = 3 if config.fault_tolerance else 0
     with contextlib.ExitStack() as stack:
         if config.fault_tolerance:
-            from ..fault_tolerance import groups as fault_tolerance  # torch and torchft: only for a replica group
+            from ..fault_tolerance import settings as fault_tolerance  # torch and torchft: only for a replica group
             # torchft logs several lines per step in every process (the lighthouse's and the workers' inherit this)
             os.environ.setdefault("RUST_LOG", "warn")
             config.fault_tolerance_config["lighthouse"] = _lighthouse(config, stack)
@@ -255,7 +255,7 @@ def _lighthouse(config: LaunchConfig, stack: contextlib.ExitStack) -> str:
             raise ConfigError("launch: replica group 0's other machines find the lighthouse on main_process_ip at "
                               "lighthouse_port, which is 0 (a free port); give --lighthouse_port or --lighthouse")
         return f"http://{config.main_process_ip}:{group.lighthouse_port}"
-    from ..fault_tolerance.groups import serve_lighthouse
+    from ..fault_tolerance.settings import serve_lighthouse
 
     server = serve_lighthouse(group.lighthouse_port, group.min_replicas)
     stack.callback(server.shutdown)

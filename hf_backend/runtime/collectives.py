@@ -6,6 +6,7 @@ unconditionally.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -167,3 +168,35 @@ def gather_for_metrics(input_data: Any, gradient_state: Any, use_gather_object: 
     if isinstance(data, list):
         return data[:remainder]
     return recursively_apply(lambda t: t[:remainder], data)
+
+
+def reduce_flat(tensors: list[torch.Tensor], reduce: Callable[[torch.Tensor], torch.Tensor | None],
+                bucket_bytes: int | None = None) -> None:
+    """Each tensor replaced by its reduction, a few collectives for many tensors: the tensors flattened into one
+    buffer per dtype (with `bucket_bytes`, per run of one dtype in their order, at most about that large), `reduce`
+    applied to each buffer (in place, or returning the result), and the parts copied back."""
+    for bucket in _buckets(tensors, bucket_bytes):
+        flat = torch.cat([t.reshape(-1) for t in bucket])
+        result = reduce(flat)
+        flat = flat if result is None else result
+        offset = 0
+        for t in bucket:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+def _buckets(tensors: list[torch.Tensor], bucket_bytes: int | None) -> list[list[torch.Tensor]]:
+    if bucket_bytes is None:
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        return list(by_dtype.values())
+    buckets: list[list[torch.Tensor]] = [[]]
+    filled = 0
+    for t in tensors:
+        if buckets[-1] and (buckets[-1][-1].dtype != t.dtype or filled >= bucket_bytes):
+            buckets.append([])
+            filled = 0
+        buckets[-1].append(t)
+        filled += t.nbytes
+    return [bucket for bucket in buckets if bucket]

@@ -18,6 +18,7 @@ from ..config.options import DistributedDataParallelKwargs
 from ..core.enums import DDPCommunicationHookType as Hook
 from ..core.enums import DistributedType
 from ..core.errors import HfBackendError
+from ..runtime.collectives import reduce_flat
 from .base import Strategy
 from .capabilities import Joinable, ValueClipping
 
@@ -150,20 +151,8 @@ def _first_reduction(ddp: DistributedDataParallel, bucket_bytes: int = 25 * 2**2
     for p in reduced:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    bucket: list[torch.Tensor] = []
-    filled = 0
-    for i, p in enumerate(reduced):
-        bucket.append(p.grad)
-        filled += p.grad.nbytes
-        last = i + 1 == len(reduced)
-        if last or reduced[i + 1].grad.dtype != p.grad.dtype or filled >= bucket_bytes:
-            flat = torch.cat([g.reshape(-1) for g in bucket]).div_(world)
-            dist.all_reduce(flat, group=group)
-            offset = 0
-            for g in bucket:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
-            bucket, filled = [], 0
+    reduce_flat([p.grad for p in reduced], lambda flat: dist.all_reduce(flat.div_(world), group=group),
+                bucket_bytes=bucket_bytes)
     return bool((used == world).all())
 
 

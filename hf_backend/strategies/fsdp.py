@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.tensor import DTensor
 
 from ..config.fsdp import FsdpOptions
 from ..config.options import Handlers
@@ -33,10 +33,9 @@ from ..core.notes import note
 from ..parallel.dims import DataShard, MeshShape, build_mesh, data_shard, expert_meshes, fsdp_mesh, sequence_mesh
 from ..runtime.process import ProcessState
 from ..training.precision import Precision
-from . import context_parallel, quantized, ulysses
+from . import context_parallel, parallelize, quantized, ulysses
 from .base import Strategy
 from .capabilities import ValueClipping
-from .experts import apply_expert_parallel
 from .fsdp_overlap import schedule
 from .sequences import SequenceSplit
 from .tensor_parallel import apply_tensor_parallel, is_tensor_parallel
@@ -70,83 +69,57 @@ class FSDPStrategy(Strategy, ValueClipping):
     # -- wrapping ----------------------------------------------------------------------------------
     def setup_model(self, model: torch.nn.Module, device_placement: bool = True,
                     evaluation_mode: bool = False) -> torch.nn.Module:
-        # sharded by an earlier prepare (transformers evaluates, frees, trains),
-        if isinstance(model, FSDPModule):
-            # or by from_pretrained(distributed_config=...) on this grid
+        """The model placed, then the parallelize plan applied (parallelize.py): one step per parallelism."""
+        if isinstance(model, FSDPModule):  # sharded by an earlier prepare, or by from_pretrained(distributed_config=)
             self.precision.wrap_forward(model)
             return model
-        sharded_by_transformers = is_tensor_parallel(model, self.mesh["tp"] if self.shape.tp > 1 else None)
-        # what an optimizer built before prepare holds; mapped to the shards below
-        before = list(model.parameters())
-        efficient = self.receives_rank0_weights
-        main = self.process.is_main_process
-        on_meta = any(p.is_meta for p in model.parameters())
-        if on_meta and (main or not efficient):
-            raise HfBackendError("prepare(): the model is on the meta device; build it with real "
-                                 "weights on rank 0 and set cpu_ram_efficient_loading so the other "
-                                 "ranks receive them")
-        if efficient and sharded_by_transformers:
-            raise HfBackendError("prepare(): cpu_ram_efficient_loading needs rank 0's full "
-                                 "weights, and this model was split across processes by "
-                                 "from_pretrained(tp_plan=...); turn one of them off")
-        full = model.state_dict() if efficient and main else {}  # rank 0 holds the only full copy
-        kept_buffers = {name: b for name, b in model.named_buffers()} if efficient and main else {}
-        # every rank shards an empty model; the shards are filled from `full`, so
-        if efficient and not on_meta:
-            # rank 0 never holds a second full copy (placed, or upcast for fp32 masters)
-            model = model.to("meta")
-        model = super().setup_model(model, device_placement and not efficient)
-        if not evaluation_mode:  # on every rank (meta included), so that all shards have one dtype
-            self.precision.keep_fp32_masters(model, sharded=True, param_dtype=self._mp_policy().param_dtype)
-        if self.options.sync_module_states and not efficient:
-            # ranks that seeded differently train one model
-            for tensor in [*model.parameters(), *model.buffers()]:
-                # tensor-parallel shards differ by rank, read from the weights
-                if not isinstance(tensor, DTensor):
-                    torch.distributed.broadcast(tensor.data, src=0)
-        if self.shape.tp > 1 and not sharded_by_transformers:
-            apply_tensor_parallel(model, self.mesh["tp"])
-        if self.sequences is not None:
-            if self.shape.sp > 1:
-                ulysses.check_heads(model, self.shape.tp, self.shape.sp)
-            self.sequences.apply(model)
-        # bitsandbytes' packed weights stay whole on every rank (quantized.py)
-        kwargs = {**self._shard_kwargs(), "ignored_params": quantized.quantized_parameters(model)}
-        if self.experts is not None:
-            # their own FSDP units, over the ranks that hold the same experts; on their second dimension,
-            # the first being ep's (one all-gather each for a full state, not two strided ones)
-            for experts in apply_expert_parallel(model, self.experts.ep):
-                fully_shard(experts, **{**kwargs, "mesh": self.experts.fsdp}, shard_placement_fn=lambda _: Shard(1))
-        blocks = self._blocks(model)
-        if self.options.activation_checkpointing:
-            _checkpoint_blocks(model, blocks)
-        for block in blocks:
-            fully_shard(block, **kwargs)
-        fully_shard(model, **kwargs)
-        if efficient:
-            self._receive_rank0_weights(model, full, kept_buffers)
-        # offloading: left to FSDP2
-        on_cpu = self.process.device.type == "cpu" and not self.options.cpu_offload
-        # unset: where nothing else overlaps forward's all-gathers
-        prefetch = self.options.forward_prefetch
-        schedule(model, blocks, reshard_after_forward=self.options.reshard_after_forward,
-                 forward_prefetch=on_cpu if prefetch is None else prefetch, on_cpu=on_cpu,
-                 replicated=kwargs["mesh"].ndim > 1)
+        split_by_transformers = is_tensor_parallel(model, self.mesh["tp"] if self.shape.tp > 1 else None)
+        parallelize.check_loadable(model, self.receives_rank0_weights, self.process.is_main_process,
+                                   split_by_transformers)
+        before = list(model.parameters())  # what an optimizer built before prepare holds; mapped to the shards
+        weights = None
+        if self.receives_rank0_weights:
+            weights, model = parallelize.Rank0Weights.take(model, self.process.is_main_process)
+        model = super().setup_model(model, device_placement and weights is None)
+        parallelize.apply(model, self.parallelize_plan(model, evaluation_mode, weights, split_by_transformers))
         self._new_params.update({id(old): new for old, new in zip(before, model.parameters())})
         return model
 
-    def _receive_rank0_weights(self, model: torch.nn.Module, full: dict[str, torch.Tensor],
-                               kept_buffers: dict[str, torch.Tensor]) -> None:
-        """Every rank's empty shards get rank 0's weights (`full`, on rank 0 only), cast to the shards'
-        dtype; then rank 0's buffers (`kept_buffers`: not sharded, and non-persistent ones are in no
-        state dict)."""
-        model.to_empty(device=self.process.device)
-        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-        with torch.no_grad():
-            for name, buffer in model.named_buffers():
-                if name in kept_buffers:
-                    buffer.copy_(kept_buffers[name])
-                torch.distributed.broadcast(buffer, src=0)
+    def parallelize_plan(self, model: torch.nn.Module, evaluation_mode: bool = False,
+                         weights: parallelize.Rank0Weights | None = None,
+                         split_by_transformers: bool = False) -> list[parallelize.Step]:
+        """What this run applies to a placed model, in order."""
+        Step = parallelize.Step
+        blocks = self._blocks(model)
+        # bitsandbytes' packed weights stay whole on every rank (quantized.py)
+        kwargs = {**self._shard_kwargs(), "ignored_params": quantized.quantized_parameters(model)}
+        on_cpu = self.process.device.type == "cpu" and not self.options.cpu_offload  # offloading: left to FSDP2
+        prefetch = on_cpu if self.options.forward_prefetch is None else self.options.forward_prefetch
+        plan = [
+            Step("fp32 masters", lambda m: self.precision.keep_fp32_masters(
+                m, sharded=True, param_dtype=self._mp_policy().param_dtype)) if not evaluation_mode else None,
+            Step("rank 0's weights everywhere", parallelize.broadcast_from_rank0)
+            if self.options.sync_module_states and weights is None else None,
+            Step("tp", lambda m: apply_tensor_parallel(m, self.mesh["tp"]))
+            if self.shape.tp > 1 and not split_by_transformers else None,
+            Step(self.sequences.kind, self._split_sequences) if self.sequences is not None else None,
+            Step("ep", lambda m: parallelize.shard_experts(m, self.experts, kwargs))
+            if self.experts is not None else None,
+            Step("activation checkpointing", lambda m: parallelize.checkpoint_blocks(m, blocks))
+            if self.options.activation_checkpointing else None,
+            Step("fully_shard", lambda m: parallelize.shard_blocks_then_root(m, blocks, kwargs)),
+            Step("rank 0's weights into the shards", lambda m: weights.send(m, self.process.device))
+            if weights is not None else None,
+            Step("overlap", lambda m: schedule(m, blocks, reshard_after_forward=self.options.reshard_after_forward,
+                                               forward_prefetch=prefetch, on_cpu=on_cpu,
+                                               replicated=kwargs["mesh"].ndim > 1)),
+        ]
+        return [step for step in plan if step is not None]
+
+    def _split_sequences(self, model: torch.nn.Module) -> None:
+        if self.shape.sp > 1:
+            ulysses.check_heads(model, self.shape.tp, self.shape.sp)
+        self.sequences.apply(model)
 
     @property
     def data_shard(self) -> DataShard:
@@ -341,10 +314,3 @@ def _sequence_split(mesh: Any, shape: MeshShape) -> SequenceSplit | None:
         return SequenceSplit(sequence_mesh(mesh, shape), "sp", ulysses.attention, ulysses.NAME)
     return SequenceSplit(sequence_mesh(mesh, shape), "cp", context_parallel.attention, context_parallel.NAME,
                          balanced=True)
-
-
-def _checkpoint_blocks(model: torch.nn.Module, blocks: list[torch.nn.Module]) -> None:
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
-
-    targets = set(map(id, blocks))
-    apply_activation_checkpointing(model, check_fn=lambda m: id(m) in targets)

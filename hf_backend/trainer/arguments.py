@@ -34,7 +34,7 @@ from ..config.plugins import DeepSpeedPlugin
 from ..config.training_arguments import deepspeed_config_from_argument, fsdp_options_from_arguments
 from ..core import checks
 from ..core.errors import ConfigError, HfBackendError
-from ..fault_tolerance import groups as fault_tolerance
+from ..fault_tolerance import settings as fault_tolerance
 from ..parallel.config import ParallelismConfig
 from ..runtime import accelerate_state
 from ..runtime.process import get_process_state, process_state_is_set_up

@@ -237,7 +237,7 @@ class Trainer(LossMembers, _EngineNamed):
         self._train_loader = super().get_train_dataloader()
         return self._train_loader
 
-    # replica groups: every group evaluates the whole set, not its part of each global batch (fault_tolerance.py)
+    # replica groups: every group evaluates the whole set, not its part of each global batch (fault_tolerance/groups.py)
     def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
         return self._evaluation_loader(super().get_eval_dataloader(eval_dataset))
 

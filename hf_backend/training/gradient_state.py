@@ -27,6 +27,7 @@ class GradientState:
         # Accelerate's GradientState, when it follows this one (accelerate_state.py)
         self.mirror: dict | None = None
         self._sync_gradients = True
+        self.micro_step = 0  # micro steps seen by accumulate() since the last sync (Accelerator.step)
         self._active: list[Any] = []  # prepared dataloaders being iterated, innermost last
 
     @property

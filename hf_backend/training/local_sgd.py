@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..core.enums import DistributedType
 from ..core.errors import HfBackendError
 from ..core.notes import note
+from ..runtime.collectives import reduce_flat
 
 
 class LocalSGD:
@@ -89,14 +90,5 @@ class LocalSGD:
         """Replace each floating-point parameter by its mean over the processes: one all-reduce per
         dtype."""
         self.accelerator.wait_for_everyone()
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for param in self.model.parameters():
-            if param.is_floating_point():
-                by_dtype.setdefault(param.dtype, []).append(param.data)
-        for tensors in by_dtype.values():
-            flat = torch.cat([t.reshape(-1) for t in tensors])
-            mean = self.accelerator.reduce(flat, reduction="mean")
-            offset = 0
-            for t in tensors:
-                t.copy_(mean[offset:offset + t.numel()].view_as(t))
-                offset += t.numel()
+        floating = [param.data for param in self.model.parameters() if param.is_floating_point()]
+        reduce_flat(floating, lambda flat: self.accelerator.reduce(flat, reduction="mean"))

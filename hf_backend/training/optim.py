@@ -8,23 +8,24 @@ from typing import Any
 import torch
 
 from .gradient_state import GradientState
+from .step_hooks import StepHooks
 
 
 class AcceleratedOptimizer(torch.optim.Optimizer):
     """Steps (and zeroes) only on gradient-sync steps; with fp16, steps through the GradScaler.
 
-    `step_was_skipped` is True after a step the scaler skipped because of inf/nan gradients, or that the replica
-    groups (fault_tolerance.ReplicaGroups: whether they finished the step) turned down; they hear of every step
-    taken (`stepped`: parameters synchronised every N steps).
+    `step_was_skipped` is True after a step the scaler skipped because of inf/nan gradients, or that the step hooks
+    did not commit (step_hooks.py: fault tolerance's replica groups, when a group failed during the step); they hear
+    of every step taken.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, gradient_state: GradientState,
-                 scaler: torch.amp.GradScaler | None = None, replica_groups: Any = None) -> None:
+                 scaler: torch.amp.GradScaler | None = None, hooks: StepHooks | None = None) -> None:
         # Deliberately not calling Optimizer.__init__: this object only forwards to `optimizer`.
         self.optimizer = optimizer
         self.gradient_state = gradient_state
         self.scaler = scaler
-        self.replica_groups = replica_groups
+        self.hooks = hooks or StepHooks()
         self.step_was_skipped = False
 
     @property
@@ -65,7 +66,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> Any:
         if not self.gradient_state.sync_gradients:
             return None
-        if self.replica_groups is not None and not self.replica_groups.commit():
+        if not self.hooks.commit():
             self.step_was_skipped = True
             return None
         result = None
@@ -77,8 +78,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
             self.scaler.step(self.optimizer, closure) if closure is not None else self.scaler.step(self.optimizer)
             self.scaler.update()
             self.step_was_skipped = self.scaler.get_scale() < scale_before
-        if self.replica_groups is not None:
-            self.replica_groups.stepped()
+        self.hooks.after_optimizer_step()
         return result
 
     def train(self) -> None:

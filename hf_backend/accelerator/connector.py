@@ -1,0 +1,111 @@
+"""The connector (Lightning Fabric's): an Accelerator's arguments and the launcher's environment turned into the
+engine's parts, once. Each part is decided here only: the process state, precision, gradient accumulation, the data
+and project options, the backend and the strategy (with its mesh), and the step hooks (fault tolerance's replica
+groups, or none). The Trainer's arguments reach the same decisions through the same call (trainer/trainer.py builds
+an Accelerator)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from .. import fault_tolerance
+from ..config import environment as env
+from ..config.backend import choose_backend
+from ..config.options import DataLoaderConfiguration, GradientAccumulationPlugin, Handlers, ProjectConfiguration
+from ..core import checks
+from ..core.errors import HfBackendError
+from ..parallel.config import requested_shape
+from ..parallel.dims import MeshShape
+from ..runtime.process import ProcessGroupPlugin, ProcessState, add_process_group_plugin, get_process_state
+from ..strategies import select_strategy
+from ..strategies.base import Strategy
+from ..training.gradient_state import GradientState
+from ..training.precision import Precision
+from ..training.prepared import PreparedObjects
+from ..training.step_hooks import StepHooks
+from . import compat, elastic, rank0_loading
+
+
+@dataclasses.dataclass
+class Engine:
+    """What one Accelerator is made of (its attributes of the same names)."""
+
+    process: ProcessState
+    handlers: Handlers
+    precision: Precision
+    gradient_state: GradientState
+    dataloader_config: DataLoaderConfiguration
+    project_configuration: ProjectConfiguration
+    tracking: Any  # tracking.Tracking
+    launch_config: Any  # what `hf-backend launch` handed over, or None
+    strategy: Strategy
+    dynamo_plugin: Any
+    device_placement: bool
+    step_scheduler_with_optimizer: bool
+    _parallelism_shape: MeshShape | None
+    _objects: PreparedObjects
+    _hooks: StepHooks  # fault tolerance's replica groups, or the default (nothing)
+
+    @property
+    def replica_groups(self) -> fault_tolerance.ReplicaGroups | None:
+        return self._hooks if isinstance(self._hooks, fault_tolerance.ReplicaGroups) else None
+
+
+def connect(arguments: dict[str, Any], other: dict[str, Any]) -> Engine:
+    """`arguments`: the Accelerator's named arguments; `other`: the rest (Accelerate's extras, hf_backend's
+    `fault_tolerance`), each read here or refused in one line (compat.py)."""
+    dynamo = compat.dynamo_plugin(other.pop("dynamo_backend", None), other.pop("dynamo_plugin", None))
+    replicas = fault_tolerance.resolve(other.pop("fault_tolerance", None))
+    deepspeed_plugin = compat.check_accelerator_arguments(other, arguments["deepspeed_plugin"])
+    loader_options = {k: other.pop(k) for k in ("dispatch_batches", "use_seedable_sampler") if k in other}
+    for name in ("cpu", "split_batches", "even_batches"):
+        checks.flag(arguments[name], name, optional=True)  # None: the launcher's or the default
+    checks.flag(arguments["device_placement"], "device_placement")
+    checks.flag(arguments["step_scheduler_with_optimizer"], "step_scheduler_with_optimizer")
+    handlers, plugins = Handlers.of(arguments["kwargs_handlers"], passed_through=ProcessGroupPlugin)
+    for plugin in plugins:  # hf_backend.launch.hang_watch.HangWatch
+        add_process_group_plugin(plugin)
+
+    process = get_process_state(cpu=env.resolve("cpu", arguments["cpu"]), timeout=handlers.init.timeout,
+                                backend=handlers.init.backend)
+    mixed_precision = getattr(arguments["mixed_precision"], "value", arguments["mixed_precision"])  # the enum's
+    precision = Precision(str(env.resolve("mixed_precision", mixed_precision)), process.device, handlers.scaler,
+                          handlers.autocast)
+    gradient_state = GradientState(_accumulation(arguments["gradient_accumulation_plugin"],
+                                                 arguments["gradient_accumulation_steps"]))
+    overrides = {k: v for k, v in (("split_batches", arguments["split_batches"]),
+                                   ("even_batches", arguments["even_batches"]), *loader_options.items())
+                 if v is not None}
+    loader_config = dataclasses.replace(
+        compat.checked(arguments["dataloader_config"], DataLoaderConfiguration, "dataloader_config"), **overrides)
+    project = compat.checked(arguments["project_config"], ProjectConfiguration, "project_config")
+    if arguments["project_dir"] is not None:
+        project.set_directories(str(arguments["project_dir"]))
+
+    from .tracking import Tracking  # trackers' packages load only when asked for
+
+    launch_config = env.read_launch_config()
+    backend = choose_backend(arguments["fsdp_plugin"], deepspeed_plugin, launch_config)
+    shape = requested_shape(arguments["parallelism_config"], process.num_processes)
+    strategy = select_strategy(process, precision, handlers, backend, gradient_state, loader_config.split_batches,
+                               shape)
+    if strategy.receives_rank0_weights:  # from_pretrained may load on rank 0 only
+        rank0_loading.tell_transformers()
+    objects = PreparedObjects()
+    hooks = StepHooks() if replicas is None else fault_tolerance.join(
+        replicas, process, objects, gradient_state, strategy.data_shard, strategy.distributed_type,
+        first_start=not elastic.restart_count())
+    return Engine(process, handlers, precision, gradient_state, loader_config, project,
+                  Tracking(arguments["log_with"], project.logging_dir, process.is_main_process), launch_config,
+                  strategy, dynamo, arguments["device_placement"], arguments["step_scheduler_with_optimizer"], shape,
+                  objects, hooks)
+
+
+def _accumulation(plugin: GradientAccumulationPlugin | None, steps: int | None) -> GradientAccumulationPlugin:
+    if plugin is not None and steps not in (None, 1):
+        raise HfBackendError("pass gradient_accumulation_steps or gradient_accumulation_plugin, not both")
+    if plugin is None:
+        plugin = GradientAccumulationPlugin(num_steps=env.resolve("gradient_accumulation_steps", steps))
+    checks.whole(plugin.num_steps, "gradient_accumulation_steps", minimum=1)
+    return plugin
