@@ -227,8 +227,8 @@ class PreparedDataLoader(DataLoader):
 
     def split(self, num_processes: int, process_index: int) -> None:
         """Read part `process_index` of `num_processes` of each global batch, and only it, from now on (from the
-        next pass when a pass is under way). fault_tolerance/groups.py: an evaluation loader split over its replica group's
-        processes only, so that every group evaluates all of it."""
+        next pass when a pass is under way). fault_tolerance/groups.py: an evaluation loader split over its replica
+        group's processes only, so that every group evaluates all of it."""
         self._parts_of_step, self._next_split = None, (num_processes, process_index)
         if not self.position.running:
             self._take_split()
@@ -240,8 +240,8 @@ class PreparedDataLoader(DataLoader):
 
     def read_parts(self, parts_of_step: Callable[[], list[int] | None]) -> None:
         """From now on, each step's batch is the parts of its global batch `parts_of_step()` names (indices of
-        processes; None: this process's own), asked as the step's batch is handed out (fault_tolerance/every_step.py: the
-        live replica groups train a missing group's part)."""
+        processes; None: this process's own), asked as the step's batch is handed out
+        (fault_tolerance/every_step.py: the live replica groups train a missing group's part)."""
         self.source.step_parts = deque()
         self._parts_of_step = parts_of_step
 
