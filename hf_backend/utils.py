@@ -42,6 +42,7 @@ from .core.enums import LoggerType as LoggerType
 from .core.enums import PrecisionType as PrecisionType
 from .core.enums import RNGType as RNGType
 from .core.enums import SageMakerDistributedType as SageMakerDistributedType
+from .core.environ import patched
 from .core.errors import HfBackendError
 from .core.nested import recursively_apply as recursively_apply
 from .core.nested import send_to_device as send_to_device
@@ -180,28 +181,15 @@ def is_port_in_use(port: int | None = None) -> bool:
 def patch_environment(**kwargs: Any) -> Iterator[None]:
     """Set environment variables (names upper-cased) inside the block; restore the previous values
     after."""
-    saved = {key.upper(): os.environ.get(key.upper()) for key in kwargs}
-    os.environ.update({key.upper(): str(value) for key, value in kwargs.items()})
-    try:
+    with patched({key.upper(): str(value) for key, value in kwargs.items()}):
         yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 @contextlib.contextmanager
 def clear_environment() -> Iterator[None]:
     """Run the block with an empty environment; restore it after."""
-    saved = dict(os.environ)
-    os.environ.clear()
-    try:
+    with patched(dict.fromkeys(os.environ), restore_all=True):
         yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
 
 
 def __getattr__(name: str) -> Any:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 
 import pytest
@@ -493,3 +494,20 @@ def test_which_process_has_one_answer_before_the_process_state(monkeypatch, caps
     monkeypatch.setattr(group, "is_initialized", lambda: False)
     monkeypatch.setenv("RANK", "0")
     assert rank.is_main_process()
+
+
+def test_patch_and_clear_environment_put_back_what_was_there(monkeypatch) -> None:
+    """Accelerate's two environment blocks (one helper: core/environ.py): names upper-cased and values strings
+    inside, and afterwards each variable as it was, unset where it was unset, even when the block failed."""
+    from hf_backend.utils import clear_environment, patch_environment
+
+    monkeypatch.setenv("HFB_KEPT", "before")
+    monkeypatch.delenv("HFB_NEW", raising=False)
+    with patch_environment(hfb_kept=1, hfb_new="x"):
+        assert (os.environ["HFB_KEPT"], os.environ["HFB_NEW"]) == ("1", "x")
+    assert os.environ["HFB_KEPT"] == "before" and "HFB_NEW" not in os.environ
+    with pytest.raises(RuntimeError), clear_environment():
+        assert "HFB_KEPT" not in os.environ and not os.environ
+        os.environ["HFB_NEW"] = "set inside"
+        raise RuntimeError
+    assert os.environ["HFB_KEPT"] == "before" and "HFB_NEW" not in os.environ

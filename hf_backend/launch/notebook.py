@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from ..config import environment as env
+from ..core.environ import patched
 from ..core.errors import HfBackendError
 
 _PRECISIONS = ("no", "fp16", "bf16")
@@ -91,7 +92,7 @@ def _launch(name: str, function: Callable[..., Any], args: Iterable[Any], num_pr
                 env.DISTRIBUTED_TYPE: "NO" if world == 1 else ("MULTI_GPU" if cuda else "MULTI_CPU"),
                 env.FSDP_CONFIG: None, env.DEEPSPEED_CONFIG: None, env.CONFIG_FILE: None}
     if world == 1:
-        with _environment(settings, restore_all=False):
+        with patched(settings):
             function(*args)
         return
 
@@ -117,7 +118,7 @@ def _launch(name: str, function: Callable[..., Any], args: Iterable[Any], num_pr
             rdzv_backend, conf["is_host"] = "c10d", True
         if rdzv_backend == "static":
             conf["rank"] = node
-    with _environment(settings, restore_all=True), _signal_handlers_kept():
+    with patched(settings, restore_all=True), _signal_handlers_kept():
         _run_elastic(name, function, args, threads, nproc=nproc, nodes=nodes, backend=rdzv_backend,
                      endpoint=endpoint, conf=conf, run_id=run_id, restarts=restarts, interval=float(monitor_interval),
                      prefix=log_line_prefix_template)
@@ -215,7 +216,7 @@ def _cuda_present() -> bool:
 
     if not torch.backends.cuda.is_built():
         return False
-    with _environment({"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}, restore_all=False):
+    with patched({"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}):
         return torch.cuda.is_available()
 
 
@@ -241,26 +242,6 @@ def _check_can_fork(name: str, cuda: bool, nproc: int) -> None:
         raise HfBackendError(f"{name}: num_processes={nproc} but this machine has "
                              f"{torch.cuda.device_count()} GPU(s), one per process; use fewer "
                              "processes, or debug_launcher for CPU processes")
-
-
-@contextlib.contextmanager
-def _environment(values: dict[str, str | None], restore_all: bool) -> Iterator[None]:
-    """Set (None: unset) `values` in os.environ, and put back afterwards what was there: those names,
-    or every variable when torch elastic runs inside (its agent sets some of its own)."""
-    before = dict(os.environ)
-    for key, value in values.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-    try:
-        yield
-    finally:
-        for key in (set(os.environ) | set(before)) if restore_all else set(values):
-            if key not in before:
-                os.environ.pop(key, None)
-            elif os.environ.get(key) != before[key]:
-                os.environ[key] = before[key]
 
 
 @contextlib.contextmanager
