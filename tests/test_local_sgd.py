@@ -187,7 +187,8 @@ def test_sharded_strategies_are_refused(kind):
     accelerator = SimpleNamespace(distributed_type=kind, num_processes=2)
     with pytest.raises(HfBackendError) as err:
         LocalSGD(accelerator=accelerator, model=_model(), local_sgd_steps=2)
-    assert kind.value in str(err.value) and "DDP" in str(err.value) and "\n" not in str(err.value)
+    message = str(err.value)  # the prepared model is no DDP model (an FSDPModule, DeepSpeed's engine)
+    assert "whole parameters of a DDP model" in message and "FSDP and DeepSpeed" in message and "\n" not in message
 
 
 if __name__ == "__main__":

@@ -158,3 +158,29 @@ def _lines(module: str, qualified: str) -> int:
 ])
 def test_the_assembly_reads_in_a_screen(module, qualified, most):
     assert _lines(module, qualified) <= most
+
+
+# What names a strategy: DistributedType's members and the strategy names of the command line and the plan.
+_STRATEGY_NAMES = {"FSDP", "DEEPSPEED", "MULTI_CPU", "MULTI_GPU", "ddp", "fsdp", "zero1", "zero2", "zero3"}
+# Where a choice is made from them: the connector (and the backend choice it calls), and the config files' own
+# schema (config/, the command line that writes and launches them: which section goes with which distributed_type).
+_CHOOSERS = ("hf_backend.accelerator.connector", "hf_backend.config", "hf_backend.cli")
+
+
+def _names_a_strategy(node: ast.AST) -> bool:
+    return any((isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "DistributedType"
+                and n.attr in _STRATEGY_NAMES) or (isinstance(n, ast.Constant) and n.value in _STRATEGY_NAMES)
+               for n in ast.walk(node))
+
+
+def test_nothing_branches_on_a_strategys_name_outside_the_connector():
+    """A strategy's behaviour lives in the strategy (its methods, capabilities and placement); an `if` on its name
+    elsewhere is a rule written twice."""
+    found = []
+    for name, path in MODULES.items():
+        if name.startswith(_CHOOSERS):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.If, ast.IfExp, ast.While)) and _names_a_strategy(node.test):
+                found.append(f"{name}:{node.lineno}")
+    assert found == []

@@ -7,13 +7,20 @@ an Accelerator)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import fault_tolerance
 from ..config import environment as env
 from ..config.backend import choose_backend
-from ..config.options import DataLoaderConfiguration, GradientAccumulationPlugin, Handlers, ProjectConfiguration
+from ..config.options import (
+    DataLoaderConfiguration,
+    GradientAccumulationPlugin,
+    Handlers,
+    ProjectConfiguration,
+    TorchDynamoPlugin,
+)
 from ..core import checks
+from ..core.enums import DistributedType
 from ..core.errors import HfBackendError
 from ..parallel.config import requested_shape
 from ..parallel.dims import MeshShape
@@ -26,6 +33,9 @@ from ..training.prepared import PreparedObjects
 from ..training.step_hooks import StepHooks
 from . import compat, elastic, rank0_loading
 
+if TYPE_CHECKING:
+    from .tracking import Tracking
+
 
 @dataclasses.dataclass
 class Engine:
@@ -37,10 +47,10 @@ class Engine:
     gradient_state: GradientState
     dataloader_config: DataLoaderConfiguration
     project_configuration: ProjectConfiguration
-    tracking: Any  # tracking.Tracking
+    tracking: Tracking
     launch_config: Any  # what `hf-backend launch` handed over, or None
     strategy: Strategy
-    dynamo_plugin: Any
+    dynamo_plugin: TorchDynamoPlugin
     device_placement: bool
     step_scheduler_with_optimizer: bool
     _parallelism_shape: MeshShape | None
@@ -93,9 +103,11 @@ def connect(arguments: dict[str, Any], other: dict[str, Any]) -> Engine:
     if strategy.receives_rank0_weights:  # from_pretrained may load on rank 0 only
         rank0_loading.tell_transformers()
     objects = PreparedObjects()
+    if replicas is not None and strategy.distributed_type == DistributedType.DEEPSPEED:
+        raise HfBackendError("fault_tolerance with DeepSpeed: its engine reduces the gradients itself; use "
+                             "FSDP (fsdp_plugin or parallelism_config) or DDP inside each replica group")
     hooks = StepHooks() if replicas is None else fault_tolerance.join(
-        replicas, process, objects, gradient_state, strategy.data_shard, strategy.distributed_type,
-        first_start=not elastic.restart_count())
+        replicas, process, objects, gradient_state, strategy.data_shard, first_start=not elastic.restart_count())
     return Engine(process, handlers, precision, gradient_state, loader_config, project,
                   Tracking(arguments["log_with"], project.logging_dir, process.is_main_process), launch_config,
                   strategy, dynamo, arguments["device_placement"], arguments["step_scheduler_with_optimizer"], shape,

@@ -3,7 +3,6 @@ groups.py what both modes share, every_step.py and periodic.py the two modes; `j
 
 from __future__ import annotations
 
-from ..core.enums import DistributedType
 from ..parallel.dims import DataShard
 from ..runtime.process import ProcessState
 from ..training.gradient_state import GradientState
@@ -15,10 +14,10 @@ from .settings import FaultTolerance, resolve, serve_lighthouse
 
 
 def join(config: FaultTolerance, process: ProcessState, objects: PreparedObjects, gradient_state: GradientState,
-         shard: DataShard, distributed_type: DistributedType, first_start: bool) -> ReplicaGroups:
+         shard: DataShard, first_start: bool) -> ReplicaGroups:
     """This process's replica groups: meeting every step, or every `config.sync_every` steps."""
     mode = EveryStep if config.sync_every == 1 else Periodic
-    return mode(config, process, objects, gradient_state, shard, distributed_type, first_start)
+    return mode(config, process, objects, gradient_state, shard, first_start)
 
 
 __all__ = ["EveryStep", "FaultTolerance", "Periodic", "ReplicaGroups", "join", "resolve", "serve_lighthouse"]

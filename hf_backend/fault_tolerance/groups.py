@@ -25,7 +25,6 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..checkpoint.files import capture_rng, restore_rng
-from ..core.enums import DistributedType
 from ..core.errors import HfBackendError
 from ..core.notes import note
 from ..parallel.dims import DataShard
@@ -45,16 +44,12 @@ class ReplicaGroups(StepHooks, abc.ABC):
     meets_every_step = True
 
     def __init__(self, config: FaultTolerance, process: ProcessState, objects: PreparedObjects,
-                 gradient_state: GradientState, shard: DataShard, distributed_type: DistributedType,
-                 first_start: bool) -> None:
+                 gradient_state: GradientState, shard: DataShard, first_start: bool) -> None:
         try:
             from torchft import Manager
             from torchft.process_group import ProcessGroupGloo
         except ImportError as error:
             raise HfBackendError(NO_TORCHFT) from error
-        if distributed_type == DistributedType.DEEPSPEED:
-            raise HfBackendError("fault_tolerance with DeepSpeed: its engine reduces the gradients itself; use "
-                                 "FSDP (fsdp_plugin or parallelism_config) or DDP inside each replica group")
         if process.device.type != "cpu":
             raise HfBackendError("fault_tolerance runs on CPU processes (gloo) only so far: torchft's NCCL "
                                  "process group has not run here; train without fault_tolerance on GPUs")

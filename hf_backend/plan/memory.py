@@ -6,6 +6,7 @@ with padding (FSDP2's `fully_shard`), flattened and partitioned (DeepSpeed ZeRO)
 parallelism has cut it by the model's own `tp_plan` (the same plan `strategies/tensor_parallel.py`
 applies), and a mixture of experts' expert tensors by its `ep_plan` (strategies/experts.py: whole
 experts per ep rank, then FSDP over the ranks holding the same ones, on their second dimension).
+How each strategy places what is left is its placement (strategies/placement.py), which the plan asks.
 Parameters, gradients and AdamW's state follow from those local sizes; what each strategy adds
 (DDP's gradient buckets, DeepSpeed's fp32 master partition) is counted where the strategy allocates
 it. Activations are an estimate from the model's shape. docs/memory.md says what was
@@ -26,9 +27,9 @@ from ..parallel.dims import MeshShape
 if TYPE_CHECKING:
     import torch
 
+# the names `--strategy` takes; strategies/placement.py says how each places a model (imported with a model built,
+# so the command line's parser loads without torch)
 STRATEGIES = ("no", "ddp", "fsdp", "zero1", "zero2", "zero3")
-_ZERO_STAGE = {"zero1": 1, "zero2": 2, "zero3": 3}
-_MAX_LIVE_PARAMETERS = 10**9  # DeepSpeed's default stage3_max_live_parameters
 # How each tp_plan style cuts a weight (dimension) and its bias (None: kept whole);
 # strategies/tensor_parallel.py
 _TP_DIMS = {"colwise": (0, 0), "colwise_rep": (0, 0), "colwise_gather_output": (0, 0), "rowwise": (1, None),
@@ -74,28 +75,29 @@ def plan_memory(model: torch.nn.Module, strategy: str, num_processes: int = 1, *
         raise HfBackendError(f"plan: strategy {strategy!r} is not one of {', '.join(STRATEGIES)}")
     if num_processes < 1:
         raise HfBackendError(f"plan: num_processes={num_processes}; give 1 or more")
+    if num_processes == 1:
+        # the engine trains one process unsharded whatever was asked (docs/fsdp.md, docs/deepspeed.md)
+        strategy = "no"
+    from ..strategies.placement import PLACEMENTS, Sums
+
+    placement = PLACEMENTS[strategy]
     if shape is None:
-        shape = MeshShape(dp_shard=num_processes) if strategy == "fsdp" else MeshShape(dp_replicate=num_processes)
+        shape = placement.default_shape(num_processes)
     if shape.world != num_processes:
         raise HfBackendError("plan: the parallelism sizes "
                              f"{dict(zip(MeshShape.DIMS, shape.sizes))} make "
                              f"{shape.world} processes, not {num_processes}; "
                              f"make them multiply to {num_processes}")
-    if shape.needs_mesh and strategy not in ("fsdp",):
+    if shape.needs_mesh and not placement.takes_mesh:
         raise HfBackendError("plan: dp_shard, cp and tp sizes run under FSDP (the engine's mesh), "
                              f"not {strategy}; pass --strategy fsdp")
-    if num_processes == 1 and strategy != "no":
-        # the engine trains one process unsharded whatever was asked (docs/fsdp.md,
-        # docs/deepspeed.md)
-        strategy = "no"
     if shape.tp > 1 and hasattr(model, "peft_config"):
         raise HfBackendError("plan: tensor parallelism does not take a PEFT adapter (the engine "
                              "refuses it); drop tp or --lora")
     tp_dims = _tp_dims(model) if shape.tp > 1 else {}
     experts, experts_per_rank = _expert_tensors(model, shape.ep) if shape.ep > 1 else (set(), 0)
-    shards = shape.dp_shard * shape.sequence_slices if strategy == "fsdp" else \
-        num_processes if strategy == "zero3" else 1
-    weights = grads = masters = full_trainable = 0
+    shards = placement.shards(shape, num_processes)
+    weights = grads = full_trainable = 0
     seen: set[int] = set()
     count = trainable = 0
     for name, param in model.named_parameters():
@@ -107,55 +109,26 @@ def plan_memory(model: torch.nn.Module, strategy: str, num_processes: int = 1, *
         dim = tp_dims.get(name)
         if dim is not None and dim < len(local):
             local[dim] = math.ceil(local[dim] / shape.tp)
-        numel = math.prod(local)
         if name in experts:  # whole experts per ep rank, FSDP over the rest on the second dimension
             local[0] //= shape.ep
             numel = local[0] * math.ceil(local[1] / shape.expert_shards) * math.prod(local[2:])
-        elif strategy == "fsdp" and shards > 1:
-            numel = math.ceil(local[0] / shards) * math.prod(local[1:]) if local else numel
-        elif strategy == "zero3":
-            numel = math.ceil(numel / shards)
+        else:
+            numel = placement.local_numel(local, shards)
         size = param.element_size()
         weights += numel * size
         if param.requires_grad:
             trainable += param.numel()
             grads += numel * size
             full_trainable += math.prod(local) * size
-    stage = _ZERO_STAGE.get(strategy, 0)
-    notes: list[str] = []
-    optimizer, masters = 2 * grads, 0
-    if strategy == "ddp":
-        # DDP's reducer copies every gradient into its buckets (gradient_as_bucket_view=False)
-        grads *= 2
-        notes.append("DDP: gradients twice, the parameters' own and the reducer's buckets")
-    elif stage:
-        partition = math.ceil(trainable / num_processes)  # flattened, then cut in N
-        master = 4 * partition  # DeepSpeed's fp32 copy of its partition
-        optimizer = 2 * master
-        if stage == 3:
-            grads = master  # a flat fp32 gradient partition, allocated at setup
-            # the gathered trainable weights it keeps between uses, up to stage3_max_live_parameters
-            # elements
-            weights += min(full_trainable, _MAX_LIVE_PARAMETERS * _element_size(model))
-            notes.append("ZeRO-3: with DeepSpeed's default stage3_max_live_parameters and "
-                         "stage3_max_reuse_distance (1e9) the gathered trainable weights stay "
-                         "after the first step, up to 1e9 of them (counted with the parameters)")
-        else:
-            grads = full_trainable if stage == 1 else partition * _element_size(model)
-            notes.append(f"ZeRO-{stage}: gradients exist during backward only (freed by the step)")
-        masters = master
-        notes.append(f"ZeRO-{stage}: an fp32 copy of this process's 1/{num_processes} of the "
-                     "trainable weights (counted with the parameters)")
+    held = placement.held(Sums(weights, grads, full_trainable, trainable, _element_size(model)), num_processes)
     activations = _activations(model, mixed_precision, batch_size, sequence_length, shape, activation_checkpointing)
     return MemoryPlan(strategy=strategy, shape=shape, parameters=count, trainable=trainable,
-                      parameter_bytes=weights + masters, gradient_bytes=grads, optimizer_bytes=optimizer,
-                      activation_bytes=activations, notes=tuple(notes), experts_per_rank=experts_per_rank)
+                      parameter_bytes=held.parameters, gradient_bytes=held.gradients, optimizer_bytes=held.optimizer,
+                      activation_bytes=activations, notes=held.notes, experts_per_rank=experts_per_rank)
 
 
 def _element_size(model: torch.nn.Module) -> int:
     return next((p.element_size() for p in model.parameters() if p.requires_grad), 4)
-
-
 
 
 def _expert_tensors(model: torch.nn.Module, ep: int) -> tuple[set[str], int]:
@@ -201,7 +174,7 @@ def _activations(model: torch.nn.Module, mixed_precision: str, batch: int, seq: 
     (norms, q/k/v, attention output, residuals; gate, up, activation, product, down input), only the
     layer's input under activation checkpointing; plus the fp32 logits and their gradient."""
     config = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
     hidden = getattr(text, "hidden_size", None)
     layers = getattr(text, "num_hidden_layers", None)
     if not isinstance(hidden, int) or not isinstance(layers, int):
@@ -211,8 +184,8 @@ def _activations(model: torch.nn.Module, mixed_precision: str, batch: int, seq: 
     tokens = batch * math.ceil(seq / shape.sequence_slices)
     per_layer = tokens * element * (8 * hidden + 5 * width // shape.tp)
     kept = layers * tokens * element * hidden + per_layer if checkpointing else layers * per_layer
-    vocab = getattr(text, "vocab_size", 0) if hasattr(model, "get_output_embeddings") and \
-        model.get_output_embeddings() is not None else 0
+    output_embeddings = getattr(model, "get_output_embeddings", None)
+    vocab = getattr(text, "vocab_size", 0) if callable(output_embeddings) and output_embeddings() is not None else 0
     return kept + 2 * tokens * vocab * 4
 
 

@@ -24,7 +24,6 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from ..core.enums import DistributedType
 from ..core.errors import HfBackendError
 from ..core.notes import note
 from ..runtime.collectives import reduce_flat
@@ -39,11 +38,6 @@ class LocalSGD:
             raise HfBackendError("LocalSGD with fault_tolerance: replica groups meet every N steps with "
                                  "fault_tolerance_config sync_every=N (LocalSGD between the groups; DiLoCo with "
                                  "outer_lr and outer_momentum), docs/fault_tolerance.md; drop LocalSGD")
-        distributed_type = accelerator.distributed_type
-        if distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
-            raise HfBackendError("LocalSGD averages whole parameters of a DDP model; under "
-                                 f"{distributed_type.value} they are sharded: train without "
-                                 "fsdp_plugin/deepspeed_plugin (plain DDP) to use it")
         if enabled and (isinstance(local_sgd_steps, bool) or not isinstance(local_sgd_steps, int)
                         or local_sgd_steps < 1):
             raise HfBackendError(f"LocalSGD(local_sgd_steps={local_sgd_steps!r}): give the number "
@@ -56,8 +50,9 @@ class LocalSGD:
         if enabled and not self.enabled:
             note("LocalSGD in a single process: nothing to average, it does nothing")
         if self.enabled and not isinstance(model, DistributedDataParallel):
-            raise HfBackendError("LocalSGD(model=...): pass the model accelerator.prepare() "
-                                 f"returned (a DDP model), not a {type(model).__name__}")
+            raise HfBackendError(f"LocalSGD(model=...) averages whole parameters of a DDP model, not of a "
+                                 f"{type(model).__name__} (FSDP and DeepSpeed shard them): train without "
+                                 "fsdp_plugin/deepspeed_plugin and pass the model accelerator.prepare() returned")
         self._no_sync: contextlib.ExitStack | None = None
 
     def __enter__(self) -> LocalSGD:
