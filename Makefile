@@ -73,6 +73,7 @@ test-install:
 
 lint: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 test: lint
 	$(PY) -m pytest -q
@@ -142,4 +143,4 @@ demo-sft: setup
 	$(PY) recipes/causal_lm/report.py $(SFT_DIR)
 
 clean:
-	rm -rf $(VENV) $(OLDEST_VENV) $(NEWEST_VENV) .venv-torch-* $(INSTALL_VENV) $(GPU_WHEELS) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(OLDEST_VENV) $(NEWEST_VENV) .venv-torch-* $(INSTALL_VENV) $(GPU_WHEELS) .pytest_cache .ruff_cache .mypy_cache

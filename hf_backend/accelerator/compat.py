@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -22,6 +22,16 @@ from ..core.enums import DistributedType, FP8BackendType
 from ..core.errors import HfBackendError
 from ..core.notes import note
 from ..parallel.config import ParallelismConfig
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from ..parallel.dims import MeshShape
+    from ..runtime.process import ProcessState
+    from ..strategies.base import Strategy
+    from ..training.trigger import Trigger
+    from .states import AcceleratorState
+    from .tracking import Tracking
 
 # Accelerator(...) arguments with nothing to do here, and why.
 _NOOP_ARGUMENTS = {
@@ -63,16 +73,15 @@ def check_accelerator_arguments(other: dict[str, Any], deepspeed_plugin: Any) ->
     return deepspeed_plugin
 
 
-def config_mesh(accelerator: Any) -> Any:
+def config_mesh(shape: MeshShape | None, strategy: Strategy, device_type: str) -> DeviceMesh | None:
     """The mesh Accelerate builds for a ParallelismConfig whose grid the engine runs without one
     (replicas only: DDP), so `accelerator.torch_device_mesh["dp_cp"]` works as there; None
     otherwise. Built on every rank now."""
-    shape = accelerator._parallelism_shape
-    if shape is None or accelerator.strategy.mesh is not None or shape.world == 1 or shape.deepspeed_ulysses:
+    if shape is None or strategy.mesh is not None or shape.world == 1 or shape.deepspeed_ulysses:
         return None  # (DeepSpeed's ALST makes its own groups, and Accelerate no mesh)
     from ..parallel.dims import build_mesh
 
-    return build_mesh(shape, accelerator.process.device.type)
+    return build_mesh(shape, device_type)
 
 
 def dynamo_plugin(backend: Any, plugin: Any) -> TorchDynamoPlugin:
@@ -127,15 +136,22 @@ class AccelerateMembers:
     # What the Accelerator this is mixed into holds, which the members below answer from (declared,
     # not set here).
     handlers: Handlers
-    process: Any  # ProcessState
-    strategy: Any
-    trigger: Any
-    tracking: Any
+    process: ProcessState
+    strategy: Strategy
+    trigger: Trigger
+    tracking: Tracking
     dataloader_config: DataLoaderConfiguration
-    state: Any  # AcceleratorState
-    distributed_type: DistributedType
-    is_local_main_process: bool
-    mixed_precision: str
+    _parallelism_shape: MeshShape | None
+    _config_mesh: DeviceMesh | None
+    if TYPE_CHECKING:  # the facade's read-only properties
+        @property
+        def state(self) -> AcceleratorState: ...
+        @property
+        def distributed_type(self) -> DistributedType: ...
+        @property
+        def is_local_main_process(self) -> bool: ...
+        @property
+        def mixed_precision(self) -> str: ...
 
     # -- forwarded to the pieces that own them: experiment tracking, the trigger -------------------
     def init_trackers(self, project_name: str, config: dict | None = None, init_kwargs: dict | None = None) -> None:

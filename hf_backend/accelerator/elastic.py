@@ -55,8 +55,10 @@ class ElasticMembers:
     checkpoint_io: CheckpointIO
     project_configuration: ProjectConfiguration
     gradient_accumulation_steps: int
-    num_processes: int
     load_state: Callable[..., None]
+    if TYPE_CHECKING:  # the facade's read-only property (ProcessView's)
+        @property
+        def num_processes(self) -> int: ...
 
     @property
     def restart_count(self) -> int:
@@ -87,6 +89,7 @@ class ElasticMembers:
         # when every checkpoint is damaged it raises: starting over would hide that
         self.load_state()
         index = self.checkpoint_io.last_read
+        assert index is not None  # load_state returned: it read a checkpoint
         if keep_global_batch:
             self._keep_global_batch(index.meta)
         note(f"resumed from {index.directory} (restart "

@@ -12,14 +12,20 @@ import dataclasses
 import functools
 import os
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import DataLoader
 
 from .. import checkpoint
-from ..config.options import DataLoaderConfiguration, GradientAccumulationPlugin, ProjectConfiguration
+from ..config.options import (
+    DataLoaderConfiguration,
+    GradientAccumulationPlugin,
+    Handlers,
+    ProjectConfiguration,
+    TorchDynamoPlugin,
+)
 from ..core import checks
 from ..core.enums import DistributedType
 from ..core.errors import HfBackendError
@@ -40,8 +46,32 @@ from .connector import connect
 from .saving import SavingMembers
 from .states import AcceleratorState
 
+if TYPE_CHECKING:
+    from ..parallel.dims import MeshShape
+    from ..strategies.base import Strategy
+    from ..training.gradient_state import GradientState
+    from ..training.prepared import PreparedObjects
+    from ..training.step_hooks import StepHooks
+    from .tracking import Tracking
+
 
 class Accelerator(ProcessView, SavingMembers, compat.AccelerateMembers, elastic.ElasticMembers):
+    # The engine's parts (connector.Engine), set from it in __init__.
+    handlers: Handlers
+    precision: Precision
+    gradient_state: GradientState
+    dataloader_config: DataLoaderConfiguration
+    project_configuration: ProjectConfiguration
+    tracking: Tracking
+    launch_config: Any  # what `hf-backend launch` handed over, or None
+    strategy: Strategy
+    dynamo_plugin: TorchDynamoPlugin
+    device_placement: bool
+    step_scheduler_with_optimizer: bool
+    _parallelism_shape: MeshShape | None
+    _objects: PreparedObjects
+    _hooks: StepHooks
+
     def __init__(
         self,
         device_placement: bool = True,
@@ -71,7 +101,8 @@ class Accelerator(ProcessView, SavingMembers, compat.AccelerateMembers, elastic.
         for field in dataclasses.fields(engine):
             setattr(self, field.name, getattr(engine, field.name))
         self.replica_groups = engine.replica_groups  # the documented view (docs/fault_tolerance.md), or None
-        self._config_mesh = compat.config_mesh(self)  # a grid of replicas only (DDP) still has Accelerate's mesh
+        # a grid of replicas only (DDP) still has Accelerate's mesh
+        self._config_mesh = compat.config_mesh(self._parallelism_shape, self.strategy, self.process.device.type)
         self.checkpoint_io = checkpoint.CheckpointIO(self.process, self.strategy, self.precision, self._objects,
                                                      self._progress)
         self.trigger = Trigger(self.process)
@@ -113,7 +144,8 @@ class Accelerator(ProcessView, SavingMembers, compat.AccelerateMembers, elastic.
     def gradient_accumulation_steps(self, steps: int) -> None:
         """Scripts that pick the accumulation after `find_executable_batch_size` set it here, as in
         Accelerate."""
-        self.gradient_state.num_steps = checks.whole(steps, "gradient_accumulation_steps", minimum=1)
+        checks.whole(steps, "gradient_accumulation_steps", minimum=1)
+        self.gradient_state.num_steps = int(steps)
 
     @property
     def step(self) -> int:
@@ -168,21 +200,22 @@ class Accelerator(ProcessView, SavingMembers, compat.AccelerateMembers, elastic.
         Returns:
             the prepared objects in the order given (one object alone, not a tuple).
         """
-        placement = device_placement or [None] * len(args)
+        placement: Sequence[bool | None] = device_placement or [None] * len(args)
         if len(placement) != len(args):
             raise HfBackendError(f"prepare(): device_placement has {len(placement)} entries for "
                                  f"{len(args)} objects")
         args = tuple(as_placeholder(obj) for obj in args)
         result = list(args)
-        kinds = {"models": torch.nn.Module, "optimizers": (torch.optim.Optimizer, DummyOptim),
-                 "schedulers": (torch.optim.lr_scheduler.LRScheduler, DummyScheduler)}
+        kinds: dict[str, type | tuple[type, ...]] = {
+            "models": torch.nn.Module, "optimizers": (torch.optim.Optimizer, DummyOptim),
+            "schedulers": (torch.optim.lr_scheduler.LRScheduler, DummyScheduler)}
         new = {kind: [i for i, obj in enumerate(args) if isinstance(obj, cls) and not self._is_prepared(obj)]
                for kind, cls in kinds.items()}
         loaders = [i for i, obj in enumerate(args) if isinstance(obj, DataLoader)]
         models, optimizers, schedulers = self.strategy.setup(
             [args[i] for i in new["models"]], [args[i] for i in new["optimizers"]],
             [args[i] for i in new["schedulers"]], [args[i] for i in loaders],
-            [self.device_placement if placement[i] is None else placement[i] for i in new["models"]])
+            [self.device_placement if (p := placement[i]) is None else p for i in new["models"]])
         for i, model in zip(new["models"], models):
             result[i] = self._register_model(model)
         for i in loaders:
@@ -403,7 +436,8 @@ class Accelerator(ProcessView, SavingMembers, compat.AccelerateMembers, elastic.
     def join_uneven_inputs(self, joinables: list, even_batches: bool | None = None) -> Iterator[None]:
         """Train on loaders whose processes run out at different steps (torch's Join for DDP models);
         `even_batches` overrides the prepared loaders' setting inside the block."""
-        joinable = capability(self.strategy, Joinable)  # one line refuses FSDP and DeepSpeed
+        # one line refuses FSDP and DeepSpeed; an abstract class is only isinstance-checked (python/mypy#4717)
+        joinable = capability(self.strategy, Joinable)  # type: ignore[type-abstract]
         with uneven_inputs(joinable, joinables, self._objects.dataloaders, even_batches):
             yield
 

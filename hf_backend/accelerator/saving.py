@@ -10,7 +10,7 @@ import functools
 import os
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -39,8 +39,11 @@ class SavingMembers:
     _save_state_pre_hooks: OrderedDict[int, Callable]
     _load_state_pre_hooks: OrderedDict[int, Callable]
     step: int
-    num_processes: int
-    is_main_process: bool
+    if TYPE_CHECKING:  # the facade's read-only properties (ProcessView's)
+        @property
+        def num_processes(self) -> int: ...
+        @property
+        def is_main_process(self) -> bool: ...
 
     def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
         """The model's full state dict.
@@ -113,7 +116,7 @@ class SavingMembers:
             the checkpoint's directory.
         """
         config, automatic = self.project_configuration, output_dir is None
-        target = checkpoint.automatic_dir(config) if automatic else output_dir
+        target = checkpoint.automatic_dir(config) if output_dir is None else output_dir
         objects = checkpoint.apply_save_hooks(self._save_state_pre_hooks.values(), self._objects, target,
                                               functools.partial(self.get_state_dict, unwrap=False))
         return str(self.checkpoint_io.save(target, objects, config, automatic=automatic,

@@ -79,6 +79,11 @@ class AcceleratorState(PartialState):
     plugin of the newest `Accelerator` (`accelerator.state` is the one of that accelerator). Before
     any Accelerator exists it describes plain data parallelism in full precision."""
 
+    _kind: DistributedType
+    mixed_precision: str
+    fsdp_plugin: Any  # the strategy's plugin, as `of` receives it (None: not FSDP)
+    deepspeed_plugin: Any  # (None: not DeepSpeed)
+
     def __init__(self, cpu: bool = False, **kwargs: Any) -> None:
         super().__init__(cpu=cpu, **kwargs)
         current = _CURRENT_ACCELERATOR_STATE
@@ -99,14 +104,14 @@ class AcceleratorState(PartialState):
         return state
 
     @property
-    def distributed_type(self) -> DistributedType:  # type: ignore[override]
+    def distributed_type(self) -> DistributedType:
         return self._kind
 
     def __repr__(self) -> str:
         return f"{super().__repr__()}\nMixed precision type: {self.mixed_precision}\n"
 
     @staticmethod
-    def _reset_state(reset_partial_state: bool = False) -> None:  # type: ignore[override]
+    def _reset_state(reset_partial_state: bool = False) -> None:
         """Accelerate's `AcceleratorState._reset_state()`, which its test scripts call between runs
         (also as `accelerator.state._reset_state()`): `AcceleratorState()` describes no Accelerator
         again (plain data parallelism, full precision, no plugin) until the next one is built. With

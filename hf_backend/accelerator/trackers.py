@@ -70,6 +70,9 @@ class GeneralTracker:
     """
 
     main_process_only = True
+    # set by each subclass (declared, not set here: __init__ checks that a custom tracker sets them)
+    name: str
+    requires_logging_directory: bool
 
     def __init__(self, _blank: bool = False) -> None:
         if _blank:
@@ -124,16 +127,17 @@ class _LibraryTracker(GeneralTracker):
     module: str | None = None
     pip: str | None = None
 
-    def __init__(self, run_name: str, **kwargs: Any) -> None:
+    def __init__(self, run_name: str | None, **kwargs: Any) -> None:
         super().__init__()
-        self.run_name, self.init_kwargs, self.run = run_name, kwargs, None
+        self.run_name, self.init_kwargs = run_name, kwargs
+        self.run: Any = None  # the library's run (None before `start`)
 
     @property
     def tracker(self) -> Any:
         return self.run
 
     def start(self) -> None:
-        self.lib = importlib.import_module(self.module) if self.module else None
+        self.lib: Any = importlib.import_module(self.module) if self.module else None  # the library's module
         self.run = self._open(self.lib)
 
     def _open(self, lib: Any) -> Any:
@@ -176,7 +180,9 @@ class JSONLTracker(_LibraryTracker):
         text = json.dumps(_plain(values), indent=2, default=str)
         (self.logging_dir / "config.json").write_text(text + "\n", encoding="utf-8")
 
-    def log(self, values: dict, step: int | None = None) -> None:
+    def log(self, values: dict, step: int | None = None, **kwargs: Any) -> None:
+        if kwargs:
+            raise TypeError(f"the jsonl tracker's log takes no keyword arguments; got {', '.join(sorted(kwargs))}")
         record = {"step": step, "time": round(time.time(), 3), "values": _plain(values)}
         self._file.write(json.dumps(record, default=str) + "\n")
         self._file.flush()  # a crash loses no line logged before it

@@ -64,13 +64,13 @@ class Tracking:
         self.logging_dir = None if logging_dir is None else str(logging_dir)
         self.is_main_process = is_main_process
         # a user's instance, or a class that init_trackers builds
-        self._specs: list[GeneralTracker | type[GeneralTracker]] = self._resolve(log_with)
+        self._specs: list[GeneralTracker | type[_LibraryTracker]] = self._resolve(log_with)
         self._trackers: list[GeneralTracker] = []
         self._started = False
 
-    def _resolve(self, log_with: Any) -> list[GeneralTracker | type[GeneralTracker]]:
+    def _resolve(self, log_with: Any) -> list[GeneralTracker | type[_LibraryTracker]]:
         items = list(log_with) if isinstance(log_with, (list, tuple)) else [] if log_with is None else [log_with]
-        instances: list[GeneralTracker | type[GeneralTracker]] = []
+        instances: list[GeneralTracker | type[_LibraryTracker]] = []
         names: list[str] = []
         for item in items:
             if isinstance(item, (str, LoggerType)):
@@ -89,7 +89,7 @@ class Tracking:
             names = [n for n in names if n != "all"] + [str(t) for t in get_available_trackers()]
         return instances + [self._class_for(name, name in asked) for name in dict.fromkeys(names)]
 
-    def _class_for(self, name: str, asked: bool) -> type[GeneralTracker]:
+    def _class_for(self, name: str, asked: bool) -> type[_LibraryTracker]:
         if name not in _builtin():
             raise HfBackendError(f"log_with={name!r} is not a tracker; use one of "
                                  f"{', '.join(LoggerType.list())}, or a GeneralTracker instance")
@@ -152,7 +152,7 @@ class Tracking:
             if isinstance(spec, GeneralTracker):
                 trackers.append(spec)
             elif spec.requires_logging_directory:
-                trackers.append(spec(project_name, self.logging_dir, **init_kwargs.get(spec.name, {})))
+                trackers.append(spec(project_name, logging_dir=self.logging_dir, **init_kwargs.get(spec.name, {})))
             else:
                 trackers.append(spec(project_name, **init_kwargs.get(spec.name, {})))
         for tracker in trackers:

@@ -10,7 +10,7 @@ for a model that PEFT built.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -32,7 +32,7 @@ def to_model_names(model: torch.nn.Module, saved: dict[str, torch.Tensor],
     own = model.state_dict()  # under FSDP2, this process's shards: nothing is gathered
     name_of = {id(tensor): name for name, tensor in own.items()}
     # the one PEFT writes at the top of the directory (others go to subdirectories)
-    adapter = model.active_adapter
+    adapter = cast(str, model.active_adapter)  # a PeftModel's property: the adapter's name
     exported = get_peft_model_state_dict(model, state_dict=own, adapter_name=adapter)
     names: dict[str, Any] = {saved_name: name_of.get(id(tensor)) for saved_name, tensor in exported.items()}
     unknown = [key for key in saved if names.get(key) is None]

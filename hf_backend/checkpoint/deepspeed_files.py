@@ -76,7 +76,7 @@ def _safe_zero_to_fp32() -> Any:
     safe_torch = types.SimpleNamespace(**{name: getattr(torch, name) for name in dir(torch)
                                           if not name.startswith("__")})
     safe_torch.load = safe_load
-    module.torch = safe_torch
+    module.__dict__["torch"] = safe_torch
     return module
 
 

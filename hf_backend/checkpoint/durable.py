@@ -60,7 +60,7 @@ def torch_file(obj: Any, path: Path) -> Digests:
     """`torch.save(obj, path)`, hashed while written and fsynced."""
     out = HashingFile(path)
     try:
-        torch.save(obj, out)
+        torch.save(obj, out)  # type: ignore[arg-type]  # torch.save needs only write and flush
     finally:
         entry = out.close()
     return {path: entry}

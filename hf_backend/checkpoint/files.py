@@ -27,7 +27,7 @@ def write_weights(state_dict: dict[str, torch.Tensor], directory: str | os.PathL
     shard)."""
     ext = ".safetensors" if safe_serialization else ".bin"
     save_torch_state_dict(
-        {k: _own_storage(v.detach().cpu()) for k, v in state_dict.items()}, directory,
+        {k: _own_storage(v.detach().cpu()) for k, v in state_dict.items()}, os.fspath(directory),
         filename_pattern=filename_stem + "{suffix}" + ext, max_shard_size=max_shard_size,
         safe_serialization=safe_serialization, shared_tensors_to_discard=tied_keys or None,
     )
@@ -113,10 +113,10 @@ def load_custom_object(path: Path) -> Any:
 
 # -- random generators -----------------------------------------------------------------------------
 def capture_rng() -> dict[str, Any]:
-    np_state = np.random.get_state()
+    np_state = np.random.get_state()  # legacy: a tuple (numpy's stub picks the dict overload)
     state = {
         "python": random.getstate(),
-        "numpy": (np_state[0], np_state[1].tolist(), *np_state[2:]),
+        "numpy": (np_state[0], np_state[1].tolist(), *np_state[2:]),  # type: ignore[index]  # wrong stub overload
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():

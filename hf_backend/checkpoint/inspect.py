@@ -167,13 +167,15 @@ def _dtypes(directory: Path, index: CheckpointIndex | None, report: dict[str, An
             found[stem] = _read(_torch_file_dtypes, sorted(directory.glob(f"{stem}*.bin")), False)
         else:
             found[stem] = {"not_read": "DeepSpeed's own files"}
-    optimizers = index.counts.get("optimizers", 0) if index is not None else 0
-    for i in range(optimizers):
-        stem = layout.optimizer_stem(i)
-        if index.sharded(stem):
-            found[stem] = _read(_dcp_dtypes, index.shards(stem), True)
-        elif index.optimizer_file(stem).is_file():
-            found[stem] = _read(_torch_file_dtypes, [index.optimizer_file(stem)], True)
+    optimizers = 0
+    if index is not None:
+        optimizers = index.counts.get("optimizers", 0)
+        for i in range(optimizers):
+            stem = layout.optimizer_stem(i)
+            if index.sharded(stem):
+                found[stem] = _read(_dcp_dtypes, index.shards(stem), True)
+            elif index.optimizer_file(stem).is_file():
+                found[stem] = _read(_torch_file_dtypes, [index.optimizer_file(stem)], True)
     if not optimizers and (directory / layout.TRAINER_OPTIMIZER).is_file():
         found["optimizer"] = _read(_torch_file_dtypes, [directory / layout.TRAINER_OPTIMIZER], True)
     return found
@@ -269,10 +271,10 @@ def _structure_problem(directory: Path, index: CheckpointIndex | None, report: d
             full = index.optimizer_file(stem)
             if not index.sharded(stem) and not full.is_file():
                 return f"{full} is missing; the checkpoint is incomplete, use another one"
-        for kind, stem in (("models", layout.model_stem), ("optimizers", layout.optimizer_stem)):
+        for kind, stem_of in (("models", layout.model_stem), ("optimizers", layout.optimizer_stem)):
             for i in range(counts.get(kind, 0)):
-                name = layout.sharded_dir(stem(i))
-                if index.sharded(stem(i)):
+                name = layout.sharded_dir(stem_of(i))
+                if index.sharded(stem_of(i)):
                     dcp_meta = check_dcp(directory / name, "inspect")
                     for info in dcp_meta.storage_data.values():
                         shard = directory / name / info.relative_path
@@ -285,11 +287,11 @@ def _structure_problem(directory: Path, index: CheckpointIndex | None, report: d
     return None
 
 
-def _size(n: int) -> str:
+def _size(n: float) -> str:
     for unit in ("B", "kB", "MB", "GB"):
         if n < 1000 or unit == "GB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000  # type: ignore[assignment]
+        n /= 1000
     return str(n)
 
 

@@ -32,6 +32,7 @@ too:
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from pathlib import Path
 
@@ -149,7 +150,7 @@ def holds_engine_state(directory: str | Path) -> bool:
     return (Path(directory) / METADATA).is_file()
 
 
-def adapter_weights_file(directory: str | Path) -> Path | None:
+def adapter_weights_file(directory: str | os.PathLike) -> Path | None:
     """The adapter weights PEFT wrote into `directory`, if it holds any."""
     return next((Path(directory) / name for name in ADAPTER_WEIGHTS if (Path(directory) / name).is_file()), None)
 

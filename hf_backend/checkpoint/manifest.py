@@ -297,9 +297,10 @@ def _compare(files: dict[str, dict], found: dict[str, str], done: dict[tuple[str
     problems = {}
     for name, hashed in parts.items():
         failed = next((h for h in hashed if isinstance(h, str)), None)
+        pieces = [h for h in hashed if isinstance(h, bytes)]  # all of them when none failed
         tree = files[name].get(DIGEST)
         if failed:
             problems[name] = failed
-        elif (combine(hashed) != tree) if tree is not None else (hashed[0].hex() != files[name][WHOLE_FILE_DIGEST]):
+        elif (combine(pieces) != tree) if tree is not None else (pieces[0].hex() != files[name][WHOLE_FILE_DIGEST]):
             problems[name] = "does not match its checksum (changed since it was written)"
     return problems

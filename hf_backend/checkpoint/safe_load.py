@@ -225,9 +225,10 @@ class SafeFileSystemReader(MappedReader):
 
     # no **kwargs: DCP then never looks for per-rank metadata
     def read_metadata(self) -> dcp_metadata.Metadata:
-        if getattr(self.metadata, "storage_meta", None) is None:
-            self.metadata.storage_meta = dcp_metadata.StorageMeta()
-        self.metadata.storage_meta.load_id = self.load_id
+        storage_meta = getattr(self.metadata, "storage_meta", None)
+        if storage_meta is None:
+            storage_meta = self.metadata.storage_meta = dcp_metadata.StorageMeta()
+        storage_meta.load_id = self.load_id
         return self.metadata
 
 
@@ -277,7 +278,7 @@ def dcp_load(state_dict: dict[str, Any], directory: str | os.PathLike, *, no_dis
 
             _load_state_dict(state_dict, storage_reader=reader, planner=planner, no_dist=True)  # type: ignore[arg-type]
         else:
-            dcp.load(state_dict, storage_reader=reader, planner=planner, no_dist=no_dist)  # type: ignore[arg-type]
+            dcp.load(state_dict, storage_reader=reader, planner=planner, no_dist=no_dist)
     except CheckpointException as err:
         failures = [exc for exc, _ in err.failures.values()]
         for exc in failures:

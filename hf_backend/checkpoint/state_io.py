@@ -177,6 +177,7 @@ class CheckpointIO:
         for obj, state in zip(objects.custom, states["custom"]):
             obj.load_state_dict(state)
         if states["scaler"] is not None:
+            assert self.precision.scaler is not None  # _read_files reads the scaler's file only then
             self.precision.scaler.load_state_dict(states["scaler"])
         if states["rng"] is not None:
             restore_rng(states["rng"])
@@ -332,7 +333,7 @@ class CheckpointIO:
         write_weights(state_dict, directory, filename_stem=layout.PRETRAINED_STEM, max_shard_size=max_shard_size,
                       safe_serialization=safe_serialization, tied_keys=tied_weight_keys(inner))
         config = getattr(inner, "config", None)
-        if hasattr(config, "save_pretrained"):
+        if config is not None and hasattr(config, "save_pretrained"):
             config.save_pretrained(directory)
 
     def check_on_each_node(self, on_each_node: bool, what: str) -> None:
@@ -405,7 +406,8 @@ def into_live_state(state_dict: dict[str, Any], optimizer: torch.optim.Optimizer
         for name, entries in state_dict.get("state", {}).items():
             param = params.get(name)
             live = live_state.get(param, {}) if param is not None else {}
-            plain_cpu = type(param) in (torch.Tensor, torch.nn.Parameter) and param.device.type == "cpu"
+            plain_cpu = param is not None and type(param) in (torch.Tensor, torch.nn.Parameter) \
+                and param.device.type == "cpu"
             out[name] = {key: _into(value, live.get(key), plain_cpu) for key, value in entries.items()}
     return {**state_dict, "state": out}
 

@@ -51,7 +51,7 @@ def parse_sizes(text: str | None) -> Any:
 
     if not text:
         return None
-    sizes: dict[str, int] = {}
+    sizes: dict[str, Any] = {}  # keyword arguments of MeshShape (ints)
     for item in text.split(","):
         key, _, value = item.partition("=")
         key = key.strip().removesuffix("_size")

@@ -80,9 +80,10 @@ def read_launch_config() -> Any | None:
     raw: dict[str, Any] = {key: launcher_setting(name) for key, name in _CARRIED.items()
                            if launcher_setting(name) is not None}
     for key, name in _SECTIONS.values():
-        if launcher_setting(name) is not None:
+        carried = launcher_setting(name)
+        if carried is not None:
             try:
-                raw[key] = json.loads(launcher_setting(name))
+                raw[key] = json.loads(carried)
             except json.JSONDecodeError:
                 raise HfBackendError(f"environment variable {name} is not JSON; start the job with "
                                      "hf-backend launch, or unset it") from None

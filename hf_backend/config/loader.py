@@ -112,7 +112,7 @@ def _json_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out = dict(pairs)
     if len(out) < len(pairs):
         seen: set[str] = set()
-        twice = next(k for k, _ in pairs if k in seen or seen.add(k))
+        twice = next(k for k, _ in pairs if k in seen or _add(seen, k))
         raise _Refused(None, f"key {show(twice)} appears twice in one object; keep one of them")
     return out
 
@@ -248,13 +248,18 @@ class _PyEvents(Reader, Scanner, Parser):
         Parser.__init__(self)
 
 
+def _add(seen: set[str], key: str) -> bool:
+    seen.add(key)
+    return False
+
+
 def _strict_loader(events: type) -> type:
     """A YAML loader: `events` (libyaml's CParser or _PyEvents) parses; the strict composer and
     constructor build (libyaml's own composer cannot be limited; parsing is where its speed is)."""
 
     class StrictLoader(_StrictComposer, events, _StrictConstructor, Resolver):
         def __init__(self, stream: str) -> None:
-            events.__init__(self, stream)
+            events.__init__(self, stream)  # type: ignore[misc]  # the parser class is chosen at run time
             _StrictComposer.__init__(self)
             _StrictConstructor.__init__(self)
             Resolver.__init__(self)
@@ -390,6 +395,7 @@ def coerce(value: Any, f: dataclasses.Field, where: str) -> Any:
                               f"{', '.join(map(str, meta['int_choices']))} or "
                               f"{', '.join(meta['choices'])}")
         return meta["int_choices"][value]
+    result: bool | int | float | str | None
     if kind is bool:
         result = _as_bool(value)
     elif kind is int:
@@ -411,7 +417,8 @@ def coerce(value: Any, f: dataclasses.Field, where: str) -> Any:
     return result
 
 
-_KINDS = {"bool": bool, "int": int, "float": float, "str": str, "dict": dict, "list": list, "list[str]": list}
+_KINDS: dict[str, type[Any]] = {"bool": bool, "int": int, "float": float, "str": str, "dict": dict, "list": list,
+                              "list[str]": list}
 
 
 def _as_bool(value: Any) -> bool | None:
@@ -442,7 +449,7 @@ def _as_float(value: Any) -> float | None:
     return result if math.isfinite(result) else None
 
 
-def _as_str(value: Any, choices: tuple | None) -> str | None:
+def _as_str(value: Any, choices: tuple | None) -> str | float | None:
     if isinstance(value, bool):
         if choices and "no" in choices:  # YAML reads `no` unquoted as False
             return "yes" if value else "no"

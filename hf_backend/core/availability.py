@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import importlib.util
+from collections.abc import Callable
 
 import torch
 from packaging.version import Version
@@ -22,7 +23,7 @@ def _installed(*names: str) -> bool:
     return all(importlib.util.find_spec(name) is not None for name in names)
 
 
-def _package(*names: str):  # noqa: ANN202 - returns a zero-argument predicate
+def _package(*names: str) -> Callable[..., bool]:
     def available(*args: object, **kwargs: object) -> bool:
         return _installed(*names)
 
@@ -43,6 +44,7 @@ PACKAGES = {
 }
 for _name, _modules in PACKAGES.items():
     globals()[f"is_{_name}_available"] = _package(*_modules)
+is_rich_available = _package("rich")  # named here too: the package's __init__ imports it (for the checker)
 
 # Devices and features hf_backend does not run: False, so scripts take their portable branch.
 NOT_HERE = ("torch_xla", "npu", "mlu", "musa", "sdaa", "hpu", "neuron", "xpu", "xccl", "fp8", "4bit_bnb",

@@ -58,15 +58,15 @@ def whole(value: Any, name: str, minimum: int = 0, maximum: int | None = None, o
     refused."""
     if value is None and optional:
         return None
-    if (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum
-            or (maximum is not None and value > maximum)):
+    if (isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < minimum
+            or (maximum is not None and int(value) > maximum)):
         raise HfBackendError(f"{name}={show(value)} must be an "
                              f"integer{_range(minimum, maximum)}{fix}")
     return int(value)
 
 
 def number(value: Any, name: str, positive: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or (positive and not value > 0):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or (positive and not float(value) > 0):
         raise HfBackendError(f"{name}={show(value)} must be "
                              f"a{' positive' if positive else ''} number")
     return float(value)

@@ -19,8 +19,9 @@ def recursively_apply(fn: Callable[[torch.Tensor], Any], data: Any,
         return fn(data)
     if isinstance(data, Mapping):
         items = {k: recursively_apply(fn, v, leaf) for k, v in data.items()}
+        mapping: Any = type(data)  # a dict, a ModelOutput, a user's Mapping: built as they build
         try:
-            return type(data)(**items) if hasattr(data, "to_tuple") else type(data)(items)
+            return mapping(**items) if hasattr(data, "to_tuple") else mapping(items)
         except TypeError:
             return items
     if isinstance(data, (list, tuple)):
@@ -48,7 +49,8 @@ def split_between(inputs: Any, num_processes: int, process_index: int, apply_pad
     """This process's contiguous part of a list, tuple, tensor or dict of them (the first parts are one
     longer)."""
     if isinstance(inputs, Mapping):
-        return type(inputs)({k: split_between(v, num_processes, process_index, apply_padding)
+        mapping: Any = type(inputs)
+        return mapping({k: split_between(v, num_processes, process_index, apply_padding)
                              for k, v in inputs.items()})
     length = len(inputs)
     per, extra = divmod(length, num_processes)

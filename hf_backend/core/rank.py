@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import os
 import sys
+from types import ModuleType
 
 
-def _group() -> object | None:
+def _group() -> ModuleType | None:
     # nothing to ask when torch.distributed was never imported
     dist = sys.modules.get("torch.distributed")
     return dist if dist is not None and dist.is_available() and dist.is_initialized() else None

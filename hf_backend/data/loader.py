@@ -29,8 +29,8 @@ part, which knows the global batch, the real rows of the last one, and where eac
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterator, Sized
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset
@@ -106,7 +106,7 @@ class PreparedDataLoader(DataLoader):
 
     # -- sizes (Accelerate's names) ----------------------------------------------------------------
     @property
-    def batch_size(self) -> int | None:  # type: ignore[override]
+    def batch_size(self) -> int | None:
         """This process's batch size."""
         source = getattr(self, "source", None)  # DataLoader.__init__ asks before the source is set
         size = source.per_process_batch_size if source is not None else None
@@ -124,7 +124,7 @@ class PreparedDataLoader(DataLoader):
     @property
     def total_dataset_length(self) -> int:
         dataset = self.dataset
-        return dataset.total_length if hasattr(dataset, "total_length") else len(dataset)
+        return dataset.total_length if hasattr(dataset, "total_length") else len(cast(Sized, dataset))
 
     # -- position ----------------------------------------------------------------------------------
     def _now(self) -> Position:
@@ -191,6 +191,7 @@ class PreparedDataLoader(DataLoader):
 
     def _catch_up(self, it: Iterator[Any], current: Any) -> Any:
         state, self._peer = self._peer, None
+        assert state is not None  # called only while a peer's position is pending (__iter__)
         if state["epoch"] != self.position.epoch or state["steps"] < self.position.steps:
             self.load_state_dict(state)
             return _PEER_ELSEWHERE
@@ -246,6 +247,7 @@ class PreparedDataLoader(DataLoader):
         self._parts_of_step = parts_of_step
 
     def _step_batch(self, batch: Any) -> Any:
+        assert self._parts_of_step is not None  # called only once `read_parts` set it (__iter__)
         parts = self.source.step_parts.popleft()
         wanted = self._parts_of_step()
         if wanted is None:
@@ -257,7 +259,7 @@ class PreparedDataLoader(DataLoader):
         return self.collate_fn(getitems(indices) if getitems else [self.dataset[i] for i in indices])
 
     # -- iteration ---------------------------------------------------------------------------------
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # torch types it as its own iterator class
         now = self._now()
         now = now.after() if now.running else now  # a pass left before its end: the next one
         epoch, skip = now.epoch, now.steps if now.restored else 0

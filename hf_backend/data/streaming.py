@@ -125,6 +125,7 @@ class GlobalBatchShard(_Stream):
 
     def __iter__(self) -> Iterator[Any]:
         skip, _ = self._start
+        first: list[Any]
         size, first, current, step = self.global_batch_size, [], [], 0
         for example in self.dataset:
             current.append(example)
@@ -189,6 +190,7 @@ class NodeStream(_Stream):
               skip: int) -> Iterator[Any]:
         """The end of the pass, once some part has run out: every part's remaining examples, exchanged
         as they are read, dealt out in rank order as global batches."""
+        first: list[Any]
         size, tail_start, first = self.global_batch_size, step, []
         pool = [example for part in gather_object((group,)) for example in part[0]]
         while pool or not all(done):

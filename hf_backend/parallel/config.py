@@ -119,6 +119,7 @@ class ParallelismConfig:
         if self.sp_backend not in SP_BACKENDS:
             raise ConfigError(f"ParallelismConfig sp_backend={show(self.sp_backend)}: use "
                               "'deepspeed' or 'hf_backend' (both run hf_backend's Ulysses)")
+        assert self.sp_size is not None and self.cp_size is not None and self.ep_size is not None  # set above
         if self.sp_size > 1 and self.cp_size > 1:
             raise ConfigError(f"ParallelismConfig cp_size={self.cp_size} with sp_size={self.sp_size}: "
                               "a sequence is split by one of them; set cp_size=1 or sp_size=1")
@@ -126,6 +127,8 @@ class ParallelismConfig:
             self._check_experts()
 
     def _check_experts(self) -> None:
+        assert self.dp_shard_size is not None and self.cp_size is not None and self.sp_size is not None
+        assert self.tp_size is not None and self.ep_size is not None  # every size is set by __post_init__
         tokens = self.dp_shard_size * self.cp_size * self.sp_size  # the ranks of a replica holding different tokens
         if self.tp_size > 1:
             raise ConfigError(f"ParallelismConfig ep_size={self.ep_size} with tp_size={self.tp_size}: "
@@ -157,6 +160,9 @@ class ParallelismConfig:
         as Accelerate reads it) means data parallelism over every process."""
         if self.total_size == 1:
             return MeshShape(dp_replicate=world)
+        assert self.dp_replicate_size is not None and self.dp_shard_size is not None and self.cp_size is not None
+        assert self.sp_size is not None and self.tp_size is not None and self.ep_size is not None
+        assert self.sp_backend is not None  # every size and the backend are set by __post_init__
         shape = MeshShape(self.dp_replicate_size, self.dp_shard_size, self.cp_size, self.sp_size,
                     self.tp_size, self.ep_size, self.sp_backend)
         if shape.world != world:

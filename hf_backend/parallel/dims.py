@@ -174,8 +174,8 @@ class DataShard(NamedTuple):
     (`first`) reports it;
     `sequence_slices`: how many slices context or sequence parallelism cuts each sequence into."""
 
-    count: int
-    index: int
+    count: int  # type: ignore[assignment]  # shadows tuple.count, which a NamedTuple field may do
+    index: int  # type: ignore[assignment]  # shadows tuple.index, likewise
     replicas: int = 1
     first: bool = True
     sequence_slices: int = 1

@@ -26,8 +26,9 @@ def _process() -> state.ProcessState | None:
 class MultiProcessAdapter(logging.LoggerAdapter):
     """A LoggerAdapter whose calls accept `main_process_only` and `in_order`."""
 
-    def log(self, level: int, msg: Any, *args: Any, main_process_only: bool = True, in_order: bool = False,
-            **kwargs: Any) -> None:
+    # Accelerate's signature: two keywords of its own before logging's (which pass through **kwargs)
+    def log(self, level: int, msg: Any, *args: Any, main_process_only: bool = True,  # type: ignore[override]
+            in_order: bool = False, **kwargs: Any) -> None:
         if not self.isEnabledFor(level):
             return
         process = _process()

@@ -286,8 +286,7 @@ def get_process_state(cpu: bool = False, timeout: datetime.timedelta | None = No
         if device.type == "cuda":
             torch.cuda.set_device(device)
         chosen = backend or ("nccl" if device.type == "cuda" else "gloo")
-        kwargs = {"timeout": timeout} if timeout is not None else {}
-        dist.init_process_group(chosen, init_method="env://", **kwargs)
+        dist.init_process_group(chosen, init_method="env://", timeout=timeout)
         atexit.register(shutdown_process_group)
         _OUR_GROUP = dist.group.WORLD
         _STATE = _from_group(device, local_rank, owns_group=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -36,7 +36,7 @@ def _activities(names: list[str] | None) -> list[torch.profiler.ProfilerActivity
     return activities
 
 
-def _schedule(option: dict[str, int] | None) -> torch.profiler.schedule | None:
+def _schedule(option: dict[str, int] | None) -> Callable[[int], torch.profiler.ProfilerAction] | None:
     """torch.profiler.schedule from the option dict; `wait` and `warmup` default to 0 (torch requires
     both)."""
     if option is None:

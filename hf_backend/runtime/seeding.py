@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -38,6 +39,8 @@ def synchronize_rng_state(rng_type: str | None = None, generator: torch.Generato
     """Give every process rank 0's state of one generator: "torch" (the CPU default), "cuda" (this
     process's device), or "generator" (the one passed)."""
     rng_type = str(getattr(rng_type, "value", rng_type) or "torch")
+    get: Callable[[], torch.Tensor]
+    put: Callable[[torch.Tensor], object]
     if rng_type == "torch":
         get, put = torch.get_rng_state, torch.set_rng_state
     elif rng_type == "cuda":

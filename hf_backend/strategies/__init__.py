@@ -39,6 +39,7 @@ def select_strategy(process: ProcessState, precision: Precision, handlers: Handl
     if shape is not None and shape.needs_mesh:
         if backend.deepspeed is not None:
             if shape.deepspeed_ulysses and process.distributed:
+                assert gradient_state is not None  # the Accelerator's, which DeepSpeed's accumulation reads
                 return DeepSpeedUlyssesStrategy(process, precision, handlers, backend.deepspeed, gradient_state,
                                                 split_batches, shape)
             raise HfBackendError(_DEEPSPEED_GRID)
@@ -52,6 +53,7 @@ def select_strategy(process: ProcessState, precision: Precision, handlers: Handl
              "unsharded (sharded checkpoints still load)")
     if backend.deepspeed is not None:
         if process.distributed:
+            assert gradient_state is not None  # the Accelerator's, which DeepSpeed's accumulation reads
             return DeepSpeedStrategy(process, precision, handlers, backend.deepspeed, gradient_state, split_batches)
         config = backend.deepspeed.config()  # still report a bad option
         unused = [f"{key} ({config[key].get('type', '?')})" for key in ("optimizer", "scheduler")

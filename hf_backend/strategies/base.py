@@ -112,7 +112,7 @@ class Strategy:
         if plugin.use_regional_compilation:
             compile_regions(self.unwrap_model(model), **plugin.compile_kwargs())
             return model
-        return torch.compile(model, **plugin.compile_kwargs())
+        return torch.compile(model, **plugin.compile_kwargs())  # type: ignore[return-value]  # an OptimizedModule
 
     # -- training step -----------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, accumulation_steps: int, sync: bool, **kwargs: Any) -> None:
@@ -166,7 +166,8 @@ class Strategy:
         parameters (precision.py keeps them in fp32) except where an engine keeps a master copy of
         its own (DeepSpeed)."""
         options = StateDictOptions() if sharded else self.save_options
-        return get_model_state_dict(model, options=dataclasses.replace(options, ignore_frozen_params=trainable_only))
+        return get_model_state_dict(  # type: ignore[return-value]  # torch's type covers optimizer states too
+            model, options=dataclasses.replace(options, ignore_frozen_params=trainable_only))
 
     def load_model_state_dict(self, model: torch.nn.Module, state_dict: dict[str, Any], sharded: bool = False) -> Any:
         """Give the model a full state dict (or, with `sharded`, this process's shards); returns

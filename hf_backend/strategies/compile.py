@@ -15,12 +15,12 @@ vocabulary-parallel embedding stays eager in either (tensor_parallel.VocabularyP
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
 
-def is_repeated_stack(module: torch.nn.Module) -> bool:
+def is_repeated_stack(module: torch.nn.Module) -> TypeGuard[torch.nn.ModuleList]:
     """A `ModuleList` whose children are all of one class."""
     return isinstance(module, torch.nn.ModuleList) and len(module) > 0 and \
         all(type(child) is type(module[0]) for child in module)

@@ -23,8 +23,9 @@ from .base import Strategy
 from .capabilities import Joinable, ValueClipping
 
 _POWER_SGD = (Hook.POWER_SGD, Hook.BATCHED_POWER_SGD)
-_HOOKS = {Hook.FP16: default_hooks.fp16_compress_hook, Hook.BF16: default_hooks.bf16_compress_hook,
-          Hook.POWER_SGD: powerSGD_hook.powerSGD_hook, Hook.BATCHED_POWER_SGD: powerSGD_hook.batched_powerSGD_hook}
+_HOOKS: dict[Hook, Callable[..., Any]] = {
+    Hook.FP16: default_hooks.fp16_compress_hook, Hook.BF16: default_hooks.bf16_compress_hook,
+    Hook.POWER_SGD: powerSGD_hook.powerSGD_hook, Hook.BATCHED_POWER_SGD: powerSGD_hook.batched_powerSGD_hook}
 _WRAPPERS = {Hook.FP16: default_hooks.fp16_compress_wrapper, Hook.BF16: default_hooks.bf16_compress_wrapper}
 
 

@@ -410,8 +410,9 @@ def _without_auto(config: Any) -> Any:
 def _hidden_size(model: torch.nn.Module) -> int | None:
     config = getattr(model, "config", None)
     size = getattr(config, "hidden_size", None)
-    if size is None and getattr(config, "hidden_sizes", None):
-        size = max(config.hidden_sizes)
+    sizes = getattr(config, "hidden_sizes", None)
+    if size is None and sizes:
+        size = max(sizes)
     return int(size) if size else None
 
 

@@ -15,12 +15,20 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol, cast
 
 import torch
 
 from ..core.errors import HfBackendError
 from ..core.notes import note
+
+
+class _Zero3Parameter(Protocol):
+    """What ZeRO-3 adds to a module's parameter."""
+
+    ds_numel: int
+
+    def partition_numel(self) -> int: ...
 
 
 class LoadResult(NamedTuple):
@@ -190,7 +198,9 @@ def full_optimizer_state(engine: Any) -> dict[str, Any]:
     _link_fragments(optimizer)
     state: dict[str, dict[str, Any]] = {}
     param_groups = []
-    for params, flats, group in zip(_lp_groups(optimizer), _flats(optimizer), inner.param_groups):
+    lp_groups = _lp_groups(optimizer)
+    assert lp_groups is not None  # partitioned(engine), and not unfused: ZeRO's groups
+    for params, flats, group in zip(lp_groups, _flats(optimizer), inner.param_groups):
         own = [(flat, inner.state.get(flat, {})) for flat in flats]
         moments = sorted({k for flat, s in own for k, v in s.items() if _shaped_like(v, flat.numel())})
         scalars = {k: v for _, s in own for k, v in s.items() if k not in moments}
@@ -232,7 +242,9 @@ def load_full_optimizer_state(engine: Any, state_dict: dict[str, Any], source: s
                                    for k, v in saved_state.get(names[id(lp)], {}).items()}
         return
     plan = []
-    for params, flats, group in zip(_lp_groups(optimizer), _flats(optimizer), inner.param_groups):
+    lp_groups = _lp_groups(optimizer)
+    assert lp_groups is not None  # partitioned(engine), and not unfused: ZeRO's groups
+    for params, flats, group in zip(lp_groups, _flats(optimizer), inner.param_groups):
         keys = [names[id(p)] for p in params]
         _take_hyperparameters(group, keys, state_dict, source)
         entries = [(p, saved_state.get(k, {})) for p, k in zip(params, keys)]
@@ -260,8 +272,9 @@ def _set_full(setter: Any, param: torch.nn.Parameter, value: torch.Tensor, key: 
     partition past the end of the value there, so that partition is written here, zero-padded,
     through the same internals."""
     optimizer = getattr(param, "_z3_optimizer", None)
-    if optimizer is None or param.partition_numel() * optimizer._get_param_partition_world_size(param) == \
-            param.ds_numel:
+    zero3 = cast(_Zero3Parameter, param)  # a ZeRO-3 parameter where it has an optimizer
+    if optimizer is None or zero3.partition_numel() * optimizer._get_param_partition_world_size(param) == \
+            zero3.ds_numel:
         setter(param, value) if key is None else setter(param, value, key)
         return
     partition, _ = optimizer._get_fp32_opt_state_partition(param, release_swap_buffers=False, optim_state_key=key)

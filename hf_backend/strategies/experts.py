@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -109,7 +109,7 @@ class _ExpertDispatch:
         self.own_forward = experts.forward  # the model's, on this rank's experts (local ids)
         self.group = ep_mesh.get_group()
         self.size = ep_mesh.size()
-        self.local = experts.num_experts // self.size
+        self.local = cast(int, experts.num_experts) // self.size  # an int: checked by _check
 
     def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                  top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -142,7 +142,7 @@ class _ExpertDispatch:
         for name, param in saved.items():
             if isinstance(param, DTensor):
                 module._parameters[name] = _DividedGradient.apply(param.to_local(), self.size)
-        module.num_experts = self.local
+        module.num_experts = self.local  # type: ignore[assignment]  # Module.__setattr__ takes any value
         try:
             yield
         finally:

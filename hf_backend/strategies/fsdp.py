@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -95,6 +95,7 @@ class FSDPStrategy(Strategy, ValueClipping):
         kwargs = {**self._shard_kwargs(), "ignored_params": quantized.quantized_parameters(model)}
         on_cpu = self.process.device.type == "cpu" and not self.options.cpu_offload  # offloading: left to FSDP2
         prefetch = on_cpu if self.options.forward_prefetch is None else self.options.forward_prefetch
+        experts = self.experts
         plan = [
             Step("fp32 masters", lambda m: self.precision.keep_fp32_masters(
                 m, sharded=True, param_dtype=self._mp_policy().param_dtype)) if not evaluation_mode else None,
@@ -103,14 +104,16 @@ class FSDPStrategy(Strategy, ValueClipping):
             Step("tp", lambda m: apply_tensor_parallel(m, self.mesh["tp"]))
             if self.shape.tp > 1 and not split_by_transformers else None,
             Step(self.sequences.kind, self._split_sequences) if self.sequences is not None else None,
-            Step("ep", lambda m: parallelize.shard_experts(m, self.experts, kwargs))
-            if self.experts is not None else None,
+            Step("ep", lambda m: parallelize.shard_experts(m, experts, kwargs))
+            if experts is not None else None,
             Step("activation checkpointing", lambda m: parallelize.checkpoint_blocks(m, blocks))
             if self.options.activation_checkpointing else None,
             Step("fully_shard", lambda m: parallelize.shard_blocks_then_root(m, blocks, kwargs)),
             Step("rank 0's weights into the shards", lambda m: weights.send(m, self.process.device))
             if weights is not None else None,
-            Step("overlap", lambda m: schedule(m, blocks, reshard_after_forward=self.options.reshard_after_forward,
+            # fully_shard made the model and its blocks FSDPModules
+            Step("overlap", lambda m: schedule(cast(FSDPModule, m), cast("list[FSDPModule]", blocks),
+                                               reshard_after_forward=self.options.reshard_after_forward,
                                                forward_prefetch=prefetch, on_cpu=on_cpu,
                                                replicated=kwargs["mesh"].ndim > 1)),
         ]
@@ -119,6 +122,7 @@ class FSDPStrategy(Strategy, ValueClipping):
     def _split_sequences(self, model: torch.nn.Module) -> None:
         if self.shape.sp > 1:
             ulysses.check_heads(model, self.shape.tp, self.shape.sp)
+        assert self.sequences is not None  # the plan has this step only with a split
         self.sequences.apply(model)
 
     @property
@@ -131,8 +135,8 @@ class FSDPStrategy(Strategy, ValueClipping):
             # autocast (Precision) handles mixed precision, as in the other strategies
             return MixedPrecisionPolicy()
         if isinstance(policy, dict):
-            return MixedPrecisionPolicy(**{k: dtype_of(v, "mixed_precision_policy "
-                                                          f"{k}") for k, v in policy.items()})
+            dtypes: dict[str, Any] = {k: dtype_of(v, f"mixed_precision_policy {k}") for k, v in policy.items()}
+            return MixedPrecisionPolicy(**dtypes)
         if not isinstance(policy, MixedPrecisionPolicy):
             return MixedPrecisionPolicy(
                 param_dtype=dtype_of(getattr(policy, "param_dtype", None), "mixed_precision_policy param_dtype"),

@@ -17,11 +17,14 @@ at once.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
+
+if TYPE_CHECKING:  # a private module's interface, named for the checker only (torch calls it by its methods)
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 # What the gradients are reduce-scattered with (a module attribute so a test can defer its
 # completion).
@@ -46,7 +49,8 @@ def schedule(model: FSDPModule, blocks: list[FSDPModule], *, reshard_after_forwa
     if not replicated and hasattr(model, "set_custom_reduce_scatter"):
         in_flight = _InFlight()
         for unit in [model, *blocks]:
-            unit.set_custom_reduce_scatter(_OverlappedReduceScatter(_own_parameters(unit), in_flight))
+            hook = _OverlappedReduceScatter(_own_parameters(unit), in_flight)
+            unit.set_custom_reduce_scatter(cast("ReduceScatter", hook))
 
 
 def _keep_gathered_for_backward(root: FSDPModule, units: list[FSDPModule]) -> None:
@@ -62,13 +66,14 @@ def _keep_gathered_for_backward(root: FSDPModule, units: list[FSDPModule]) -> No
             for unit in units:
                 unit.set_reshard_after_forward(not kept, recurse=False)
 
-    root.register_forward_pre_hook(before_forward, prepend=True)
+    cast(torch.nn.Module, root).register_forward_pre_hook(before_forward, prepend=True)  # an FSDPModule is one
 
 
 def _own_parameters(unit: FSDPModule) -> list[torch.nn.Parameter]:
     """The parameters this unit shards (not those of FSDP units nested in it)."""
-    nested = {id(p) for m in unit.modules() if m is not unit and isinstance(m, FSDPModule) for p in m.parameters()}
-    return [p for p in unit.parameters() if id(p) not in nested]
+    module = cast(torch.nn.Module, unit)  # fully_shard's class: FSDPModule and the module's own
+    nested = {id(p) for m in module.modules() if m is not unit and isinstance(m, FSDPModule) for p in m.parameters()}
+    return [p for p in module.parameters() if id(p) not in nested]
 
 
 class _InFlight:

@@ -40,7 +40,7 @@ class Rank0Weights(NamedTuple):
     """With cpu_ram_efficient_loading: rank 0's full state and buffers (empty on the other ranks), sent into every
     rank's shards once the model is sharded; rank 0 never holds a second full copy."""
 
-    state: dict[str, torch.Tensor]
+    state: dict[str, Any]  # Module.state_dict()'s type
     buffers: dict[str, torch.Tensor]
 
     @classmethod

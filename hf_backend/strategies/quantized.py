@@ -77,4 +77,4 @@ def keep_training_layout(model: torch.nn.Module) -> None:
     layer's own switch for it, which bitsandbytes sets from the CPU's features when it builds it."""
     for module in model.modules():
         if getattr(module, "support_avx512bf16_for_cpu", False):
-            module.support_avx512bf16_for_cpu = False
+            module.support_avx512bf16_for_cpu = False  # type: ignore[assignment]  # Module.__setattr__ takes any value

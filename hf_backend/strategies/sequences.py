@@ -133,10 +133,10 @@ class SequenceSplit:
             yield
         finally:
             self.active = False
-            for buffer, whole in saved:
-                if whole is not None:
-                    buffer.resize_(whole.shape)
-                    buffer.copy_(whole)
+            for buffer, contents in saved:
+                if contents is not None:
+                    buffer.resize_(contents.shape)
+                    buffer.copy_(contents)
 
     @property
     def _what(self) -> str:
@@ -150,7 +150,8 @@ class SequenceSplit:
         from transformers import AttentionInterface
 
         name = type(model).__name__
-        modules = [m for m in model.modules() if hasattr(m, "is_causal") and hasattr(m, "config")]
+        # transformers' attention layers (their attributes are transformers', not nn.Module's)
+        modules: list[Any] = [m for m in model.modules() if hasattr(m, "is_causal") and hasattr(m, "config")]
         if not modules or not all(m.is_causal for m in modules):
             raise HfBackendError(f"{self._what}: {name} has non-causal attention; {self.kind} splits the "
                                  f"sequences of causal LMs only: set {self.kind}_size=1")
@@ -187,7 +188,7 @@ class SequenceSplit:
         self.layout = self._gather_layout(positions, mask)
         labels = kwargs.get("shift_labels")
         self.counted = labels is not None and kwargs.get("num_items_in_batch") is None
-        if self.counted:
+        if labels is not None and self.counted:
             count = labels.ne(-100).sum()
             dist.all_reduce(count, group=self.group)
             kwargs = {**kwargs, "num_items_in_batch": count}

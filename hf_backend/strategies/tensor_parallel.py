@@ -44,7 +44,7 @@ class VocabularyParallelEmbedding(RowwiseParallel):
         return module
 
 
-STYLES: dict[str, Callable[[], ParallelStyle]] = {
+STYLES: dict[str, Callable[[], ParallelStyle | None]] = {
     "colwise": ColwiseParallel,
     "rowwise": RowwiseParallel,
     "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),

@@ -11,7 +11,7 @@ heads fewer than the sp ranks (grouped-query attention) are repeated to the quer
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -19,7 +19,16 @@ import torch.distributed as dist
 from ..core.errors import HfBackendError
 from .context_parallel import masked_attention
 
+if TYPE_CHECKING:
+    from .sequences import SequenceSplit
+
 NAME = "hf_backend_ulysses"
+
+
+class _Routed(Protocol):
+    """An attention module `SequenceSplit.apply` routed here."""
+
+    sequence_split: SequenceSplit
 
 
 def _all_to_all(x: torch.Tensor, group: Any, scatter: int, gather: int) -> torch.Tensor:
@@ -45,7 +54,7 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all(grad, ctx.group, ctx.gather, ctx.scatter), None, None, None
 
 
-def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+def attention(module: _Routed, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
               **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention signature: (batch, heads, slice, head dim) in, (batch, slice, heads,
@@ -74,7 +83,8 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
 
 def check_heads(model: torch.nn.Module, tp: int, sp: int) -> None:
     """One line, when the model is prepared, for heads that tp x sp cannot split."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config: Any = model.config  # transformers' config
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = getattr(config, "num_attention_heads", None)
     if heads is not None and (heads % tp or (heads // tp) % sp):
         per = f" ({heads // tp} per tp rank)" if tp > 1 and heads % tp == 0 else ""

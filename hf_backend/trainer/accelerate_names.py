@@ -108,7 +108,7 @@ def _globals_used(code: types.CodeType) -> set[str]:
     return names
 
 
-def _functions(member: Any) -> list[types.FunctionType]:
+def _functions(member: Any) -> list[Callable[..., Any]]:
     if isinstance(member, property):
         return [f for f in (member.fget, member.fset, member.fdel) if f is not None]
     if isinstance(member, (staticmethod, classmethod)):

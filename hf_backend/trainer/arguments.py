@@ -20,7 +20,7 @@ import os
 import socket
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 import torch
@@ -41,9 +41,14 @@ from ..runtime.process import get_process_state, process_state_is_set_up
 from .accelerate_names import engine_named
 from .replica_groups import writes_for_the_run
 
+if TYPE_CHECKING:  # engine_named(cls) is a subclass of cls with the same members
+    _EngineNamed = transformers.TrainingArguments
+else:
+    _EngineNamed = engine_named(transformers.TrainingArguments)
+
 
 @dataclass
-class TrainingArguments(engine_named(transformers.TrainingArguments)):
+class TrainingArguments(_EngineNamed):
     async_save: bool = dataclasses.field(default=False, metadata={"help": (
         "hf_backend: a checkpoint's large files are copied to host memory and written in the "
         "background while training goes on; the checkpoint counts (trainer_state.json, rotation) "
@@ -61,7 +66,8 @@ class TrainingArguments(engine_named(transformers.TrainingArguments)):
         if self.parallelism_config is not None:
             self.parallelism_config = ParallelismConfig.of(self.parallelism_config,
                                                            "TrainingArguments.parallelism_config")
-        self.accelerator_config = _accelerator_config(self.accelerator_config)
+        # transformers types the field as given (dict, JSON path or None); read, it is an AcceleratorConfig
+        self.accelerator_config = _accelerator_config(self.accelerator_config)  # type: ignore[assignment]
         self.replica_group = fault_tolerance.resolve(self.fault_tolerance)
         # fsdp / fsdp_config / deepspeed given here win (and are read below, once transformers has
         # parsed them); without them the launcher's FSDP or DeepSpeed options, read by
@@ -83,7 +89,8 @@ class TrainingArguments(engine_named(transformers.TrainingArguments)):
         if deepspeed and not isinstance(deepspeed, (str, os.PathLike, dict)):
             # a plugin object is kept as its (serializable) config
             deepspeed = self.hf_deepspeed_config.config
-        self.deepspeed = deepspeed
+        # a config or a path by now; transformers types the field dict | str | None
+        self.deepspeed = deepspeed  # type: ignore[assignment]
         if not (self.fp16 or self.bf16) and "ACCELERATE_MIXED_PRECISION" not in os.environ:
             self.mixed_precision = env.resolve("mixed_precision")
 

@@ -60,6 +60,8 @@ class CoordinatedCheckpointManager(CheckpointManager):
 class JITCheckpoint(JITCheckpointCallback):
     """transformers' `JITCheckpointCallback` acting on every process together (module docstring)."""
 
+    jit_manager: CoordinatedCheckpointManager | None
+
     def __init__(self, trainer: Any = None) -> None:
         super().__init__()
         if trainer is not None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers.utils import is_torch_xla_available
@@ -16,11 +16,22 @@ from transformers.utils import is_torch_xla_available
 from ..core.notes import note
 from . import transformers_compat as compat
 
+if TYPE_CHECKING:  # the mixin's methods run on hf_backend.Trainer, a transformers.Trainer
+    from transformers import Trainer as _Mixed
 
-class LossMembers:
+    from ..accelerator.facade import Accelerator
+    from .arguments import TrainingArguments
+else:
+    _Mixed = object
+
+
+class LossMembers(_Mixed):
     """Mixed into hf_backend.Trainer, ahead of transformers' Trainer; hf_backend.Trainer's
     constructor sets what is declared here."""
 
+    accelerator: Accelerator
+    args: TrainingArguments
+    model: torch.nn.Module  # transformers.Trainer's constructor refuses to go on without one
     _loss_checked: bool
     _counted_model: Any
     _counted_parameters: int
@@ -114,7 +125,7 @@ class LossMembers:
         parallelism the model runs on its slices, as in training (on copies: the batch is trained on
         next)."""
         model = self.model_wrapped
-        inputs = self._prepare_inputs(batch)
+        inputs = self._prepare_inputs(batch)  # type: ignore[arg-type]  # transformers says dict; any Mapping works
         count = inputs["labels"].ne(-100).sum()
 
         def loss(count: torch.Tensor) -> torch.Tensor:
@@ -140,10 +151,11 @@ class LossMembers:
         us a step for a 2-layer BERT)."""
         model = self.model
         main_input = getattr(model, "main_input_name", "input_ids")
-        if main_input not in inputs or not hasattr(model, "num_parameters"):
+        num_parameters = getattr(model, "num_parameters", None)
+        if main_input not in inputs or num_parameters is None:
             return 0
         if self._counted_model is not model:
-            self._counted_model, self._counted_parameters = model, model.num_parameters(exclude_embeddings=True)
+            self._counted_model, self._counted_parameters = model, num_parameters(exclude_embeddings=True)
         return 6 * inputs[main_input].numel() * self._counted_parameters
 
 

@@ -55,7 +55,7 @@ def _on_engine(cls: type, root: type, engine: type, what: str) -> type:
         return _MADE[name]
     namespace = {"__module__": __name__, "__qualname__": name, "__doc__": cls.__doc__}
     if engine is TrainingArguments:
-        made = dataclasses.dataclass(type(cls.__name__, (cls, engine), namespace))
+        made: type = dataclasses.dataclass(type(cls.__name__, (cls, engine), namespace))
     else:
         made = type(cls.__name__, (cls, engine), namespace)
     # dataclass() keeps it; pickle finds the class through __getattr__ below

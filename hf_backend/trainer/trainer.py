@@ -38,10 +38,11 @@ import shutil
 import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import transformers
+from transformers.trainer_pt_utils import AcceleratorConfig
 
 from .. import checkpoint
 from ..accelerator import elastic
@@ -87,7 +88,10 @@ def _graph_may_vary(model: Any) -> bool:
     return any(isinstance(v := getattr(config, name, None), (int, float)) and v > 0 for name in _VARYING_GRAPH_FIELDS)
 
 
-_EngineNamed = engine_named(transformers.Trainer)
+if TYPE_CHECKING:  # engine_named(cls) is a subclass of cls with the same members
+    _EngineNamed = transformers.Trainer
+else:
+    _EngineNamed = engine_named(transformers.Trainer)
 
 
 class Trainer(LossMembers, _EngineNamed):
@@ -147,11 +151,13 @@ class Trainer(LossMembers, _EngineNamed):
         # sharded by from_pretrained(distributed_config= / tp_plan=...)
         loaded = loaded_shape(self.model)
         # as transformers does: the grid the model was loaded for
-        if loaded is not None and parallelism is None:
-            parallelism = ParallelismConfig.of_shape(loaded)
-        elif loaded is not None and parallelism.shape(args.world_size) != loaded:
-            raise ConfigError(_loaded_elsewhere(loaded, parallelism.shape(args.world_size)))
+        if loaded is not None:
+            if parallelism is None:
+                parallelism = ParallelismConfig.of_shape(loaded)
+            elif parallelism.shape(args.world_size) != loaded:
+                raise ConfigError(_loaded_elsewhere(loaded, parallelism.shape(args.world_size)))
         config = args.accelerator_config
+        assert isinstance(config, AcceleratorConfig)  # TrainingArguments.__post_init__ reads it into one
         accumulation = dict(config.gradient_accumulation_kwargs or {})
         if "num_steps" in accumulation:
             # transformers' phrase is kept: code may match on it
@@ -199,11 +205,12 @@ class Trainer(LossMembers, _EngineNamed):
             # checkpointing, where DDP's search breaks reentrant checkpointing. hf_backend's None:
             # DDP finds the unused parameters on the first step and keeps searching on every step
             # only if there were some (strategies/ddp.py)
-            model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+            base_model = getattr(self.model, "get_base_model", None)  # a PEFT model's
+            model = base_model() if base_model is not None else self.model
             checkpointing = isinstance(model, transformers.PreTrainedModel) and (
                 compat.model_activation_checkpointing(model) or compat.activation_checkpointing(args))
             find_unused = False if checkpointing else True if _graph_may_vary(model) else None
-        kwargs = {"find_unused_parameters": find_unused}
+        kwargs: dict[str, Any] = {"find_unused_parameters": find_unused}
         for name in ("bucket_cap_mb", "broadcast_buffers", "static_graph"):
             if getattr(args, f"ddp_{name}") is not None:
                 kwargs[name] = getattr(args, f"ddp_{name}")
@@ -269,6 +276,7 @@ class Trainer(LossMembers, _EngineNamed):
 
         # under torch elastic a first start has none yet: it starts fresh
         if resume_from_checkpoint is True:
+            assert self.args.output_dir is not None  # transformers' __post_init__ sets a default
             resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir, usable, elastic.under_elastic())
         elif resume_from_checkpoint and os.path.isdir(resume_from_checkpoint):
             usable(resume_from_checkpoint)
@@ -321,6 +329,7 @@ class Trainer(LossMembers, _EngineNamed):
         if not writes_for_the_run(self.args):  # replica group 0 writes; every group holds the same weights
             return
         output_dir = output_dir if output_dir is not None else self.args.output_dir
+        assert output_dir is not None  # transformers' __post_init__ sets a default
         io, adapter = self.accelerator.checkpoint_io, self._adapter_weights()
         if _internal_call and not adapter:
             os.makedirs(output_dir, exist_ok=True)
@@ -344,7 +353,8 @@ class Trainer(LossMembers, _EngineNamed):
         processor, training arguments."""
         if not self.args.should_save:
             return
-        model = self.accelerator.unwrap_model(self.model)
+        # any module: the parts of a transformers model are looked up by name
+        model: Any = self.accelerator.unwrap_model(self.model)
         if getattr(model, "config", None) is not None:
             model.config.save_pretrained(output_dir)
         if getattr(model, "generation_config", None) is not None and model.can_generate():
@@ -406,6 +416,7 @@ class Trainer(LossMembers, _EngineNamed):
         # the best checkpoint may be the one still being written
         self.accelerator.checkpoint_io.wait()
         best = self.state.best_model_checkpoint
+        assert best is not None  # transformers calls this only once there is one
         note(f"loading the best model from {best} (score: {self.state.best_metric})")
         self._load_weights(self.model_wrapped, best)
 
@@ -416,7 +427,7 @@ class Trainer(LossMembers, _EngineNamed):
         else:
             io.load_weights(model, self._index(directory) or directory)
 
-    def _index(self, directory: str | os.PathLike) -> checkpoint.CheckpointIndex | None:
+    def _index(self, directory: str | Path) -> checkpoint.CheckpointIndex | None:
         """The index of an hf_backend checkpoint (the one `train()` verified is not read again), None
         for one transformers.Trainer wrote (full files, no engine metadata)."""
         if self._resume_index is not None and self._resume_index.directory == Path(directory):
@@ -454,7 +465,7 @@ def _loaded_elsewhere(loaded: MeshShape, asked: MeshShape) -> str:
 RESUME = "resume_from_checkpoint"
 
 
-def last_complete_checkpoint(output_dir: str, usable: Callable[[str], None] | None = None,
+def last_complete_checkpoint(output_dir: str, usable: Callable[[Path], None] | None = None,
                              none_ok: bool = False) -> str | None:
     """The newest `checkpoint-{step}` in `output_dir` whose save finished (and that `usable` accepts);
     newer, interrupted or damaged ones are passed over with a note. None when there is none and

@@ -34,13 +34,15 @@ import io
 import textwrap
 import tokenize
 import types
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import transformers
 from packaging.version import Version
 
 from ..core.notes import warn
 
+F = TypeVar("F", bound=Callable[..., Any])
 OLDEST, NEWEST = (5, 17), (5, 24)
 _RELEASE = Version(transformers.__version__).release[:2]
 # fingerprint(transformers.Trainer._run_epoch) of each supported minor (the same in every patch
@@ -102,7 +104,7 @@ def source_fingerprint(source: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def with_globals(function: types.FunctionType, **names: Any) -> types.FunctionType:
+def with_globals(function: Callable[..., Any], **names: Any) -> types.FunctionType:
     """`function` (unchanged code) looking up `names` in place of its module's globals of the same
     names."""
     rebound = types.FunctionType(function.__code__, {**function.__globals__, **names}, function.__name__,
@@ -163,7 +165,7 @@ else:
 _LOGGED_LOSS_ON_DEVICE = "self._tr_loss += self._loss_to_log(tr_loss_step)"
 
 
-def loss_filter_on_device(function: types.FunctionType) -> types.FunctionType:
+def loss_filter_on_device(function: F) -> F:
     """`function` (transformers' `Trainer._run_epoch`) with the statement _LOGGED_LOSS replaced by
     _LOGGED_LOSS_ON_DEVICE; the rest is transformers' code, compiled from its source with its file
     name, line numbers and globals. Returned unchanged when that statement is not in it exactly once
@@ -181,10 +183,11 @@ def loss_filter_on_device(function: types.FunctionType) -> types.FunctionType:
             found.append(node)
             statement = ast.parse(_LOGGED_LOSS_ON_DEVICE).body[0]  # one line, where the `if` was
             for part in ast.walk(statement):
-                if "lineno" in part._attributes:
+                if isinstance(part, (ast.stmt, ast.expr)):  # the nodes with a position (all, in this statement)
                     part.lineno = part.end_lineno = node.lineno
                     part.col_offset += node.col_offset
-                    part.end_col_offset += node.col_offset
+                    if part.end_col_offset is not None:
+                        part.end_col_offset += node.col_offset
             return statement
 
     tree = Replace().visit(tree)

@@ -40,9 +40,17 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     def state(self) -> Any:
         return self.optimizer.state
 
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
     @property
     def defaults(self) -> dict[str, Any]:
         return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self.optimizer.add_param_group(param_group)
@@ -169,15 +177,27 @@ class EngineStepped(torch.optim.Optimizer):
     def param_groups(self) -> list[dict[str, Any]]:
         return self.stepped.param_groups
 
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.stepped.param_groups = value
+
     @property
     def state(self) -> Any:
         return self.stepped.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.stepped.state = value
 
     @property
     def defaults(self) -> dict[str, Any]:
         return getattr(self.stepped, "defaults", {})
 
-    def step(self, *args: Any, **kwargs: Any) -> None:
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.stepped.defaults = value
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
         return None
 
     def zero_grad(self, set_to_none: bool = True) -> None:

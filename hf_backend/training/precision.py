@@ -81,7 +81,7 @@ class Precision:
                 out = original(*args, **kwargs)
             return _to_fp32(out)
 
-        module._hf_backend_original_forward = original
+        module._hf_backend_original_forward = original  # type: ignore[assignment]  # Module.__setattr__ takes any value
         module.forward = forward
 
     @staticmethod
@@ -123,10 +123,12 @@ class Precision:
         with torch.no_grad():
             for param in low.values():
                 _upcast(param)
-        why = f"mixed_precision={self.mode}" if self.mode != "no" else \
-            f"the FSDP mixed_precision_policy (param_dtype={dtype_name(policy)})"
-        compute = self.mode if self.mode != "no" else dtype_name(policy)
-        instead = "mixed_precision='no'" if self.mode != "no" else "the policy without param_dtype"
+        if self.mode != "no":
+            why, compute, instead = f"mixed_precision={self.mode}", self.mode, "mixed_precision='no'"
+        else:
+            assert policy is not None  # mode 'no' without a policy returned above
+            why = f"the FSDP mixed_precision_policy (param_dtype={dtype_name(policy)})"
+            compute, instead = dtype_name(policy), "the policy without param_dtype"
         where = "in all, sharded over the ranks" if sharded else "per process"
         note(f"{why}: {numel:,} trainable {loaded} parameters upcast to fp32 master weights, as "
              f"DeepSpeed keeps them (+{_size(2 * numel)} {where}, +{_size(2 * numel)} of "
