@@ -13,6 +13,7 @@ import torch
 from helpers import DOCS_FSDP_YAML
 
 from hf_backend import DeepSpeedPlugin, FullyShardedDataParallelPlugin, HfBackendError
+from hf_backend.accelerator.connector import decided_backend
 from hf_backend.config import backend as backend_module
 from hf_backend.config import environment as env
 from hf_backend.config.backend import ACCELERATOR, TRAINING_ARGUMENTS, choose_backend
@@ -107,8 +108,9 @@ def test_the_docs_yaml_becomes_one_frozen_value_from_training_arguments_to_the_s
     config = tmp_path / "fsdp.yaml"
     config.write_text(DOCS_FSDP_YAML)
     args = TrainingArguments(output_dir=str(tmp_path / "out"), report_to="none", fsdp_config=str(config))
-    # What the Trainer does: Accelerator(fsdp_plugin=args.fsdp_options) chooses, then selects the strategy.
-    chosen = choose_backend(args.fsdp_options, None, None)
+    # What the Trainer does: Accelerator(backend=args.backend) takes the arguments' decision as it is.
+    chosen = decided_backend(args.backend, None, None, None)
+    assert chosen.kind == "FSDP"
     strategy = select_strategy(TWO_CPU, Precision("no", TWO_CPU.device), Handlers(), chosen)
     assert resolutions == []
     assert isinstance(strategy, FSDPStrategy) and strategy.options is args.fsdp_options is chosen.fsdp
@@ -239,3 +241,26 @@ def test_set_auto_wrap_policy_reads_accelerates_environment(monkeypatch):
     monkeypatch.setenv("FSDP_AUTO_WRAP_POLICY", "BY_SIZE")
     with pytest.raises(HfBackendError, match=r"^set_auto_wrap_policy='BY_SIZE' is not one of TRANSFORMER_BASED_WRAP"):
         FullyShardedDataParallelPlugin().set_auto_wrap_policy(model)
+
+
+def test_the_trainers_accelerator_takes_the_backend_its_arguments_decided(tmp_path, monkeypatch):
+    """TrainingArguments decide the backend once (theirs over the launcher's, read before transformers loads a
+    model); the Trainer's Accelerator takes that decision and never chooses again."""
+    pytest.importorskip("transformers")
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from hf_backend import Accelerator, Trainer, TrainingArguments
+    from hf_backend.accelerator import connector
+
+    args = TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True)
+    assert args.backend.kind == "DATA_PARALLEL"
+    monkeypatch.setattr(connector, "choose_backend", lambda *a, **k: pytest.fail("the backend was chosen again"))
+    model = BertForSequenceClassification(BertConfig(vocab_size=32, hidden_size=8, num_hidden_layers=1,
+                                                     num_attention_heads=2, intermediate_size=8))
+    trainer = Trainer(model=model, args=args)
+    assert trainer.accelerator.distributed_type is DistributedType.NO
+    for given, message in ((dict(backend=args.backend, fsdp_plugin=FullyShardedDataParallelPlugin()), "not both"),
+                           (dict(backend="FSDP"), "pass the Backend TrainingArguments decided")):
+        with pytest.raises(HfBackendError) as err:
+            Accelerator(cpu=True, **given)
+        assert message in str(err.value) and "\n" not in str(err.value)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import fault_tolerance
 from ..config import environment as env
-from ..config.backend import choose_backend
+from ..config.backend import Backend, choose_backend
 from ..config.options import (
     DataLoaderConfiguration,
     GradientAccumulationPlugin,
@@ -64,9 +64,11 @@ class Engine:
 
 def connect(arguments: dict[str, Any], other: dict[str, Any]) -> Engine:
     """`arguments`: the Accelerator's named arguments; `other`: the rest (Accelerate's extras, hf_backend's
-    `fault_tolerance`), each read here or refused in one line (compat.py)."""
+    `fault_tolerance`, and `backend`, the one TrainingArguments decided), each read here or refused in one line
+    (compat.py)."""
     dynamo = compat.dynamo_plugin(other.pop("dynamo_backend", None), other.pop("dynamo_plugin", None))
     replicas = fault_tolerance.resolve(other.pop("fault_tolerance", None))
+    decided = other.pop("backend", None)  # the Trainer's: its TrainingArguments decided it
     deepspeed_plugin = compat.check_accelerator_arguments(other, arguments["deepspeed_plugin"])
     loader_options = {k: other.pop(k) for k in ("dispatch_batches", "use_seedable_sampler") if k in other}
     for name in ("cpu", "split_batches", "even_batches"):
@@ -96,7 +98,7 @@ def connect(arguments: dict[str, Any], other: dict[str, Any]) -> Engine:
     from .tracking import Tracking  # trackers' packages load only when asked for
 
     launch_config = env.read_launch_config()
-    backend = choose_backend(arguments["fsdp_plugin"], deepspeed_plugin, launch_config)
+    backend = decided_backend(decided, arguments["fsdp_plugin"], deepspeed_plugin, launch_config)
     shape = requested_shape(arguments["parallelism_config"], process.num_processes)
     strategy = select_strategy(process, precision, handlers, backend, gradient_state, loader_config.split_batches,
                                shape)
@@ -112,6 +114,20 @@ def connect(arguments: dict[str, Any], other: dict[str, Any]) -> Engine:
                   Tracking(arguments["log_with"], project.logging_dir, process.is_main_process), launch_config,
                   strategy, dynamo, arguments["device_placement"], arguments["step_scheduler_with_optimizer"], shape,
                   objects, hooks)
+
+
+def decided_backend(decided: Backend | None, fsdp: Any, deepspeed: Any, launch_config: Any) -> Backend:
+    """The backend the caller decided (the Trainer: its TrainingArguments did, once, with the launcher's choice), or
+    the one the plugins and the launcher's environment make."""
+    if decided is None:
+        return choose_backend(fsdp, deepspeed, launch_config)
+    if not isinstance(decided, Backend):
+        raise HfBackendError(f"Accelerator(backend={decided!r}): pass the Backend TrainingArguments decided "
+                             "(args.backend), or leave it out and pass fsdp_plugin / deepspeed_plugin")
+    if fsdp is not None or deepspeed is not None:
+        raise HfBackendError("Accelerator(backend=...) is the decided backend with its options; pass it or "
+                             "fsdp_plugin / deepspeed_plugin, not both")
+    return decided
 
 
 def _accumulation(plugin: GradientAccumulationPlugin | None, steps: int | None) -> GradientAccumulationPlugin:

@@ -28,7 +28,7 @@ import transformers
 from transformers.trainer_pt_utils import AcceleratorConfig
 
 from ..config import environment as env
-from ..config.backend import TRAINING_ARGUMENTS, choose_backend
+from ..config.backend import TRAINING_ARGUMENTS, Backend, choose_backend
 from ..config.fsdp import FsdpOptions
 from ..config.plugins import DeepSpeedPlugin
 from ..config.training_arguments import deepspeed_config_from_argument, fsdp_options_from_arguments
@@ -93,6 +93,12 @@ class TrainingArguments(_EngineNamed):
         self.deepspeed = deepspeed  # type: ignore[assignment]
         if not (self.fp16 or self.bf16) and "ACCELERATE_MIXED_PRECISION" not in os.environ:
             self.mixed_precision = env.resolve("mixed_precision")
+
+    @property
+    def backend(self) -> Backend:
+        """The backend these arguments decided (once, in __post_init__: theirs over the launcher's) with its options
+        read; the Trainer's Accelerator takes it as it is."""
+        return dataclasses.replace(self._backend, fsdp=self.fsdp_options, deepspeed=self.deepspeed_plugin)
 
     @property
     def should_save(self) -> bool:

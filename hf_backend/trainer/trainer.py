@@ -185,8 +185,7 @@ class Trainer(LossMembers, _EngineNamed):
             kwargs_handlers=[self._ddp_kwargs()],
             dynamo_plugin=TorchDynamoPlugin(backend=args.torch_compile_backend, mode=args.torch_compile_mode)
             if args.torch_compile else None,
-            fsdp_plugin=args.fsdp_options,
-            deepspeed_plugin=args.deepspeed_plugin,
+            backend=args.backend,  # decided once, by the arguments
             parallelism_config=parallelism,
             fault_tolerance=args.replica_group or False,
         )
