@@ -21,7 +21,9 @@ from helpers import CLI, SCRIPTS, free_port
 
 pytest.importorskip("torchft")
 
-STEPS, STEP_SECONDS = 60, 0.6  # group 0 must outlive group 1's restarts (about 10 to 15 s each here)
+# group 0 must outlive group 1's restarts (about 10 to 15 s each here, more on a busy machine): it pauses a step while
+# the quorum is short of a group (steps 6 to 36 and 36 to 60 give 30 s and 24 s), and runs at full speed otherwise
+STEPS, STEP_SECONDS = 60, 1.0
 LATE_KILL = 36  # the second kill's step: after group 1 has healed from the first
 SPREAD = 0.092  # the final loss of 3 uninterrupted seeds ranged over 0.092 (docs/fault_tolerance.md)
 GLOBAL_BATCH = 16  # ft_loop.py: 4 samples a process, 2 processes a group, 2 groups
@@ -55,8 +57,8 @@ def _launch_groups(out: Path, scripts: list[list[str]], flags: tuple[str, ...] =
 
 def _run(tmp: Path, name: str, kills: tuple[str, ...] = (), seed: int = 0, steps: int = STEPS,
          flags: tuple[str, ...] = (), groups: int = 2) -> dict:
-    """ft_loop.py in `groups` replica groups; paced (STEP_SECONDS a step) only where a process is killed, so that the
-    live groups outlive its restart."""
+    """ft_loop.py in `groups` replica groups; paced (STEP_SECONDS a step while a group is missing) only where a
+    process is killed, so that the live groups outlive its restart."""
     out = tmp / name
     out.mkdir()
     pace = STEP_SECONDS if kills else 0.0

@@ -8,7 +8,8 @@ replica group R SIGKILLs itself once committed step STEP is over (WHERE "stepped
 step's quorum, which the others form without it), after the forward or as the gradients are exchanged of the step
 after committed step STEP (WHERE "forward" or "allreduce": the quorum formed with it when its batch was handed out,
 so the step fails in every group); its launcher then restarts the group, which heals from a live group.
-`--step-seconds`: a pause per step, so that a group outlives another's restart. Each process appends one JSON line
+`--step-seconds`: a pause per step while the quorum is short of a group, so that the live groups outlive a restart
+(and run at full speed otherwise). Each process appends one JSON line
 per event to `--events` (start, step, kill; a step's: the indices of the group's samples, whether the group took part
 and the step was applied); rank 0 writes `--out` at the end (per-group file: the losses of the steps it committed, the
 loss of the final weights on a fixed set, the parameters, the committed and discarded steps).
@@ -101,7 +102,8 @@ def main() -> int:
                   samples=samples, applied=not accelerator.optimizer_step_was_skipped,
                   participating=replicas.manager.participating_rank() is not None)
             die_at("stepped")
-            time.sleep(args.step_seconds)
+            if replicas.manager.num_participants() < replicas.config.num_replica_groups:
+                time.sleep(args.step_seconds)
             if replicas.committed_steps >= args.steps:
                 break
     # the final loss on a fixed set (the first 64 sequences, in 4 batches): every process the same batches

@@ -60,7 +60,8 @@ def main() -> int:
                 f.write(json.dumps({"replica": replica, "rank": rank, "restart": restart, "t": time.time(),
                                     "global_step": state.global_step, "epoch": state.epoch,
                                     "participants": replicas.manager.num_participants()}) + "\n")
-            time.sleep(args.step_seconds)
+            if replicas.manager.num_participants() < replicas.config.num_replica_groups:
+                time.sleep(args.step_seconds)  # while a group is missing: the live one outlives its restart
 
     trainer.add_callback(Events())
     trainer.train()
