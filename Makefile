@@ -62,7 +62,7 @@ $(TORCH_VENV)/.installed: pyproject.toml constraints.txt
 
 test-torch: $(TORCH_VENV)/.installed
 	$(TORCH_VENV)/bin/python -c "import torch; print('torch', torch.__version__)"
-	$(TORCH_VENV)/bin/python -m pytest -q
+	$(TORCH_VENV)/bin/python -m pytest -q $(PARALLEL)
 
 # The install a user gets from the README's own lines, in a clean virtualenv (no accelerate, the transformers pip
 # picks within pyproject's window): the Trainer and a ported Accelerate loop in 1 and 2 processes (tests/install).
@@ -75,8 +75,16 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 
-test: lint
-	$(PY) -m pytest -q
+# Two pytest workers, a test file each at a time (a file's module fixtures, such as its Ray cluster, stay shared): one
+# at a time, the suite keeps about one of the two cores busy (docs/development.md). The type checker runs beside
+# them; its verdict is waited for.
+PARALLEL := -n 2 --dist loadfile
+test: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy > $(VENV)/mypy.log 2>&1 & checker=$$!; \
+	$(PY) -m pytest -q $(PARALLEL); tests=$$?; \
+	wait $$checker; checked=$$?; cat $(VENV)/mypy.log; rm -f $(VENV)/mypy.log; \
+	[ $$checked -eq 0 ] && exit $$tests || { echo "mypy: the errors above"; exit 1; }
 
 # The GPU lane (docs/gpu.md): tests/gpu only, refused without a CUDA device (so green means they ran; `make test`
 # collects them too and skips each with "no CUDA device"). No `setup` prerequisite: a GPU machine may have no network,

@@ -184,3 +184,56 @@ def test_nothing_branches_on_a_strategys_name_outside_the_connector():
             if isinstance(node, (ast.If, ast.IfExp, ast.While)) and _names_a_strategy(node.test):
                 found.append(f"{name}:{node.lineno}")
     assert found == []
+
+
+# Three values, from where a user sets them to where they act: each stop is a function that hands the value on (to the
+# next stop, by the name given) or acts on it; a helper that only computes from it and returns is no stop. A new room
+# between two stops breaks the hand-over this test reads, so the route stays short.
+ROUTES = {
+    "fsdp_config -> fully_shard": [
+        ("hf_backend.config.backend", "choose_backend", "from_section"),  # the launcher's fsdp_config section
+        ("hf_backend.accelerator.connector", "connect", "select_strategy"),
+        ("hf_backend.strategies", "select_strategy", "FSDPStrategy"),
+        ("hf_backend.strategies.fsdp", "FSDPStrategy.parallelize_plan", "shard_blocks_then_root"),
+        ("hf_backend.strategies.parallelize", "shard_blocks_then_root", "fully_shard"),
+    ],
+    "ep_size -> the experts split": [
+        ("hf_backend.parallel.config", "ParallelismConfig.shape", "ep_size"),
+        ("hf_backend.accelerator.connector", "connect", "select_strategy"),
+        ("hf_backend.strategies", "select_strategy", "FSDPStrategy"),
+        ("hf_backend.strategies.fsdp", "FSDPStrategy.parallelize_plan", "shard_experts"),
+        ("hf_backend.strategies.parallelize", "shard_experts", "apply_expert_parallel"),
+        ("hf_backend.strategies.experts", "apply_expert_parallel", "_ExpertDispatch"),
+    ],
+    "--fault_tolerance -> gradients averaged": [
+        ("hf_backend.cli.launch", "effective_config", "fault_tolerance"),
+        ("hf_backend.config.environment", "to_environment", "FAULT_TOLERANCE"),  # the workers' variable
+        ("hf_backend.fault_tolerance.settings", "resolve", "from_environment"),
+        ("hf_backend.accelerator.connector", "_step_hooks", "EveryStep"),
+        ("hf_backend.fault_tolerance.every_step", "EveryStep.after_backward", "_average"),
+        ("hf_backend.fault_tolerance.groups", "ReplicaGroups._average", "allreduce"),
+    ],
+}
+
+
+def _function(module: str, qualified: str) -> ast.AST:
+    *owners, name = qualified.split(".")
+    scope: list[ast.stmt] = ast.parse(MODULES[module].read_text()).body
+    for owner in owners:
+        scope = next(n.body for n in scope if isinstance(n, ast.ClassDef) and n.name == owner)
+    return next(n for n in scope if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name)
+
+
+def _names(node: ast.AST) -> set[str]:
+    return {n.id if isinstance(n, ast.Name) else n.attr if isinstance(n, ast.Attribute) else n.value
+            for n in ast.walk(node) if isinstance(n, (ast.Name, ast.Attribute))
+            or (isinstance(n, ast.Constant) and isinstance(n.value, str))}
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_a_value_reaches_where_it_acts_in_six_rooms_without_turning_back(route):
+    stops = ROUTES[route]
+    rooms = [module for module, _, _ in stops]
+    assert len(rooms) <= 6 and len(set(rooms)) == len(rooms), rooms  # no room entered twice
+    for module, qualified, hands_to in stops:
+        assert hands_to in _names(_function(module, qualified)), f"{module}.{qualified} no longer uses {hands_to}"

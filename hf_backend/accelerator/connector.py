@@ -105,15 +105,24 @@ def connect(arguments: dict[str, Any], other: dict[str, Any]) -> Engine:
     if strategy.receives_rank0_weights:  # from_pretrained may load on rank 0 only
         rank0_loading.tell_transformers()
     objects = PreparedObjects()
-    if replicas is not None and strategy.distributed_type == DistributedType.DEEPSPEED:
-        raise HfBackendError("fault_tolerance with DeepSpeed: its engine reduces the gradients itself; use "
-                             "FSDP (fsdp_plugin or parallelism_config) or DDP inside each replica group")
-    hooks = StepHooks() if replicas is None else fault_tolerance.join(
-        replicas, process, objects, gradient_state, strategy.data_shard, first_start=not elastic.restart_count())
+    hooks = _step_hooks(replicas, process, objects, gradient_state, strategy)
     return Engine(process, handlers, precision, gradient_state, loader_config, project,
                   Tracking(arguments["log_with"], project.logging_dir, process.is_main_process), launch_config,
                   strategy, dynamo, arguments["device_placement"], arguments["step_scheduler_with_optimizer"], shape,
                   objects, hooks)
+
+
+def _step_hooks(replicas: fault_tolerance.FaultTolerance | None, process: ProcessState, objects: PreparedObjects,
+                gradient_state: GradientState, strategy: Strategy) -> StepHooks:
+    """Nothing follows the steps, or this process's replica groups: meeting every step (gradients averaged), or
+    every `sync_every` steps (LocalSGD / DiLoCo between the groups)."""
+    if replicas is None:
+        return StepHooks()
+    if strategy.distributed_type == DistributedType.DEEPSPEED:
+        raise HfBackendError("fault_tolerance with DeepSpeed: its engine reduces the gradients itself; use "
+                             "FSDP (fsdp_plugin or parallelism_config) or DDP inside each replica group")
+    mode = fault_tolerance.EveryStep if replicas.sync_every == 1 else fault_tolerance.Periodic
+    return mode(replicas, process, objects, gradient_state, strategy.data_shard, not elastic.restart_count())
 
 
 def decided_backend(decided: Backend | None, fsdp: Any, deepspeed: Any, launch_config: Any) -> Backend:
