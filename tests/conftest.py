@@ -24,6 +24,14 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(
     / f"py{sys.version_info.major}{sys.version_info.minor}-{hashlib.sha1(sys.prefix.encode()).hexdigest()[:12]}"))
 
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test`'s two workers share the 2 cores: each computes on one thread, as the processes the tests start
+    # already do (OMP_NUM_THREADS=1: tests/helpers.py, tests/warm_processes.py), so none waits on another's threads.
+    import torch
+
+    torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="session")
 def bert_ddp(tmp_path_factory) -> dict:
     """The DDP run every sharded strategy is compared with (run once per test session)."""

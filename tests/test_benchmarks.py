@@ -4,32 +4,61 @@ unnoticed between GPU runs. The same for benchmarks/gpu_llm.py (a tiny Llama).""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from helpers import cli_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_gpu_benchmark_runs_its_three_variants_in_smoke_mode(tmp_path):
-    """With the batch search too: each variant runs 3 steps at batch 8 (nothing runs out of memory on the CPU), 16 is
-    above --max-batch, so the run trains batch 8."""
+    """Each variant in its own process, as on the GPU, at batch 8 (the batch search is the next test's)."""
     out = tmp_path / "bench.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_trainer.py"), "--smoke", "--steps", "12",
-                           "--repeats", "1", "--max-batch", "8", "--json", str(out)],
+                           "--repeats", "1", "--batch", "8", "--json", str(out)],
                           capture_output=True, text=True, env=cli_env(), timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert "batch 8: fits all three" in proc.stdout.splitlines(), proc.stdout
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "variant" not in line]
     assert [row.split(" | ")[0] for row in rows] == ["| bare", "| transformers", "| hf_backend"], proc.stdout
     results = json.loads(out.read_text())
     assert results["batch"] == 8 and results["seq"] == 128 and "failures" not in results
+    assert "batch 8: fits all three" not in proc.stdout  # given, not searched
     for variant, runs in results["runs"].items():
         assert [run["steps"] for run in runs] == [12], variant
         assert runs[0]["samples_per_s"] > 0 and runs[0]["first_step_s"] > 0 and runs[0]["peak_gib"] is None
+
+
+def test_the_gpu_benchmarks_batch_search_takes_the_largest_batch_every_variant_fits(monkeypatch, capsys):
+    """The search doubles the batch from 8 while every variant runs 3 steps, stops at the first out-of-memory or at
+    --max-batch, and stops the benchmark at a failure that is not memory (its runs faked here: on the CPU nothing
+    runs out of memory, and the previous test runs the variants' processes)."""
+    spec = importlib.util.spec_from_file_location("gpu_trainer", ROOT / "benchmarks" / "gpu_trainer.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    asked = []
+
+    def run(variant, steps, batch, smoke=False):
+        asked.append((variant, steps, batch))
+        if variant == "hf_backend" and batch == 99:
+            return {"error": "ImportError: no module"}
+        return {"oom": variant == "transformers" and batch >= 32}
+
+    monkeypatch.setattr(bench, "_run", run)
+    assert bench._largest_batch(8, smoke=True) == 8 and {b for _, _, b in asked} == {8}
+    assert bench._largest_batch(64, smoke=True) == 16
+    assert {s for _, s, _ in asked} == {3}
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-3:] == ["batch 8: fits all three", "batch 16: fits all three",
+                          "batch 32: out of memory in transformers"]
+    monkeypatch.setattr(bench, "_run", lambda variant, steps, batch, smoke=False: run(variant, steps, 99))
+    with pytest.raises(SystemExit) as stop:
+        bench._largest_batch(8, smoke=True)
+    assert "failed for another reason than memory" in str(stop.value) and "ImportError" in str(stop.value)
 
 
 def test_too_few_steps_for_a_steady_state_is_one_line():
