@@ -2,14 +2,14 @@
 from a config (hidden 256, 8 heads, 2 layers, vocabulary 1024, fp32), batch 1, AdamW, through an Accelerator loop
 that calls the model inside `maybe_context_parallel`.
 
-Per setting and length: each rank trains one step to warm up (weights, gradients and optimizer state exist after it),
-then a second step, and reports the peak of private memory (`RssAnon`, sampled every 2 ms by a thread of this
-script) above what it held just before the second step: the step's activations, attention's working memory, the
-communication buffers and the gradients made again. glibc's mmap threshold is fixed (`mallopt`) so that freed memory
-is returned at once. The largest rank's figure is reported, beside `hf-backend plan`'s activation estimate for the
-same run (plan/memory.py). With the step's memory linear in the length (SDPA's fused causal kernel, the ring's
-chunk pairs, Ulysses' head groups), the longest sequence that fits a budget follows from two lengths: (budget -
-intercept) / slope, rounded down to a multiple of 1024 tokens.
+One launch per setting. At each length in turn (shortest first) each rank trains one step to warm up (weights, gradients
+and optimizer state exist after it), then a second step, and reports the peak of private memory (`RssAnon`, sampled
+every 2 ms by a thread of this script) above what it held just before the second step: the step's activations,
+attention's working memory, the communication buffers and the gradients made again. glibc's mmap threshold is fixed
+(`mallopt`) so that freed memory is returned at once. The largest rank's figure is reported, beside `hf-backend plan`'s
+activation estimate for the same run (plan/memory.py). With the step's memory linear in the length (SDPA's fused causal
+kernel, the ring's chunk pairs, Ulysses' head groups), the longest sequence that fits a budget follows from two lengths:
+(budget - intercept) / slope, rounded down to a multiple of 1024 tokens.
 
     .venv/bin/python benchmarks/sequence_memory.py [--lengths 8192,16384] [--budget-gib 2] [--json out.json]
 """
@@ -66,26 +66,27 @@ def rank_main(args: argparse.Namespace) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model, optimizer = accelerator.prepare(model, optimizer)
 
-    def step() -> None:
-        ids = torch.randint(0, CONFIG["vocab_size"], (1, args.length), generator=torch.Generator().manual_seed(1))
+    def step(length: int) -> None:
+        ids = torch.randint(0, CONFIG["vocab_size"], (1, length), generator=torch.Generator().manual_seed(1))
         labels = torch.nn.functional.pad(ids[:, 1:], (0, 1), value=-100)
-        positions = torch.arange(args.length)[None]
+        positions = torch.arange(length)[None]
         with accelerator.maybe_context_parallel(buffers=[ids, labels, positions], buffer_seq_dims=[1, 1, 1]):
             loss = model(input_ids=ids, labels=labels, shift_labels=labels, position_ids=positions).loss
             accelerator.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
 
-    step()
-    before = private_mib()
-    peak["anon"] = before
     threading.Thread(target=sample, daemon=True).start()
-    started = time.perf_counter()
-    step()
-    seconds = time.perf_counter() - started
-    time.sleep(0.01)
-    report = {"rank": accelerator.process_index, "step_mib": peak["anon"] - before, "held_mib": before,
-              "seconds": seconds}
+    report = {}
+    for length in map(int, args.lengths.split(",")):  # at each length: one step warms up, the next is measured
+        step(length)
+        before = private_mib()
+        peak["anon"] = before
+        started = time.perf_counter()
+        step(length)
+        seconds = time.perf_counter() - started
+        time.sleep(0.01)
+        report[str(length)] = {"step_mib": peak["anon"] - before, "held_mib": before, "seconds": seconds}
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / f"rank{accelerator.process_index}.json").write_text(json.dumps(report))
     accelerator.end_training()
@@ -109,26 +110,26 @@ def planned_mib(setting: str, length: int) -> float:
     return plan.activation_bytes / 2**20
 
 
-def measure(setting: str, length: int, work: Path) -> dict:
+def measure(setting: str, lengths: list[int], work: Path) -> dict:
+    """One launch per setting: its ranks train at every length in turn and report each length's step."""
     sizes = SETTINGS[setting]
     nproc = max([1, *sizes.values()])
-    out = work / f"{setting.replace(' ', '')}-{length}"
-    command = [sys.executable, str(HERE), "--rank", "--length", str(length), "--sizes", json.dumps(sizes),
-               "--out", str(out)]
+    out = work / setting.replace(" ", "")
+    command = [sys.executable, str(HERE), "--rank", "--lengths", ",".join(map(str, sorted(lengths))), "--sizes",
+               json.dumps(sizes), "--out", str(out)]
     if nproc > 1:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
                    *command[1:]]
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc))}
     subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL)
     ranks = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
-    return {"step_mib": max(r["step_mib"] for r in ranks), "held_mib": max(r["held_mib"] for r in ranks),
-            "seconds": max(r["seconds"] for r in ranks)}
+    return {str(n): {key: max(r[str(n)][key] for r in ranks) for key in ("step_mib", "held_mib", "seconds")}
+            for n in lengths}
 
 
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--length", type=int, default=8192)
     p.add_argument("--sizes", default="{}")
     p.add_argument("--out", default=None)
     p.add_argument("--lengths", default="8192,16384", help="two or more sequence lengths, comma-separated")
@@ -143,7 +144,7 @@ def main() -> int:
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as work:
         for setting in args.settings.split(","):
-            results[setting] = {str(n): measure(setting, n, Path(work)) for n in lengths}
+            results[setting] = measure(setting, lengths, Path(work))
     one = results.get("one process")
     budget = args.budget_gib * 1024
     first_length = lengths[0]
