@@ -75,10 +75,10 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 
-# Three pytest workers, a test file each at a time (a file's module fixtures, such as its Ray cluster, stay shared): one
-# at a time, the suite keeps about one of the two cores busy, two workers about 1.5 of them (they wait on the processes
-# they start; docs/development.md). The type checker runs beside them; its verdict is waited for.
-PARALLEL := -n 3 --dist loadfile
+# Two pytest workers, a test file each at a time (a file's module fixtures, such as its Ray cluster, stay shared): one
+# at a time, the suite keeps about one of the two cores busy (docs/development.md). The type checker runs beside
+# them; its verdict is waited for.
+PARALLEL := -n 2 --dist loadfile
 test: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy > $(VENV)/mypy.log 2>&1 & checker=$$!; \
