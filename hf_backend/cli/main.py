@@ -9,6 +9,7 @@ import hf_backend
 
 from ..core.errors import HfBackendError
 from . import checkpoint_cmd, config_cmd, env_cmd, launch, plan_cmd
+from .worker import end_without_final_collection
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    end_without_final_collection()
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:

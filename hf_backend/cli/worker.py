@@ -8,10 +8,14 @@ that only lost its peer.
 A worker dies with its launcher (`--parent PID`, the launcher's pid): if the launcher is SIGKILLed
 it cannot stop its workers, so each asks the kernel for a SIGKILL when its parent dies (Linux), or
 polls its parent (elsewhere).
+
+Its interpreter ends without the final full garbage collection (`end_without_final_collection`).
 """
 
 from __future__ import annotations
 
+import atexit
+import gc
 import os
 import runpy
 import signal
@@ -57,7 +61,17 @@ def _kill_self() -> None:
     os._exit(1)
 
 
+def end_without_final_collection() -> None:
+    """Freeze the heap once every other atexit function has run (registered first, it runs last), so that the
+    interpreter's shutdown skips its full collection: with transformers and peft imported that pass walks millions of
+    objects, about 1.5 s of CPU per process (0.2 s frozen). What is freed by reference counting still is (files
+    flush and close); cyclic garbage left at exit keeps no `__del__` promise (Python's data model makes none).
+    Only for processes hf_backend runs as a program: a worker and the command line, never on import."""
+    atexit.register(gc.freeze)
+
+
 def main() -> None:
+    end_without_final_collection()
     hang_watch.HangWatch.install_from_environment(reported_by_launcher=True)
     argv = sys.argv[1:]
     if argv[:1] == ["--parent"]:
