@@ -30,9 +30,13 @@ def record_failure(message: str, summary: str | None, stack: str) -> None:
     now = time.time()
     info = {"py_callstack": stack, "timestamp": str(int(now)), "time": now, **({"summary": summary} if summary else {})}
     data = {"message": {"message": message, "extraInfo": info}}
+    # Whole or not at all: the launcher stops the other workers once one fails (SIGTERM, then SIGKILL) and then reads
+    # every error file there is; one cut off mid-write was empty, and torch elastic's json.load of it ended the launch.
+    partial = f"{path}.{os.getpid()}.partial"
     try:
-        with open(path, "w") as f:
+        with open(partial, "w") as f:
             json.dump(data, f)
+        os.replace(partial, path)
     except OSError:
         pass
 
