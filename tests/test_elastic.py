@@ -25,7 +25,9 @@ EVERY = 4
 
 
 def _events(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    """The complete lines: read while a process appends one, the file can end in part of it (no newline yet)."""
+    lines = path.read_text().split("\n")[:-1] if path.exists() else []
+    return [json.loads(line) for line in lines]
 
 
 def _launch(tmp: Path, name: str, launch: list[str], script: list[str]) -> tuple[subprocess.CompletedProcess, dict]:
