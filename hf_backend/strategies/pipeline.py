@@ -1,0 +1,228 @@
+"""Pipeline parallelism (issue 56, its first part): a transformers decoder cut into stages over the pp ranks and
+trained by one of torch.distributed.pipelining's schedules, the torchtitan way.
+
+The stages come from the model's own `base_model_pp_plan` (Llama, Qwen, Mistral, ...): the parts before its
+repeated blocks (the embeddings) on the first stage, the blocks split evenly, the parts after them (the final norm)
+and the model's head on the last. Each stage keeps the model's module names (`model.layers.5.mlp...`, `lm_head`),
+so its state dict is the whole model's restricted to its parts. Single-stage schedules (GPipe, 1F1B) put stage r on
+pp rank r; looped ones (interleaved 1F1B, looped BFS, interleaved zero bubble) `stages_per_rank` stages r, r + pp,
+...; V-shaped ones (ZBV zero bubble, DualPipeV) stages r and 2 pp - 1 - r.
+
+The loss is the model's causal-LM cross-entropy, each microbatch's sum over its tokens divided by the tokens of the
+whole batch, so the microbatches' losses add up to the batch's mean and their gradients to the batch's (the schedule
+scales nothing). The stages take full rows (no padding mask, positions from 0); tied embeddings across stages and a
+model without a pp plan are refused in one line. Not yet on the engine: `ParallelismConfig` still refuses pp_size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
+
+
+class Layout(NamedTuple):
+    """Which stages one pp rank holds (`stages`, in schedule order) of `num_stages`, and each stage's blocks."""
+
+    num_stages: int
+    stages: tuple[int, ...]
+    blocks: tuple[range, ...]  # per stage index, the decoder layers it holds
+
+
+def schedule_class(name: str) -> type:
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    try:
+        return get_schedule_class(name)
+    except ValueError:
+        raise ConfigError(f"pp_schedule={name!r} is not one of torch.distributed.pipelining's schedules; use "
+                          "GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble or "
+                          "DualPipeV") from None
+
+
+def is_looped(name: str) -> bool:
+    """Whether the schedule drives several stages per rank."""
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti
+
+    return issubclass(schedule_class(name), PipelineScheduleMulti)
+
+
+def layout(schedule: str, pp: int, pp_rank: int, num_layers: int, stages_per_rank: int = 2) -> Layout:
+    """The stages of `pp_rank` and every stage's decoder layers, contiguous and as even as they can be (a stage
+    with one layer more sits after the first, which holds the embeddings too)."""
+    per_rank = (2 if schedule in V_SHAPED else stages_per_rank) if is_looped(schedule) else 1
+    num_stages = pp * per_rank
+    if num_layers < num_stages:
+        raise ConfigError(f"pp_size={pp} with {per_rank} stage(s) per rank ({schedule}) needs at least {num_stages} "
+                          f"decoder layers; the model has {num_layers}")
+    if schedule in V_SHAPED:
+        stages: tuple[int, ...] = (pp_rank, 2 * pp - 1 - pp_rank)
+    else:
+        stages = tuple(pp_rank + k * pp for k in range(per_rank))
+    base, extra = divmod(num_layers, num_stages)
+    sizes = [base + (1 if 1 <= stage <= extra else 0) for stage in range(num_stages)]
+    starts = [sum(sizes[:stage]) for stage in range(num_stages)]
+    return Layout(num_stages, stages, tuple(range(s, s + n) for s, n in zip(starts, sizes)))
+
+
+def bubble_fraction(schedule: str, pp: int, microbatches: int, stages_per_rank: int) -> float:
+    """The share of a step each rank idles in the schedule's warm-up and cool-down, in units of one stage's
+    forward and backward: (p - 1) / (m + p - 1) for GPipe and 1F1B, (p - 1) / (v m + p - 1) with v stages per rank
+    interleaved; the zero-bubble schedules fill it with weight gradients (0 in that model)."""
+    if "ZeroBubble" in schedule or schedule == "DualPipeV":
+        return 0.0
+    v = stages_per_rank if is_looped(schedule) else 1
+    return (pp - 1) / (v * microbatches + pp - 1)
+
+
+class _Decoder(nn.Module):
+    """A stage's part of the decoder, under the decoder's own attribute names."""
+
+    embed_tokens: nn.Module | None
+    layers: nn.ModuleDict
+    norm: nn.Module | None
+    rotary_emb: nn.Module
+
+
+class DecoderStage(nn.Module):
+    """Part of a transformers causal LM: the decoder (`model.<base>`) with only this stage's blocks, the embeddings
+    on the first stage, the final norm and the head on the last. Its forward is the decoder's for full rows (no
+    padding mask, positions 0..n-1): token ids or hidden states in, hidden states or logits out."""
+
+    lm_head: nn.Module | None
+
+    def __init__(self, model: PreTrainedModel, blocks: range, first: bool, last: bool) -> None:
+        super().__init__()
+        self.config = model.config
+        self.base_name = model.base_model_prefix
+        base = getattr(model, self.base_name)
+        part = _Decoder()
+        for name in base.config.base_model_pp_plan:
+            if name == "layers":
+                part.layers = nn.ModuleDict({str(i): base.layers[i] for i in blocks})
+            elif name == "embed_tokens":
+                part.embed_tokens = base.embed_tokens if first else None
+            else:  # after the blocks: the final norm
+                setattr(part, name, getattr(base, name) if last else None)
+        part.rotary_emb = base.rotary_emb  # every stage computes the positions' rotations (buffers only)
+        self.add_module(self.base_name, part)
+        self.lm_head = getattr(model, "lm_head") if last else None  # noqa: B009  (a transformers attribute)
+
+    @property
+    def part(self) -> _Decoder:
+        return cast(_Decoder, getattr(self, self.base_name))
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        part = self.part
+        hidden = part.embed_tokens(inputs) if part.embed_tokens is not None else inputs
+        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        masks = {"full_attention": create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None,
+                                                      past_key_values=None, position_ids=positions)}
+        layer_types = getattr(self.config, "layer_types", None) or []
+        if "sliding_attention" in layer_types:
+            masks["sliding_attention"] = create_sliding_window_causal_mask(
+                config=self.config, inputs_embeds=hidden, attention_mask=None, past_key_values=None,
+                position_ids=positions)
+        rotations = part.rotary_emb(hidden, position_ids=positions)
+        for index, layer in part.layers.items():
+            kind = layer_types[int(index)] if layer_types else "full_attention"
+            hidden = layer(hidden, attention_mask=masks[kind], position_embeddings=rotations, position_ids=positions)
+        if self.lm_head is None or part.norm is None:
+            return hidden
+        return self.lm_head(part.norm(hidden))
+
+
+def check_splittable(model: nn.Module) -> None:
+    """One line for a model the stages cannot be cut from."""
+    base = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    plan = getattr(getattr(base, "config", None), "base_model_pp_plan", None)
+    if base is None or not plan or "layers" not in plan or not hasattr(model, "lm_head"):
+        raise ConfigError(f"pipeline parallelism: {type(model).__name__} has no base_model_pp_plan with its "
+                          "layers and no lm_head; pp takes transformers causal LMs that have one (Llama, Qwen, "
+                          "Mistral, ...)")
+    if getattr(model.config, "tie_word_embeddings", False):
+        raise ConfigError("pipeline parallelism: the model ties its embeddings to its head (first and last stage); "
+                          "load it with tie_word_embeddings=False")
+
+
+class Pipeline:
+    """This rank's stages of `model` and the schedule that trains them over `group` (the pp ranks, in order).
+    `step(input_ids, labels)` runs forward and backward over the microbatches and returns the batch's mean loss
+    on every pp rank; `parameters()` are the stages' (what an optimizer of this rank takes)."""
+
+    def __init__(self, model: PreTrainedModel, group: dist.ProcessGroup, schedule: str = "1F1B",
+                 microbatches: int = 4, stages_per_rank: int = 2) -> None:
+        from torch.distributed.pipelining import PipelineStage
+
+        check_splittable(model)
+        self.group, self.pp, rank = group, dist.get_world_size(group), dist.get_rank(group)
+        num_layers = len(getattr(model, model.base_model_prefix).layers)
+        self.layout = layout(schedule, self.pp, rank, num_layers, stages_per_rank)
+        device = next(model.parameters()).device
+        last = self.layout.num_stages - 1
+        self.modules = [DecoderStage(model, self.layout.blocks[s], s == 0, s == last) for s in self.layout.stages]
+        stages = [PipelineStage(module, s, self.layout.num_stages, device, group=group)
+                  for module, s in zip(self.modules, self.layout.stages)]
+        self.holds_last = last in self.layout.stages
+        self._tokens = torch.ones(())  # the batch's target tokens, set by step
+        cls = schedule_class(schedule)
+        self.schedule = cls(stages if is_looped(schedule) else stages[0], microbatches, loss_fn=self._loss,
+                            scale_grads=False)
+        self.bubble = bubble_fraction(schedule, self.pp, microbatches, len(self.layout.stages))
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The model's causal-LM loss (targets shifted by one, -100 ignored), summed over this microbatch and
+        divided by the whole batch's target tokens."""
+        targets = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+        total = nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100,
+                                            reduction="sum")
+        return total / self._tokens
+
+    def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        self._tokens = (labels[..., 1:] != -100).sum().clamp(min=1).float()
+        losses: list[torch.Tensor] = []
+        inputs = (input_ids,) if 0 in self.layout.stages else ()
+        # the logits stay on the last stage, a microbatch at a time: never merged into the whole batch's
+        self.schedule.step(*inputs, target=labels if self.holds_last else None, losses=losses, return_outputs=False)
+        loss = torch.stack(losses).sum().detach() if self.holds_last else torch.zeros(())
+        dist.all_reduce(loss, group=self.group)  # from the last stage's rank to every pp rank
+        return loss
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        seen: set[int] = set()
+        for module in self.modules:
+            for parameter in module.parameters():
+                if id(parameter) not in seen:
+                    seen.add(id(parameter))
+                    yield parameter
+
+    def named_parameters(self) -> dict[str, nn.Parameter]:
+        """The stages' parameters under the whole model's names."""
+        return {name: p for module in self.modules for name, p in module.named_parameters()}
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Every stage's gradients scaled by one factor from the norm over all of them, on every rank."""
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        squares = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
+        dist.all_reduce(squares, group=self.group)
+        norm = squares.sqrt()
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            g.mul_(scale.to(g.dtype))
+        return norm
+
+    def describe(self) -> dict[str, Any]:
+        return {"stages": list(self.layout.stages), "num_stages": self.layout.num_stages,
+                "blocks": [list(self.layout.blocks[s]) for s in self.layout.stages], "bubble": self.bubble}

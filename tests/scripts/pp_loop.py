@@ -1,0 +1,112 @@
+"""Pipeline parallelism's stages and schedules against one process (tests/test_pipeline.py): every process of the
+run is one pp rank. For each model (a tiny Llama and a tiny dense Qwen3, 8 decoder layers, from configs) and each
+schedule asked, every rank first trains the whole model alone (the one-process reference, on the same global batch of
+8 sequences with some targets masked), then its stages of a fresh copy of the same weights through the schedule
+(hf_backend/strategies/pipeline.py): 3 SGD steps with clipping at 0.5. Rank 0 writes a JSON report: per model and
+schedule, the largest differences over the ranks of each step's loss, the clipped norm and the parameters at the end
+from one process's, and each rank's stages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.distributed as dist
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from hf_backend.strategies.pipeline import Pipeline
+
+VOCAB, SEQ, GLOBAL_BATCH, STEPS, CLIP, LR = 48, 12, 8, 3, 0.5, 0.5
+MODELS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
+
+
+def tiny(name: str) -> torch.nn.Module:
+    config_class, model_class = MODELS[name]
+    torch.manual_seed(0)
+    return model_class(config_class(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                    max_position_embeddings=64, tie_word_embeddings=False, use_cache=False))
+
+
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(STEPS):
+        ids = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=generator)
+        labels = ids.clone()
+        labels[:, :3] = -100  # a prompt
+        labels[torch.rand(labels.shape, generator=generator) < 0.2] = -100
+        out.append((ids, labels))
+    return out
+
+
+def one_process(name: str) -> dict:
+    model = tiny(name)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    losses, norms = [], []
+    for ids, labels in batches():
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    return {"losses": losses, "norms": norms, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def pipelined(name: str, schedule: str, microbatches: int) -> tuple[dict, Pipeline]:
+    pipeline = Pipeline(tiny(name), dist.group.WORLD, schedule, microbatches)
+    optimizer = torch.optim.SGD(list(pipeline.parameters()), lr=LR)
+    losses, norms = [], []
+    for ids, labels in batches():
+        losses.append(float(pipeline.step(ids, labels)))
+        norms.append(float(pipeline.clip_grad_norm_(CLIP)))
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"losses": losses, "norms": norms, "params": pipeline.named_parameters()}, pipeline
+
+
+def largest(values: list[float]) -> float:
+    worst = torch.tensor(max(values, default=0.0))
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return float(worst)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--models", default="llama,qwen3")
+    parser.add_argument("--schedules", default="GPipe,1F1B,Interleaved1F1B")
+    parser.add_argument("--microbatches", type=int, default=4)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    report: dict = {"pp": dist.get_world_size(), "runs": {}}
+    for name in args.models.split(","):
+        reference = one_process(name)
+        for schedule in args.schedules.split(","):
+            run, pipeline = pipelined(name, schedule, args.microbatches)
+            held = run["params"]
+            params = [float((p.detach() - reference["params"][n]).abs().max()) for n, p in held.items()]
+            counted = torch.tensor(sum(p.numel() for p in held.values()))
+            dist.all_reduce(counted)
+            layouts = [None] * dist.get_world_size()
+            dist.all_gather_object(layouts, pipeline.describe())
+            report["runs"][f"{name}/{schedule}"] = {
+                "loss": largest([abs(a - b) for a, b in zip(run["losses"], reference["losses"])]),
+                "norm": largest([abs(a - b) for a, b in zip(run["norms"], reference["norms"])]),
+                "params": largest(params),
+                "losses": run["losses"], "reference": reference["losses"],
+                "parameters_held": int(counted),
+                "parameters": sum(p.numel() for p in reference["params"].values()), "ranks": layouts}
+    if dist.get_rank() == 0:
+        with open(args.out, "w") as f:
+            json.dump(report, f)
+    dist.destroy_process_group()
+
+
+
+if __name__ == "__main__":
+    main()
