@@ -1,7 +1,8 @@
 """Pipeline parallelism's stages and schedules (hf_backend/strategies/pipeline.py; issue 56's first part), against one
-process: tests/scripts/pp_loop.py on pp 2 and pp 4, a tiny Llama and a tiny dense Qwen3 of 8 decoder layers, each
-schedule 3 SGD steps with clipping, every step's loss and clipped norm and the parameters at the end within 1e-5 of
-one process's on the same global batch; then the layout, the bubble and the one-line refusals."""
+process: tests/scripts/pp_loop.py on pp 2, pp 4 and pp 2 x dp_shard 2 (FSDP2 inside each stage), a tiny Llama and a
+tiny dense Qwen3 of 8 decoder layers, each schedule 3 SGD steps with clipping, every step's loss and clipped norm and
+the parameters at the end within 1e-5 of one process's on the same global batch; then the layout, the bubble and the
+one-line refusals."""
 
 from __future__ import annotations
 
@@ -11,36 +12,43 @@ from helpers import run_report
 pytest.importorskip("transformers")
 
 TOLERANCE = 1e-5
-SCHEDULES = {2: ["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"],
-             4: ["GPipe", "1F1B", "Interleaved1F1B"]}
-CASES = [(pp, model, schedule) for pp, names in SCHEDULES.items() for model in ("llama", "qwen3") for schedule in names]
+# grid (pp, dp_shard) -> its schedules
+SCHEDULES = {(2, 1): ["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"],
+             (4, 1): ["GPipe", "1F1B", "Interleaved1F1B"],
+             (2, 2): ["GPipe", "1F1B", "Interleaved1F1B"]}
+CASES = [(f"pp{pp}" + (f"xdp_shard{dp}" if dp > 1 else ""), model, schedule)
+         for (pp, dp), names in SCHEDULES.items() for model in ("llama", "qwen3") for schedule in names]
+GRIDS = {f"pp{pp}" + (f"xdp_shard{dp}" if dp > 1 else ""): (pp, dp) for pp, dp in SCHEDULES}
 
 
 @pytest.fixture(scope="module")
-def reports(tmp_path_factory) -> dict[int, dict]:
+def reports(tmp_path_factory):
     root, done = tmp_path_factory.mktemp("pp"), {}
 
-    def report(pp: int) -> dict:
-        if pp not in done:
-            done[pp] = run_report("pp_loop.py", root / f"pp{pp}.json", ["--schedules", ",".join(SCHEDULES[pp])],
-                                  nproc=pp, timeout=300)
-        return done[pp]
+    def report(grid: str) -> dict:
+        if grid not in done:
+            pp, dp = GRIDS[grid]
+            done[grid] = run_report("pp_loop.py", root / f"{grid}.json", [
+                "--schedules", ",".join(SCHEDULES[pp, dp]), "--dp-shard", str(dp)], nproc=pp * dp, timeout=300)
+        return done[grid]
 
     return report
 
 
-@pytest.mark.parametrize(("pp", "model", "schedule"), CASES)
-def test_a_schedule_trains_as_one_process(reports, pp, model, schedule) -> None:
-    run = reports(pp)["runs"][f"{model}/{schedule}"]
+@pytest.mark.parametrize(("grid", "model", "schedule"), CASES)
+def test_a_schedule_trains_as_one_process(reports, grid, model, schedule) -> None:
+    report = reports(grid)
+    run = report["runs"][f"{model}/{schedule}"]
     assert len(run["losses"]) == 3 and run["losses"] != [run["losses"][0]] * 3
     assert run["loss"] <= TOLERANCE, (run["losses"], run["reference"])
     assert run["norm"] <= TOLERANCE and run["params"] <= TOLERANCE, run
-    assert run["parameters_held"] == run["parameters"]  # every parameter on exactly one rank
-    stages = [rank["stages"] for rank in run["ranks"]]
-    held = sorted(stage for ranks in stages for stage in ranks)
-    assert held == list(range(run["ranks"][0]["num_stages"]))
-    blocks = sorted(block for rank in run["ranks"] for part in rank["blocks"] for block in part)
-    assert blocks == list(range(8))
+    assert run["parameters_held"] == run["parameters"]  # every parameter in exactly one stage
+    # rank r is (pp r // dp_shard, dp_shard r % dp_shard): the dp_shard ranks of a pp rank hold its stages
+    dp = report["dp_shard"]
+    assert all(rank == run["ranks"][i - i % dp] for i, rank in enumerate(run["ranks"]))
+    ranks = run["ranks"][::dp]
+    assert sorted(stage for rank in ranks for stage in rank["stages"]) == list(range(ranks[0]["num_stages"]))
+    assert sorted(block for rank in ranks for part in rank["blocks"] for block in part) == list(range(8))
 
 
 def test_the_layout_splits_the_blocks_evenly_and_places_the_stages() -> None:

@@ -234,10 +234,12 @@ class FSDPStrategy(Strategy, ValueClipping):
         self._new_params.clear()
 
 
-def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float, norm_type: float = 2.0,
+                   across: Sequence[torch.distributed.ProcessGroup] = ()) -> torch.Tensor:
     """Clip gradients that are DTensors on any meshes (FSDP and tensor-parallel shards, `_StridedShard`
     included) or plain tensors, or a mix; returns the total norm, the one a single process computes
-    over the full gradients.
+    over the full gradients. `across`: groups whose ranks each hold other parameters of the model (the
+    pipeline stages), whose norms join this one's.
 
     Each gradient's local shard contributes its norm^p; the sums are all-reduced over the mesh
     dimensions each group of gradients is sharded on (never over those it is replicated on), then
@@ -247,7 +249,7 @@ def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float, no
     norm_type = float(norm_type)
     if not (norm_type == math.inf or norm_type > 0):
         raise HfBackendError(f"clip_grad_norm_ norm_type={norm_type}: use a positive number or inf")
-    if not grads:
+    if not grads and not across:
         return torch.tensor(0.0)
     by_groups: dict[tuple, dict[torch.dtype, list[torch.Tensor]]] = {}
     layouts: dict[tuple, tuple] = {}  # (mesh, placements) -> its groups, looked up once per call
@@ -261,7 +263,7 @@ def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float, no
             groups, local = (), grad
         by_dtype = by_groups.setdefault(groups, {})
         by_dtype.setdefault(local.dtype, []).append(local)
-    total = torch.zeros((), device=grads[0].device, dtype=torch.float32)
+    total = torch.zeros((), device=grads[0].device if grads else None, dtype=torch.float32)
     for groups, by_dtype in by_groups.items():
         norms = [n.float() for same in by_dtype.values() for n in torch._foreach_norm(same, norm_type)]
         part = torch.linalg.vector_norm(torch.stack(norms), norm_type)
@@ -274,6 +276,9 @@ def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float, no
             for group in groups:
                 torch.distributed.all_reduce(part, group=group)
             total = total + part
+    for group in across:
+        op = torch.distributed.ReduceOp.MAX if norm_type == math.inf else torch.distributed.ReduceOp.SUM
+        torch.distributed.all_reduce(total, op=op, group=group)
     if norm_type != math.inf:
         total = total ** (1.0 / norm_type)
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)

@@ -16,7 +16,7 @@ model without a pp plan are refused in one line. Not yet on the engine: `Paralle
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
@@ -159,24 +159,35 @@ def check_splittable(model: nn.Module) -> None:
 
 class Pipeline:
     """This rank's stages of `model` and the schedule that trains them over `group` (the pp ranks, in order).
-    `step(input_ids, labels)` runs forward and backward over the microbatches and returns the batch's mean loss
-    on every pp rank; `parameters()` are the stages' (what an optimizer of this rank takes)."""
+    `step(input_ids, labels)` runs forward and backward over the microbatches and returns the global batch's mean
+    loss on every rank; `parameters()` are the stages' (what an optimizer of this rank takes).
+
+    With `data_parallel` (the ranks holding the same stages, each with other rows of the global batch), `parallelize`
+    is applied to each stage before the schedule sees it (FSDP's `fully_shard` per block then the stage, over those
+    ranks), and the loss is the global batch's: each rank's share of the mean over every rank's targets, times the
+    data-parallel size, since FSDP averages the ranks' gradients."""
 
     def __init__(self, model: PreTrainedModel, group: dist.ProcessGroup, schedule: str = "1F1B",
-                 microbatches: int = 4, stages_per_rank: int = 2) -> None:
+                 microbatches: int = 4, stages_per_rank: int = 2, data_parallel: dist.ProcessGroup | None = None,
+                 parallelize: Callable[[nn.Module], object] | None = None) -> None:
         from torch.distributed.pipelining import PipelineStage
 
         check_splittable(model)
         self.group, self.pp, rank = group, dist.get_world_size(group), dist.get_rank(group)
+        self.data_parallel = data_parallel
+        self.dp = dist.get_world_size(data_parallel) if data_parallel is not None else 1
         num_layers = len(getattr(model, model.base_model_prefix).layers)
         self.layout = layout(schedule, self.pp, rank, num_layers, stages_per_rank)
         device = next(model.parameters()).device
         last = self.layout.num_stages - 1
         self.modules = [DecoderStage(model, self.layout.blocks[s], s == 0, s == last) for s in self.layout.stages]
+        for module in self.modules:
+            if parallelize is not None:
+                parallelize(module)
         stages = [PipelineStage(module, s, self.layout.num_stages, device, group=group)
                   for module, s in zip(self.modules, self.layout.stages)]
         self.holds_last = last in self.layout.stages
-        self._tokens = torch.ones(())  # the batch's target tokens, set by step
+        self._scale = torch.ones(())  # what each microbatch's summed loss is divided by, set by step
         cls = schedule_class(schedule)
         self.schedule = cls(stages if is_looped(schedule) else stages[0], microbatches, loss_fn=self._loss,
                             scale_grads=False)
@@ -184,20 +195,26 @@ class Pipeline:
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The model's causal-LM loss (targets shifted by one, -100 ignored), summed over this microbatch and
-        divided by the whole batch's target tokens."""
+        divided by the global batch's target tokens (times the data-parallel size: FSDP averages)."""
         targets = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
         total = nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100,
                                             reduction="sum")
-        return total / self._tokens
+        return total / self._scale
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        self._tokens = (labels[..., 1:] != -100).sum().clamp(min=1).float()
+        """One forward and backward of this rank's rows of the global batch; the global batch's mean loss."""
+        tokens = (labels[..., 1:] != -100).sum().float()
+        if self.data_parallel is not None:
+            dist.all_reduce(tokens, group=self.data_parallel)
+        self._scale = tokens.clamp(min=1) / self.dp
         losses: list[torch.Tensor] = []
         inputs = (input_ids,) if 0 in self.layout.stages else ()
         # the logits stay on the last stage, a microbatch at a time: never merged into the whole batch's
         self.schedule.step(*inputs, target=labels if self.holds_last else None, losses=losses, return_outputs=False)
-        loss = torch.stack(losses).sum().detach() if self.holds_last else torch.zeros(())
+        loss = torch.stack(losses).sum().detach() / self.dp if self.holds_last else torch.zeros(())
         dist.all_reduce(loss, group=self.group)  # from the last stage's rank to every pp rank
+        if self.data_parallel is not None:
+            dist.all_reduce(loss, group=self.data_parallel)
         return loss
 
     def parameters(self) -> Iterator[nn.Parameter]:
@@ -212,16 +229,12 @@ class Pipeline:
         """The stages' parameters under the whole model's names."""
         return {name: p for module in self.modules for name, p in module.named_parameters()}
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Every stage's gradients scaled by one factor from the norm over all of them, on every rank."""
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        squares = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
-        dist.all_reduce(squares, group=self.group)
-        norm = squares.sqrt()
-        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for g in grads:
-            g.mul_(scale.to(g.dtype))
-        return norm
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Every stage's gradients (their shards under FSDP) scaled by one factor from the norm over all of them;
+        the norm, on every rank."""
+        from .fsdp import clip_grad_norm
+
+        return clip_grad_norm(self.parameters(), max_norm, norm_type, across=(self.group,))
 
     def describe(self) -> dict[str, Any]:
         return {"stages": list(self.layout.stages), "num_stages": self.layout.num_stages,

@@ -1,10 +1,11 @@
-"""Pipeline parallelism's stages and schedules against one process (tests/test_pipeline.py): every process of the
-run is one pp rank. For each model (a tiny Llama and a tiny dense Qwen3, 8 decoder layers, from configs) and each
-schedule asked, every rank first trains the whole model alone (the one-process reference, on the same global batch of
-8 sequences with some targets masked), then its stages of a fresh copy of the same weights through the schedule
-(hf_backend/strategies/pipeline.py): 3 SGD steps with clipping at 0.5. Rank 0 writes a JSON report: per model and
-schedule, the largest differences over the ranks of each step's loss, the clipped norm and the parameters at the end
-from one process's, and each rank's stages.
+"""Pipeline parallelism's stages and schedules against one process (tests/test_pipeline.py): the processes are a
+pp x dp_shard grid (`--dp-shard`, default 1), each stage sharded by FSDP2 over the dp_shard ranks (per block, then
+the stage), which split each global batch's rows. For each model (a tiny Llama and a tiny dense Qwen3, 8 decoder
+layers, from configs) and each schedule asked, every rank first trains the whole model alone (the one-process
+reference, on the same global batch of 8 sequences with some targets masked), then its stages of a fresh copy of the
+same weights through the schedule (hf_backend/strategies/pipeline.py): 3 SGD steps with clipping at 0.5. Rank 0
+writes a JSON report: per model and schedule, the largest differences over the ranks of each step's loss, the
+clipped norm and the parameters at the end from one process's, and each rank's stages.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ import json
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from hf_backend.strategies.pipeline import Pipeline
@@ -56,16 +60,28 @@ def one_process(name: str) -> dict:
     return {"losses": losses, "norms": norms, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-def pipelined(name: str, schedule: str, microbatches: int) -> tuple[dict, Pipeline]:
-    pipeline = Pipeline(tiny(name), dist.group.WORLD, schedule, microbatches)
+def pipelined(name: str, schedule: str, microbatches: int, mesh: DeviceMesh) -> tuple[dict, Pipeline]:
+    dp = mesh["dp_shard"]
+
+    def shard(stage: torch.nn.Module) -> None:
+        for block in stage.part.layers.values():
+            fully_shard(block, mesh=dp)
+        fully_shard(stage, mesh=dp)
+
+    sharded = dp.size() > 1
+    pipeline = Pipeline(tiny(name), mesh["pp"].get_group(), schedule, microbatches,
+                        data_parallel=dp.get_group() if sharded else None, parallelize=shard if sharded else None)
     optimizer = torch.optim.SGD(list(pipeline.parameters()), lr=LR)
     losses, norms = [], []
+    rows = GLOBAL_BATCH // dp.size()
+    mine = slice(dp.get_local_rank() * rows, (dp.get_local_rank() + 1) * rows)
     for ids, labels in batches():
-        losses.append(float(pipeline.step(ids, labels)))
+        losses.append(float(pipeline.step(ids[mine], labels[mine])))
         norms.append(float(pipeline.clip_grad_norm_(CLIP)))
         optimizer.step()
         optimizer.zero_grad()
-    return {"losses": losses, "norms": norms, "params": pipeline.named_parameters()}, pipeline
+    params = {n: (p.full_tensor() if isinstance(p, DTensor) else p) for n, p in pipeline.named_parameters().items()}
+    return {"losses": losses, "norms": norms, "params": params}, pipeline
 
 
 def largest(values: list[float]) -> float:
@@ -80,17 +96,21 @@ def main() -> None:
     parser.add_argument("--models", default="llama,qwen3")
     parser.add_argument("--schedules", default="GPipe,1F1B,Interleaved1F1B")
     parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--dp-shard", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    report: dict = {"pp": dist.get_world_size(), "runs": {}}
+    pp = dist.get_world_size() // args.dp_shard
+    mesh = init_device_mesh("cpu", (pp, args.dp_shard), mesh_dim_names=("pp", "dp_shard"))
+    report: dict = {"pp": pp, "dp_shard": args.dp_shard, "runs": {}}
     for name in args.models.split(","):
         reference = one_process(name)
         for schedule in args.schedules.split(","):
-            run, pipeline = pipelined(name, schedule, args.microbatches)
+            run, pipeline = pipelined(name, schedule, args.microbatches, mesh)
             held = run["params"]
             params = [float((p.detach() - reference["params"][n]).abs().max()) for n, p in held.items()]
-            counted = torch.tensor(sum(p.numel() for p in held.values()))
+            first_shard = mesh["dp_shard"].get_local_rank() == 0  # the other shards hold the same stages
+            counted = torch.tensor(sum(p.numel() for p in held.values()) if first_shard else 0)
             dist.all_reduce(counted)
             layouts = [None] * dist.get_world_size()
             dist.all_gather_object(layouts, pipeline.describe())
