@@ -89,3 +89,78 @@ def test_what_cannot_be_split_is_one_line() -> None:
                                         num_attention_heads=2, tie_word_embeddings=True))
     with pytest.raises(ConfigError, match="ties its embeddings to its head.*tie_word_embeddings=False"):
         check_splittable(tied)
+
+
+# -- on the engine: an Accelerate loop with one changed line (tests/scripts/pp_accelerate.py) -------------------------
+ENGINE = {"pp2-1F1B": (2, ["--schedule", "1F1B"]),
+          "pp2xdp_shard2-Interleaved1F1B-accumulate2": (4, ["--dp-shard", "2", "--schedule", "Interleaved1F1B",
+                                                            "--accumulate", "2", "--microbatches", "2"])}
+
+
+@pytest.mark.parametrize("case", list(ENGINE))
+def test_an_accelerate_loop_trains_on_pipeline_stages_as_one_process(case, tmp_path) -> None:
+    nproc, args = ENGINE[case]
+    run = run_report("pp_accelerate.py", tmp_path / "r.json", args, nproc=nproc, timeout=300)
+    assert len(run["losses"]) == len(run["reference"]) and len(run["norms"]) == 3
+    assert max(abs(a - b) for a, b in zip(run["losses"], run["reference"])) <= TOLERANCE, run
+    assert max(abs(a - b) for a, b in zip(run["norms"], run["reference_norms"])) <= TOLERANCE, run
+    assert run["params"] <= TOLERANCE
+    assert run["held"] < 0.55 * run["parameters"]  # rank 0 holds its stages only
+    model_call, backward, state = run["refusals"]
+    assert "loss = accelerator.forward_backward(model, batch) instead of model(**batch)" in model_call
+    assert backward.startswith("accelerator.backward under pipeline parallelism")
+    assert "not built yet" in state
+
+
+def test_pipeline_settings_are_read_once_and_checked(monkeypatch) -> None:
+    from hf_backend import ParallelismConfig
+    from hf_backend.core.errors import ConfigError
+    from hf_backend.parallel.dims import MeshShape
+
+    monkeypatch.setenv("PARALLELISM_CONFIG_PP_SIZE", "2")
+    monkeypatch.setenv("PARALLELISM_CONFIG_PP_SCHEDULE", "GPipe")
+    monkeypatch.setenv("PARALLELISM_CONFIG_PP_MICROBATCHES", "8")
+    config = ParallelismConfig(dp_shard_size=2)
+    assert (config.pp_size, config.pp_schedule, config.pp_microbatches, config.pp_enabled) == (2, "GPipe", 8, True)
+    shape = config.shape(4)
+    assert shape == MeshShape(dp_shard=2, pp=2, pp_schedule="GPipe", pp_microbatches=8)
+    assert shape.describe() == "pp 2 x dp_shard 2" and shape.batch_replicas == 2 and shape.needs_mesh
+    assert ParallelismConfig.of_shape(shape).to_json()["pp_size"] == 2
+    with pytest.raises(ConfigError, match="pp_size 2 x dp_shard_size 2 makes 4 processes, but 2 run"):
+        config.shape(2)
+    with pytest.raises(ConfigError, match="pp_size=2 with tp_size=2: pipeline stages compose with dp_replicate_size"):
+        ParallelismConfig(tp_size=2)
+    with pytest.raises(ConfigError, match="pp_schedule='2F2B': use one of GPipe, 1F1B"):
+        ParallelismConfig(pp_schedule="2F2B")
+
+
+def test_forward_backward_without_pipeline_stages_is_one_line() -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_backend import Accelerator
+    from hf_backend.core.errors import HfBackendError
+
+    accelerator = Accelerator(cpu=True)
+    model = accelerator.prepare(LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=8,
+                                                             num_hidden_layers=1, num_attention_heads=2)))
+    with pytest.raises(HfBackendError, match="forward_backward runs a pipeline schedule: it needs "
+                                             r"ParallelismConfig\(pp_size=...\) above 1"):
+        accelerator.forward_backward(model, {"input_ids": torch.ones(1, 4, dtype=torch.long)})
+
+
+def test_the_trainer_and_the_plan_refuse_pp_in_one_line(tmp_path) -> None:
+    from hf_backend import ParallelismConfig, TrainingArguments
+    from hf_backend.cli.plan_cmd import parse_sizes
+    from hf_backend.core.errors import ConfigError, HfBackendError
+    from hf_backend.plan.memory import plan_memory
+
+    with pytest.raises(ConfigError, match="pp_size=2: hf_backend.Trainer does not drive pipeline stages yet"):
+        TrainingArguments(output_dir=str(tmp_path), use_cpu=True,
+                          parallelism_config=ParallelismConfig(pp_size=2, dp_shard_size=1))
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=8, num_hidden_layers=2,
+                                         num_attention_heads=2))
+    with pytest.raises(HfBackendError, match="plan: pp is not priced yet"):
+        plan_memory(model, "fsdp", 2, shape=parse_sizes("pp=2"))

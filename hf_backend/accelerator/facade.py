@@ -35,7 +35,7 @@ from ..runtime.process import (
     ProcessView,
     shutdown_process_group,
 )
-from ..strategies.capabilities import Joinable, SequenceLoader, ValueClipping, capability
+from ..strategies.capabilities import Joinable, Pipelined, SequenceLoader, ValueClipping, capability
 from ..training.memory import release_memory
 from ..training.optim import AcceleratedOptimizer, AcceleratedScheduler, DummyOptim, DummyScheduler, as_placeholder
 from ..training.precision import Precision
@@ -316,6 +316,20 @@ class Accelerator(ProcessView, SavingMembers, compat.AccelerateMembers, elastic.
         self.strategy.backward(loss, self.gradient_state.num_steps, self.sync_gradients, **kwargs)
         if self.sync_gradients:
             self._hooks.after_backward(self._objects.models)
+
+    def forward_backward(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        """Under pipeline parallelism (`ParallelismConfig(pp_size=P)`), what `loss = model(**batch).loss` and
+        `accelerator.backward(loss)` do together: the batch through the schedule's microbatches, forward and
+        backward. Returns the batch's mean loss on every rank (a causal LM's, from `labels` or else the
+        `input_ids`); inside `accumulate` it counts as one micro step."""
+        if not self._objects.models:
+            raise HfBackendError("forward_backward() before prepare(): call model, optimizer, ... = "
+                                 "accelerator.prepare(...) first")
+        pipelined = capability(self.strategy, Pipelined)  # type: ignore[type-abstract]
+        loss = pipelined.forward_backward(model, batch, self.gradient_state.num_steps)
+        if self.sync_gradients:
+            self._hooks.after_backward(self._objects.models)
+        return loss
 
     def _do_sync(self) -> None:
         state = self.gradient_state

@@ -24,6 +24,10 @@ ENV_PREFIX = "PARALLELISM_CONFIG_"
 _SIZES = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size")
 # hf_backend's, not Accelerate's: the experts split within the data-parallel ranks, no processes of its own
 _EP = "ep_size"
+# hf_backend's too (Accelerate 1.15 has no pp): pipeline stages, the outermost dimension (strategies/pipeline.py)
+_PP = "pp_size"
+PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
+                "DualPipeV")
 
 
 @dataclasses.dataclass
@@ -85,7 +89,9 @@ class ParallelismConfig:
     (DeepSpeed's sequence-length hints) is not needed and not read. `ep_size` (hf_backend's, as in
     transformers' DistributedConfig) splits a mixture-of-experts model's experts over that many of
     the ranks that hold different tokens (dp_shard x cp x sp; strategies/experts.py): it adds no
-    processes."""
+    processes. `pp_size` (hf_backend's too) cuts the model into that many pipeline stages, the
+    outermost dimension, trained by `pp_schedule` (one of torch.distributed.pipelining's, "1F1B" by
+    default) over `pp_microbatches` microbatches per batch (default: one per stage)."""
 
     dp_replicate_size: int | None = None
     dp_shard_size: int | None = None
@@ -98,9 +104,12 @@ class ParallelismConfig:
     cp_handler: Any = None
     sp_handler: Any = None
     ep_size: int | None = None
+    pp_size: int | None = None
+    pp_schedule: str | None = None
+    pp_microbatches: int | None = None
 
     def __post_init__(self) -> None:
-        for name in (*_SIZES, _EP):
+        for name in (*_SIZES, _EP, _PP):
             value = getattr(self, name)
             if value is None:
                 variable = ENV_PREFIX + name[:-len("_size")].upper() + "_SIZE"
@@ -125,6 +134,26 @@ class ParallelismConfig:
                               "a sequence is split by one of them; set cp_size=1 or sp_size=1")
         if self.ep_size > 1:
             self._check_experts()
+        self._read_pipeline()
+
+    def _read_pipeline(self) -> None:
+        self.pp_schedule = self.pp_schedule or os.environ.get(ENV_PREFIX + "PP_SCHEDULE") or "1F1B"
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise ConfigError(f"ParallelismConfig pp_schedule={show(self.pp_schedule)}: use one of "
+                              f"{', '.join(PP_SCHEDULES)}")
+        if self.pp_microbatches is None and os.environ.get(ENV_PREFIX + "PP_MICROBATCHES"):
+            raw = os.environ[ENV_PREFIX + "PP_MICROBATCHES"]
+            if not raw.isdigit():
+                raise ConfigError(f"environment variable {ENV_PREFIX}PP_MICROBATCHES={raw!r} must be an integer >= 1")
+            self.pp_microbatches = int(raw)
+        if self.pp_microbatches is not None:
+            self.pp_microbatches = whole(self.pp_microbatches, "ParallelismConfig pp_microbatches", minimum=1)
+        assert self.pp_size is not None  # set by __post_init__
+        others = [f"{name}={getattr(self, name)}" for name in ("tp_size", "cp_size", "sp_size", "ep_size")
+                  if getattr(self, name) > 1]
+        if self.pp_size > 1 and others:
+            raise ConfigError(f"ParallelismConfig pp_size={self.pp_size} with {', '.join(others)}: pipeline "
+                              "stages compose with dp_replicate_size and dp_shard_size so far; set the others to 1")
 
     def _check_experts(self) -> None:
         assert self.dp_shard_size is not None and self.cp_size is not None and self.sp_size is not None
@@ -163,8 +192,10 @@ class ParallelismConfig:
         assert self.dp_replicate_size is not None and self.dp_shard_size is not None and self.cp_size is not None
         assert self.sp_size is not None and self.tp_size is not None and self.ep_size is not None
         assert self.sp_backend is not None  # every size and the backend are set by __post_init__
+        assert self.pp_size is not None and self.pp_schedule is not None
         shape = MeshShape(self.dp_replicate_size, self.dp_shard_size, self.cp_size, self.sp_size,
-                    self.tp_size, self.ep_size, self.sp_backend)
+                          self.tp_size, self.ep_size, self.sp_backend, self.pp_size, self.pp_schedule,
+                          self.pp_microbatches)
         if shape.world != world:
             sizes = " x ".join(f"{name}_size {size}" for name, size in zip(MeshShape.DIMS, shape.sizes) if size > 1)
             fix = f"set dp_shard_size={self.dp_shard_size * world // shape.world} or launch {shape.world} " \
@@ -179,12 +210,14 @@ class ParallelismConfig:
         that transformers' Trainer takes none of its DeepSpeed-ALST paths (its dataloader adapter, its
         loss), or DeepSpeed's, so that it takes them."""
         return cls(dp_replicate_size=shape.dp_replicate, dp_shard_size=shape.dp_shard, tp_size=shape.tp,
-                   cp_size=shape.cp, sp_size=shape.sp, sp_backend=shape.sp_backend, ep_size=shape.ep)
+                   cp_size=shape.cp, sp_size=shape.sp, sp_backend=shape.sp_backend, ep_size=shape.ep,
+                   pp_size=shape.pp, pp_schedule=shape.pp_schedule, pp_microbatches=shape.pp_microbatches)
 
     def to_json(self) -> dict[str, Any]:
         """What TrainingArguments.to_dict() writes (transformers calls it): the sizes and backends.
         """
-        return {name: getattr(self, name) for name in (*_SIZES, _EP, "cp_backend", "sp_backend")}
+        return {name: getattr(self, name) for name in (*_SIZES, _EP, "cp_backend", "sp_backend", _PP, "pp_schedule",
+                                                       "pp_microbatches")}
 
     # Accelerate's read-only views, which transformers' Trainer and Accelerate's examples ask
     tp_enabled = property(lambda self: self.tp_size > 1)
@@ -193,7 +226,8 @@ class ParallelismConfig:
     sp_enabled = property(lambda self: self.sp_size > 1)
     dp_replicate_enabled = property(lambda self: self.dp_replicate_size > 1)
     dp_shard_enabled = property(lambda self: self.dp_shard_size > 1)
-    total_size = property(lambda self: math.prod(getattr(self, name) for name in _SIZES))
+    pp_enabled = property(lambda self: self.pp_size > 1)
+    total_size = property(lambda self: math.prod(getattr(self, name) for name in (*_SIZES, _PP)))
     data_parallel_size = property(lambda self: self.dp_replicate_size * self.dp_shard_size)
     non_data_parallel_size = property(lambda self: self.tp_size * self.cp_size * self.sp_size)
 

@@ -3,7 +3,7 @@ shape a strategy sees; the mesh built once per process and shape (`build_mesh`);
 (what FSDP shards over, the sequence split, the experts' two meshes); and which part of each global batch a process
 reads (`DataShard`).
 
-Every dimension is present in the mesh, size 1 or not (dp_replicate, dp_shard, cp, sp, tp, outermost first), so each
+Every dimension is present in the mesh, size 1 or not (pp, dp_replicate, dp_shard, cp, sp, tp, outermost first), so each
 plan names the dimensions it uses whatever the shape; Accelerate's flattened dimensions are there too (`dp`,
 `dp_shard_cp`, `dp_cp`), made with the mesh on every rank, so that a script indexing one later
 (`mesh["dp_cp"].get_group()`) starts no collective. A sequence is split by cp or by sp, never both, so the flattened
@@ -31,10 +31,13 @@ FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp
 
 @dataclasses.dataclass(frozen=True)
 class MeshShape:
-    """The process grid, outermost dimension first (Accelerate's order): data-parallel replicas,
-    data-parallel shards, context-parallel and sequence-parallel sequence slices (one of the two),
-    tensor-parallel shards. Rank r sits at (r // (shard*cp*sp*tp), ..., r % tp): ranks that differ
-    only in their cp, sp and tp coordinates are neighbours and share a batch. `ep`: how many of the
+    """The process grid, outermost dimension first (torchtitan's order): pipeline stages,
+    data-parallel replicas, data-parallel shards, context-parallel and sequence-parallel sequence
+    slices (one of the two), tensor-parallel shards. Rank r sits at (r // (replicate*shard*cp*sp*tp),
+    ..., r % tp): ranks that differ only in their cp, sp and tp coordinates are neighbours and share a
+    batch, and so do the pp ranks (each runs other layers of it). `pp_schedule`, `pp_microbatches`:
+    torch.distributed.pipelining's schedule by name and the microbatches it cuts each batch into
+    (strategies/pipeline.py). `ep`: how many of the
     ranks in dp_shard x cp x sp (tp is 1) split each layer's experts, the innermost ones; not a
     dimension of its own. `sp_backend`: whose Ulysses splits the sequences, "hf_backend" (the mesh
     path, whatever the config named) or "deepspeed" (DeepSpeed's ALST, when DeepSpeed is the
@@ -47,12 +50,15 @@ class MeshShape:
     tp: int = 1
     ep: int = 1
     sp_backend: str = dataclasses.field(default="hf_backend", compare=False)
+    pp: int = 1
+    pp_schedule: str = "1F1B"
+    pp_microbatches: int | None = None  # None: one per stage
 
-    DIMS = ("dp_replicate", "dp_shard", "cp", "sp", "tp")
+    DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "sp", "tp")
 
     @property
-    def sizes(self) -> tuple[int, int, int, int, int]:
-        return self.dp_replicate, self.dp_shard, self.cp, self.sp, self.tp
+    def sizes(self) -> tuple[int, int, int, int, int, int]:
+        return self.pp, self.dp_replicate, self.dp_shard, self.cp, self.sp, self.tp
 
     @property
     def world(self) -> int:
@@ -70,8 +76,8 @@ class MeshShape:
 
     @property
     def batch_replicas(self) -> int:
-        """How many neighbouring ranks share each batch (tp x cp x sp)."""
-        return self.sequence_slices * self.tp
+        """How many ranks share each batch (tp x cp x sp neighbours, in each pp stage)."""
+        return self.sequence_slices * self.tp * self.pp
 
     @property
     def expert_shards(self) -> int:
@@ -81,7 +87,7 @@ class MeshShape:
     @property
     def needs_mesh(self) -> bool:
         """Whether anything is sharded: with replicas only, DDP trains the same way."""
-        return self.dp_shard > 1 or self.sequence_slices > 1 or self.tp > 1
+        return self.dp_shard > 1 or self.sequence_slices > 1 or self.tp > 1 or self.pp > 1
 
     @classmethod
     def for_fsdp(cls, sharding_strategy: str, world: int, local: int) -> MeshShape:
@@ -151,6 +157,12 @@ def expert_meshes(mesh: DeviceMesh, shape: MeshShape) -> ExpertMeshes:
     return ExpertMeshes(split["ep"], _with_replicas(mesh, shape, split["efsdp"]))
 
 
+def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """`dp`: every rank holding the same parameters with other rows of each batch (replicas and shards as one
+    dimension, the one made with the mesh)."""
+    return mesh[FLATTENED["dp"]]._flatten("dp")
+
+
 def _shards(mesh: DeviceMesh) -> DeviceMesh:
     """`dp_shard_cp`: the data-parallel shards with the cp or sp ranks, the one made with the mesh."""
     return mesh[FLATTENED["dp_shard_cp"]]._flatten("dp_shard_cp")
@@ -184,7 +196,7 @@ class DataShard(NamedTuple):
 def data_shard(mesh: DeviceMesh, shape: MeshShape) -> DataShard:
     index = mesh.get_local_rank("dp_replicate") * shape.dp_shard + mesh.get_local_rank("dp_shard")
     sequence = mesh.get_local_rank("cp") * shape.sp + mesh.get_local_rank("sp")
-    within = sequence * shape.tp + mesh.get_local_rank("tp")
+    within = (mesh.get_local_rank("pp") * shape.sequence_slices + sequence) * shape.tp + mesh.get_local_rank("tp")
     return DataShard(shape.data_parallel, index, shape.batch_replicas, within == 0, shape.sequence_slices)
 
 
@@ -192,13 +204,14 @@ def loaded_shape(model: Any) -> MeshShape | None:
     """The grid transformers sharded a model over while loading it
     (`from_pretrained(distributed_config=...)`, or
     `tp_plan=`: its own mesh over every process), as the engine's shape: the run's grid must be that
-    one. None for a model loaded whole. Pipeline parallelism, and transformers' own expert split, from
-    a DistributedConfig are refused here, in one line."""
+    one. None for a model loaded whole. transformers' own pipeline stages and expert split, from a
+    DistributedConfig, are refused here, in one line that names the engine's own."""
     if getattr(model, "is_distributed_loading_by_transformers", False):
         config = model.config.distributed_config
         if (getattr(config, "pp_size", 1) or 1) > 1:
             raise ConfigError(f"the model was loaded with DistributedConfig(pp_size={config.pp_size}): "
-                              "pipeline parallelism is not supported by hf_backend yet; load it without pp_size")
+                              "transformers' stages run forward only; load it without pp_size and set "
+                              f"ParallelismConfig(pp_size={config.pp_size})")
         if (getattr(config, "ep_size", 1) or 1) > 1:
             raise ConfigError(f"the model was loaded with DistributedConfig(ep_size={config.ep_size}): "
                               "hf_backend splits the experts itself; load it without ep_size and set "

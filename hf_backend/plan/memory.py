@@ -88,6 +88,8 @@ def plan_memory(model: torch.nn.Module, strategy: str, num_processes: int = 1, *
                              f"{dict(zip(MeshShape.DIMS, shape.sizes))} make "
                              f"{shape.world} processes, not {num_processes}; "
                              f"make them multiply to {num_processes}")
+    if shape.pp > 1:
+        raise HfBackendError("plan: pp is not priced yet (issue 56); plan the grid without pp_size")
     if shape.needs_mesh and not placement.takes_mesh:
         raise HfBackendError("plan: dp_shard, cp and tp sizes run under FSDP (the engine's mesh), "
                              f"not {strategy}; pass --strategy fsdp")

@@ -19,6 +19,7 @@ from .ddp import DDPStrategy
 from .deepspeed import DeepSpeedStrategy
 from .deepspeed_ulysses import DeepSpeedUlyssesStrategy
 from .fsdp import FSDPStrategy
+from .pipeline_strategy import PipelineStrategy
 from .single import SingleDeviceStrategy
 
 _DEEPSPEED_GRID = ("parallelism_config with DeepSpeed: DeepSpeed takes sequence parallelism alone (sp_size "
@@ -45,7 +46,8 @@ def select_strategy(process: ProcessState, precision: Precision, handlers: Handl
             raise HfBackendError(_DEEPSPEED_GRID)
         # hf_backend's Ulysses, whichever the config named
         shape = dataclasses.replace(shape, sp_backend="hf_backend")
-        return FSDPStrategy(process, precision, handlers, backend.fsdp or FsdpOptions(), shape)
+        mesh_path = PipelineStrategy if shape.pp > 1 else FSDPStrategy
+        return mesh_path(process, precision, handlers, backend.fsdp or FsdpOptions(), shape)
     if backend.fsdp is not None:
         if process.distributed:
             return FSDPStrategy(process, precision, handlers, backend.fsdp)
@@ -66,4 +68,5 @@ def select_strategy(process: ProcessState, precision: Precision, handlers: Handl
     return cls(process, precision, handlers)
 
 
-__all__ = ["DDPStrategy", "DeepSpeedStrategy", "FSDPStrategy", "SingleDeviceStrategy", "Strategy", "select_strategy"]
+__all__ = ["DDPStrategy", "DeepSpeedStrategy", "FSDPStrategy", "PipelineStrategy", "SingleDeviceStrategy", "Strategy",
+           "select_strategy"]

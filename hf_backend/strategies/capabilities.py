@@ -37,6 +37,15 @@ class SequenceLoader(ABC):
         """`loader` (each rank's own batches) as this rank's slices of its group's batches."""
 
 
+class Pipelined(ABC):
+    """Forward and backward in one call through a pipeline schedule (`accelerator.forward_backward`): the
+    strategy of `ParallelismConfig(pp_size=P)`, whose stages sit on other ranks."""
+
+    @abstractmethod
+    def forward_backward(self, model: torch.nn.Module, batch: Any, accumulation_steps: int) -> torch.Tensor:
+        """The batch's mean loss, on every rank, its gradients accumulated into the stages' parameters."""
+
+
 class ValueClipping:
     """Gradients clipped element-wise (`clip_grad_value_`), by default with torch's function; an
     engine that clips by norm itself has no such step."""
@@ -48,6 +57,8 @@ class ValueClipping:
 _REFUSALS = {
     Joinable: "join_uneven_inputs is supported with DDP only: under {name} a process that runs "
               "out of data would hang the others; use even_batches=True (the default) instead",
+    Pipelined: "forward_backward runs a pipeline schedule: it needs ParallelismConfig(pp_size=...) above 1; "
+               "under {name} call model(**batch) and accelerator.backward(loss)",
     ValueClipping: "clip_grad_value_ is not available with {name}; clip by norm instead "
                    "(clip_grad_norm_; DeepSpeed: set gradient_clipping in its config)",
 }

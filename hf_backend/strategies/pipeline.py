@@ -85,7 +85,7 @@ def bubble_fraction(schedule: str, pp: int, microbatches: int, stages_per_rank: 
     return (pp - 1) / (v * microbatches + pp - 1)
 
 
-class _Decoder(nn.Module):
+class Decoder(nn.Module):
     """A stage's part of the decoder, under the decoder's own attribute names."""
 
     embed_tokens: nn.Module | None
@@ -106,7 +106,7 @@ class DecoderStage(nn.Module):
         self.config = model.config
         self.base_name = model.base_model_prefix
         base = getattr(model, self.base_name)
-        part = _Decoder()
+        part = Decoder()
         for name in base.config.base_model_pp_plan:
             if name == "layers":
                 part.layers = nn.ModuleDict({str(i): base.layers[i] for i in blocks})
@@ -117,10 +117,11 @@ class DecoderStage(nn.Module):
         part.rotary_emb = base.rotary_emb  # every stage computes the positions' rotations (buffers only)
         self.add_module(self.base_name, part)
         self.lm_head = getattr(model, "lm_head") if last else None  # noqa: B009  (a transformers attribute)
+        self._no_split_modules = getattr(model, "_no_split_modules", None)  # its blocks' class (FSDP's units)
 
     @property
-    def part(self) -> _Decoder:
-        return cast(_Decoder, getattr(self, self.base_name))
+    def part(self) -> Decoder:
+        return cast(Decoder, getattr(self, self.base_name))
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
@@ -168,7 +169,8 @@ class Pipeline:
     data-parallel size, since FSDP averages the ranks' gradients."""
 
     def __init__(self, model: PreTrainedModel, group: dist.ProcessGroup, schedule: str = "1F1B",
-                 microbatches: int = 4, stages_per_rank: int = 2, data_parallel: dist.ProcessGroup | None = None,
+                 microbatches: int | None = None, stages_per_rank: int = 2,
+                 data_parallel: dist.ProcessGroup | None = None,
                  parallelize: Callable[[nn.Module], object] | None = None) -> None:
         from torch.distributed.pipelining import PipelineStage
 
@@ -188,10 +190,11 @@ class Pipeline:
                   for module, s in zip(self.modules, self.layout.stages)]
         self.holds_last = last in self.layout.stages
         self._scale = torch.ones(())  # what each microbatch's summed loss is divided by, set by step
+        self.microbatches = microbatches or self.layout.num_stages  # by default one per stage
         cls = schedule_class(schedule)
-        self.schedule = cls(stages if is_looped(schedule) else stages[0], microbatches, loss_fn=self._loss,
+        self.schedule = cls(stages if is_looped(schedule) else stages[0], self.microbatches, loss_fn=self._loss,
                             scale_grads=False)
-        self.bubble = bubble_fraction(schedule, self.pp, microbatches, len(self.layout.stages))
+        self.bubble = bubble_fraction(schedule, self.pp, self.microbatches, len(self.layout.stages))
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The model's causal-LM loss (targets shifted by one, -100 ignored), summed over this microbatch and
@@ -201,17 +204,18 @@ class Pipeline:
                                             reduction="sum")
         return total / self._scale
 
-    def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """One forward and backward of this rank's rows of the global batch; the global batch's mean loss."""
+    def step(self, input_ids: torch.Tensor, labels: torch.Tensor, gradient_scale: float = 1.0) -> torch.Tensor:
+        """One forward and backward of this rank's rows of the global batch; the global batch's mean loss.
+        `gradient_scale`: what the gradients are multiplied by (1 / the accumulation steps)."""
         tokens = (labels[..., 1:] != -100).sum().float()
         if self.data_parallel is not None:
             dist.all_reduce(tokens, group=self.data_parallel)
-        self._scale = tokens.clamp(min=1) / self.dp
+        self._scale = tokens.clamp(min=1) / self.dp / gradient_scale
         losses: list[torch.Tensor] = []
         inputs = (input_ids,) if 0 in self.layout.stages else ()
         # the logits stay on the last stage, a microbatch at a time: never merged into the whole batch's
         self.schedule.step(*inputs, target=labels if self.holds_last else None, losses=losses, return_outputs=False)
-        loss = torch.stack(losses).sum().detach() / self.dp if self.holds_last else torch.zeros(())
+        loss = torch.stack(losses).sum().detach() / (self.dp * gradient_scale) if self.holds_last else torch.zeros(())
         dist.all_reduce(loss, group=self.group)  # from the last stage's rank to every pp rank
         if self.data_parallel is not None:
             dist.all_reduce(loss, group=self.data_parallel)

@@ -1,0 +1,102 @@
+"""An Accelerate loop on pipeline stages (tests/test_pipeline.py): `Accelerator(parallelism_config=
+ParallelismConfig(pp_size=..., dp_shard_size=..., pp_schedule=...))`, the model, an SGD optimizer and a DataLoader of
+the global batches prepared together, and the loop's one change: `loss = accelerator.forward_backward(model, batch)`
+in place of `model(**batch).loss` and `accelerator.backward(loss)`; clipping at 0.5 with `accelerator.clip_grad_norm_`.
+`--accumulate 2` steps every second micro batch inside `accelerator.accumulate(model)`. The one-process reference
+(the same model and batches in a plain loop, with the same accumulation) runs first in every process. Rank 0 writes
+each step's loss and clipped norm, the reference's, the largest parameter difference over the ranks, and the refusals
+of what the loop may not call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.distributed as dist
+from pp_loop import CLIP, LR, batches, tiny
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader
+
+from hf_backend import Accelerator, ParallelismConfig
+from hf_backend.core.errors import HfBackendError
+
+
+def rows() -> list[dict]:
+    """The global batches as dataset rows, in order."""
+    return [{"input_ids": ids[i], "labels": labels[i]} for ids, labels in batches() for i in range(len(ids))]
+
+
+def one_process(accumulate: int) -> dict:
+    model = tiny("llama")
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    losses, norms = [], []
+    micro = DataLoader(rows(), batch_size=8 // accumulate)
+    for step, batch in enumerate(micro, 1):
+        loss = model(**batch).loss
+        (loss / accumulate).backward()
+        losses.append(float(loss.detach()))
+        if step % accumulate == 0:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+            optimizer.step()
+            optimizer.zero_grad()
+    return {"losses": losses, "norms": norms, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def refusals(accelerator: Accelerator, model: torch.nn.Module, batch: dict) -> list[str]:
+    said = []
+    for call in (lambda: model(**batch), lambda: accelerator.backward(torch.ones((), requires_grad=True)),
+                 lambda: accelerator.get_state_dict(model)):
+        try:
+            call()
+        except HfBackendError as refused:
+            said.append(str(refused))
+    return said
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--dp-shard", type=int, default=1)
+    parser.add_argument("--schedule", default="1F1B")
+    parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--microbatches", type=int)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    reference = one_process(args.accumulate)
+    config = ParallelismConfig(pp_size=args.pp, dp_shard_size=args.dp_shard, pp_schedule=args.schedule,
+                               pp_microbatches=args.microbatches)
+    accelerator = Accelerator(parallelism_config=config, split_batches=True,
+                              gradient_accumulation_steps=args.accumulate)
+    model = tiny("llama")
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    loader = DataLoader(rows(), batch_size=8 // args.accumulate)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    losses, norms = [], []
+    for batch in loader:
+        with accelerator.accumulate(model):
+            loss = accelerator.forward_backward(model, batch)
+            norm = accelerator.clip_grad_norm_(model.parameters(), CLIP)
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(float(loss))
+        if norm is not None:
+            norms.append(float(norm))
+    worst = torch.tensor(max(float(((p.full_tensor() if isinstance(p, DTensor) else p).detach()
+                                    - reference["params"][name]).abs().max())
+                             for name, p in model.named_parameters()))
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    said = refusals(accelerator, model, next(iter(loader)))
+    if accelerator.is_main_process:
+        with open(args.out, "w") as f:
+            json.dump({"losses": losses, "reference": reference["losses"], "norms": norms,
+                       "reference_norms": reference["norms"], "params": float(worst), "refusals": said,
+                       "held": sum(p.numel() for p in model.parameters()),
+                       "parameters": sum(p.numel() for p in reference["params"].values())}, f)
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()
