@@ -115,7 +115,7 @@ def test_the_published_example_logs_the_one_process_losses(published, model_dir,
     assert _steps(many["losses"], one["losses"]) <= LOSS, (many["losses"], one["losses"])
     assert (save / "checkpoint-2").is_dir() == ("--dp-shard-size" in args)
     mesh = many["mesh"]  # every dimension, and Accelerate's flattened ones, with their sizes
-    sizes = {"dp_replicate": 1, "dp_shard": 1, "cp": 1, "sp": 1, "tp": 1}
+    sizes = {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "sp": 1, "tp": 1}
     sizes.update({a[2:-5].replace("-", "_"): int(v) for a, v in zip(args[::2], args[1::2])})
     assert mesh == {**sizes, "dp": sizes["dp_replicate"] * sizes["dp_shard"],
                     "dp_shard_cp": sizes["dp_shard"] * sizes["cp"],
