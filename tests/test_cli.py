@@ -123,8 +123,8 @@ def test_the_scripts_own_flags_pass_through_even_when_they_look_like_launch_flag
 def test_interactive_config_reads_piped_answers(tmp_path):
     path = tmp_path / "answers.yaml"
     # machine type, machines, processes, FSDP?, sharding, offload, wrap policy, layer class, state dict,
-    # ParallelismConfig? (its sizes: dp_replicate, dp_shard, tp, cp, sp, ep), precision
-    answers = "cpu\n1\n4\nyes\nSHARD_GRAD_OP\nno\n\nBertLayer\nSHARDED_STATE_DICT\nyes\n1\n2\n2\n1\n1\n1\nbf16\n"
+    # ParallelismConfig? (its sizes: dp_replicate, dp_shard, tp, cp, sp, ep, pp), precision
+    answers = "cpu\n1\n4\nyes\nSHARD_GRAD_OP\nno\n\nBertLayer\nSHARDED_STATE_DICT\nyes\n1\n2\n2\n1\n1\n1\n1\nbf16\n"
     proc = cli("config", "--config_file", str(path), input=answers)
     assert proc.returncode == 0, proc.stderr
     config = load_config(path)

@@ -164,3 +164,25 @@ def test_the_trainer_and_the_plan_refuse_pp_in_one_line(tmp_path) -> None:
                                          num_attention_heads=2))
     with pytest.raises(HfBackendError, match="plan: pp is not priced yet"):
         plan_memory(model, "fsdp", 2, shape=parse_sizes("pp=2"))
+
+
+def test_a_config_files_pp_keys_reach_every_process_as_one_value(monkeypatch) -> None:
+    """`parallelism_config:` pp keys (also `hf-backend launch` flags) travel in PARALLELISM_CONFIG_PP_*, which
+    ParallelismConfig reads; the launcher's 0 microbatches is the default, one per stage."""
+    from hf_backend import ParallelismConfig
+    from hf_backend.config import environment
+    from hf_backend.config.loader import validate
+    from hf_backend.core.errors import ConfigError
+
+    config = validate({"distributed_type": "FSDP", "num_processes": 4, "use_cpu": True, "parallelism_config": {
+        "parallelism_config_pp_size": 2, "parallelism_config_dp_shard_size": 2,
+        "parallelism_config_pp_schedule": "Interleaved1F1B"}})
+    with pytest.raises(ConfigError, match="parallelism_config_pp_schedule"):
+        validate({"parallelism_config": {"parallelism_config_pp_schedule": "2F2B"}})
+    variables = environment.to_environment(config)
+    assert variables["PARALLELISM_CONFIG_PP_SIZE"] == "2"
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("PARALLELISM_CONFIG_PP_MICROBATCHES", "0")
+    read = ParallelismConfig()
+    assert (read.pp_size, read.dp_shard_size, read.pp_schedule, read.pp_microbatches) == (2, 2, "Interleaved1F1B", None)

@@ -103,6 +103,11 @@ class DeepSpeedSection:
     deepspeed_moe_layer_cls_names: str | None = key(None, "MoE layer classes kept whole by ZeRO-3")
 
 
+# torch.distributed.pipelining's schedules, by the names get_schedule_class takes (strategies/pipeline.py)
+PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
+                "DualPipeV")
+
+
 @dataclass
 class ParallelismSection:
     """`parallelism_config:` (Accelerate's keys and flags): the process grid of the native mesh path, a
@@ -140,6 +145,13 @@ class ParallelismSection:
                                              "(hf_backend's: within dp_shard x cp x sp, no processes of its own)",
                                           minimum=1, maximum=MAX_PROCESSES,
                                           question="Expert-parallel size (ep_size)")
+    parallelism_config_pp_size: int = key(1, "pipeline stages: the model's layers cut over that many ranks, the "
+                                             "outermost dimension (hf_backend's; an Accelerate loop calls "
+                                             "accelerator.forward_backward)", minimum=1, maximum=MAX_PROCESSES,
+                                          question="Pipeline-parallel size (pp_size)")
+    parallelism_config_pp_schedule: str = key("1F1B", "torch.distributed.pipelining's schedule", choices=PP_SCHEDULES)
+    parallelism_config_pp_microbatches: int = key(0, "microbatches the schedule cuts each batch into (0: one per "
+                                                     "stage)", minimum=0, maximum=1_000_000)
 
 
 @dataclass

@@ -15,6 +15,7 @@ import os
 from typing import Any
 
 from ..config import environment as env
+from ..config.schema import PP_SCHEDULES
 from ..core.checks import show, whole
 from ..core.errors import ConfigError
 from ..core.notes import note
@@ -26,8 +27,6 @@ _SIZES = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size")
 _EP = "ep_size"
 # hf_backend's too (Accelerate 1.15 has no pp): pipeline stages, the outermost dimension (strategies/pipeline.py)
 _PP = "pp_size"
-PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
-                "DualPipeV")
 
 
 @dataclasses.dataclass
@@ -144,8 +143,9 @@ class ParallelismConfig:
         if self.pp_microbatches is None and os.environ.get(ENV_PREFIX + "PP_MICROBATCHES"):
             raw = os.environ[ENV_PREFIX + "PP_MICROBATCHES"]
             if not raw.isdigit():
-                raise ConfigError(f"environment variable {ENV_PREFIX}PP_MICROBATCHES={raw!r} must be an integer >= 1")
-            self.pp_microbatches = int(raw)
+                raise ConfigError(f"environment variable {ENV_PREFIX}PP_MICROBATCHES={raw!r} must be an integer >= 0 "
+                                  "(0: one per stage)")
+            self.pp_microbatches = int(raw) or None  # the launcher's 0: the default
         if self.pp_microbatches is not None:
             self.pp_microbatches = whole(self.pp_microbatches, "ParallelismConfig pp_microbatches", minimum=1)
         assert self.pp_size is not None  # set by __post_init__
