@@ -1,8 +1,9 @@
 """Pipeline parallelism's stages and schedules (hf_backend/strategies/pipeline.py; issue 56's first part), against one
 process: tests/scripts/pp_loop.py on pp 2, pp 4 and pp 2 x dp_shard 2 (FSDP2 inside each stage), a tiny Llama and a
 tiny dense Qwen3 of 8 decoder layers, each schedule 3 SGD steps with clipping, every step's loss and clipped norm and
-the parameters at the end within 1e-5 of one process's on the same global batch; then the layout, the bubble and the
-one-line refusals."""
+the parameters at the end within 1e-5 of one process's on the same global batch; an Accelerate loop on the engine
+(`accelerator.forward_backward`, tests/scripts/pp_accelerate.py) the same way; then the layout, the bubble, the
+settings and the one-line refusals."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ pp rank r; looped ones (interleaved 1F1B, looped BFS, interleaved zero bubble) `
 The loss is the model's causal-LM cross-entropy, each microbatch's sum over its tokens divided by the tokens of the
 whole batch, so the microbatches' losses add up to the batch's mean and their gradients to the batch's (the schedule
 scales nothing). The stages take full rows (no padding mask, positions from 0); tied embeddings across stages and a
-model without a pp plan are refused in one line. Not yet on the engine: `ParallelismConfig` still refuses pp_size.
+model without a pp plan are refused in one line. On the engine: pipeline_strategy.py (`ParallelismConfig(pp_size=P)`).
 """
 
 from __future__ import annotations
