@@ -3,8 +3,8 @@
 runs forward and backward through the schedule in one call, `accelerator.forward_backward(model, batch)`.
 
 `prepare` hands back this rank's part of the model under the model's own names (`PipelinedModel`): its parameters
-are what the optimizer of this rank steps. Calling it, `accelerator.backward` and saving its state are refused in one
-line each, naming what to do instead (the state's save and load under pp are not built yet).
+are what the optimizer of this rank steps, and its state is the whole model's restricted to them (see "state"
+below). Calling it and `accelerator.backward` are refused in one line each, naming `forward_backward`.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
 from ..core.errors import HfBackendError
 from ..core.notes import note
@@ -90,8 +91,9 @@ class PipelineStrategy(FSDPStrategy, Pipelined):
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """The optimizer keeps the parameters this rank's stages hold (as their shards) and drops the others."""
+        held = {id(p) for p in self._new_params.values()}  # built before prepare or from the prepared model
         for group in optimizer.param_groups:
-            group["params"] = [p for p in group["params"] if id(p) in self._new_params]
+            group["params"] = [p for p in group["params"] if id(p) in self._new_params or id(p) in held]
         return super().setup_optimizer(optimizer)
 
     def forward_backward(self, model: nn.Module, batch: Mapping[str, Any], accumulation_steps: int) -> torch.Tensor:
@@ -127,21 +129,66 @@ class PipelineStrategy(FSDPStrategy, Pipelined):
                         norm_type: float = 2.0) -> torch.Tensor:
         return clip_grad_norm(parameters, max_norm, norm_type, across=(self.mesh["pp"].get_group(),))
 
+    # -- state -------------------------------------------------------------------------------------
+    # Each rank's stages are the whole model's modules under its names, so a sharded state (DCP) is the model's
+    # own, every rank writing its stages' shards: it loads under any layout, pp or not. Full states are gathered
+    # over the data-parallel ranks of each stage, then over the stages onto the main process.
+
     def model_state_dict(self, model: torch.nn.Module, sharded: bool = False, trainable_only: bool = False,
                          masters: bool = False) -> dict[str, torch.Tensor]:
-        raise _NO_STATE
+        if sharded:
+            return super().model_state_dict(model, sharded=True, trainable_only=trainable_only)
+        options = StateDictOptions(full_state_dict=True, ignore_frozen_params=trainable_only)
+        return self._onto_main(_to_cpu(get_model_state_dict(model, options=options)))
 
     def load_model_state_dict(self, model: torch.nn.Module, state_dict: dict[str, Any], sharded: bool = False) -> Any:
-        raise _NO_STATE
+        """A whole model's state (full or sharded), of which each rank loads its stages' part."""
+        held = model.state_dict().keys()
+        return super().load_model_state_dict(model, {k: v for k, v in state_dict.items() if k in held}, sharded)
 
     def optimizer_state_dict(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                              sharded: bool = False) -> dict[str, Any]:
-        raise _NO_STATE
+        """Every rank's param groups name every stage's parameters, so the one copy a DCP checkpoint keeps of
+        them (and a full state's) serves any layout; the state is this rank's stages' (sharded) or every
+        stage's on the main process (full)."""
+        if sharded:
+            state = super().optimizer_state_dict(model, optimizer, sharded=True)
+            return {**state, "param_groups": self._whole_groups(state["param_groups"])}
+        full = cast("dict[str, Any]", get_optimizer_state_dict(model, optimizer,
+                                                               options=StateDictOptions(full_state_dict=True)))
+        groups = self._whole_groups(full["param_groups"])
+        merged = self._onto_main(_to_cpu(full["state"]))
+        return {"state": merged, "param_groups": groups} if self.process.is_main_process else {}
 
     def load_optimizer_state_dict(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                                   state_dict: dict[str, Any], sharded: bool = False) -> None:
-        raise _NO_STATE
+        held = dict(model.named_parameters()).keys()
+        state_dict = {"state": {k: v for k, v in state_dict.get("state", {}).items() if k in held},
+                      "param_groups": [{**group, "params": [n for n in group["params"] if n in held]}
+                                       for group in state_dict.get("param_groups", [])]}
+        super().load_optimizer_state_dict(model, optimizer, state_dict, sharded)
+
+    def _whole_groups(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """This rank's param groups with the names of the parameters every pp rank's groups hold."""
+        everyone: list[Any] = [None] * self.shape.pp
+        dist.all_gather_object(everyone, [list(group["params"]) for group in groups], group=self.mesh["pp"].get_group())
+        return [{**group, "params": [name for theirs in everyone for name in theirs[i]]}
+                for i, group in enumerate(groups)]
+
+    def _onto_main(self, part: dict[str, Any]) -> dict[str, Any]:
+        """Each stage's entries (the same on its data-parallel ranks) merged on the main process; {} elsewhere."""
+        if data_parallel_mesh(self.mesh).get_local_rank() != 0:
+            return {}
+        parts: list[Any] = [None] * self.shape.pp if self.process.is_main_process else []
+        dist.gather_object(part, parts if self.process.is_main_process else None,
+                           group=self.mesh["pp"].get_group(), group_dst=0)
+        return {k: v for theirs in parts for k, v in theirs.items()}
 
 
-_NO_STATE = HfBackendError("saving or loading a model's state under pipeline parallelism (pp_size > 1) is not "
-                           "built yet (issue 56); train with pp_size=1 where a checkpoint is needed")
+def _to_cpu(tree: Any) -> Any:
+    """A state's tensors moved to the CPU (what gather_object sends), the rest as it is."""
+    if isinstance(tree, torch.Tensor):
+        return tree.cpu()
+    if isinstance(tree, dict):
+        return {k: _to_cpu(v) for k, v in tree.items()}
+    return tree

@@ -46,8 +46,7 @@ def one_process(accumulate: int) -> dict:
 
 def refusals(accelerator: Accelerator, model: torch.nn.Module, batch: dict) -> list[str]:
     said = []
-    for call in (lambda: model(**batch), lambda: accelerator.backward(torch.ones((), requires_grad=True)),
-                 lambda: accelerator.get_state_dict(model)):
+    for call in (lambda: model(**batch), lambda: accelerator.backward(torch.ones((), requires_grad=True))):
         try:
             call()
         except HfBackendError as refused:
