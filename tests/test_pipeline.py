@@ -7,6 +7,8 @@ settings and the one-line refusals."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from helpers import run_report
 
@@ -107,9 +109,11 @@ def test_an_accelerate_loop_trains_on_pipeline_stages_as_one_process(case, tmp_p
     assert max(abs(a - b) for a, b in zip(run["norms"], run["reference_norms"])) <= TOLERANCE, run
     assert run["params"] <= TOLERANCE
     assert run["held"] < 0.55 * run["parameters"]  # rank 0 holds its stages only
-    model_call, backward = run["refusals"]
+    assert run["eval_loss"] <= TOLERANCE and run["eval_logits"] <= TOLERANCE, run
+    model_call, backward, shorter = run["refusals"]
     assert "loss = accelerator.forward_backward(model, batch) instead of model(**batch)" in model_call
     assert backward.startswith("accelerator.backward under pipeline parallelism")
+    assert re.match(r"pipeline stages: a batch of (\d) x 11 tokens after batches of \1 x 12; every batch", shorter)
 
 
 # -- checkpoints: a chain of runs, each resuming the one before on another layout (tests/scripts/pp_resume.py) ---------
@@ -154,6 +158,89 @@ def test_a_pipeline_checkpoint_consolidates_into_the_model_save_model_writes(cha
     assert all(bool((whole[name] == saved[name]).all()) for name in whole)
 
 
+# -- hf_backend.Trainer on pipeline stages (tests/scripts/llm_trainer.py) ----------------------------------------------
+# 4 AdamW steps of 2 micro steps with clipping, padded rows of uneven lengths (width 24: one shape a run), then
+# evaluate and predict on 16 held-out rows
+TRAINER = ["--steps", "4", "--pad-multiple", "24", "--grad-accum", "2", "--eval"]
+TRAINER_GRIDS = {"pp2-1F1B": (2, ["--pp", "2", "--batch-size", "8", "--save-final", "--save-steps", "10"]),
+                 "pp2xdp_shard2-GPipe": (4, ["--pp", "2", "--grid", "1x2", "--schedule", "GPipe", "--batch-size", "4",
+                                             "--save-steps", "2"])}
+
+
+@pytest.fixture(scope="module")
+def trainers(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pp-trainer")
+    runs = {"one": run_report("llm_trainer.py", root / "one.json", ["--output-dir", str(root / "one"),
+                                                                    "--batch-size", "8", "--save-steps", "10",
+                                                                    *TRAINER])}
+    for name, (nproc, args) in TRAINER_GRIDS.items():
+        runs[name] = run_report("llm_trainer.py", root / f"{name}.json", ["--output-dir", str(root / name), *args,
+                                                                          *TRAINER], nproc=nproc, timeout=300)
+    return root, runs
+
+
+@pytest.mark.parametrize("grid", list(TRAINER_GRIDS))
+def test_the_trainer_trains_and_evaluates_on_pipeline_stages_as_one_process(trainers, grid) -> None:
+    """hf_backend.Trainer with TrainingArguments(parallelism_config=ParallelismConfig(pp_size=2, ...)), unchanged:
+    the logged losses and gradient norms, the parameters, the evaluation loss and predict's logits (padding
+    included: the mask goes to every stage) within 1e-5 of one process on the same global batch."""
+    one, many = trainers[1]["one"], trainers[1][grid]
+    assert len(many["losses"]) == 4 and many["trainable"] == one["trainable"]
+    for key in ("losses", "grad_norms"):
+        assert max(abs(a - b) for a, b in zip(one[key], many[key], strict=True)) <= TOLERANCE, (key, one, many)
+    assert max(abs(a - b) for a, b in zip(one["params"], many["params"], strict=True)) <= TOLERANCE
+    assert abs(one["eval_loss"] - many["eval_loss"]) <= TOLERANCE
+    assert many["predictions"][0] == one["predictions"][0] == [16, 24, 48]
+    assert max(abs(a - b) for a, b in zip(one["predictions"][1], many["predictions"][1], strict=True)) <= TOLERANCE
+
+
+def test_the_trainers_pipeline_checkpoint_resumes_in_one_process_and_its_model_loads(trainers, tmp_path) -> None:
+    """pp 2 x dp_shard 2's checkpoint-2 (each stage's shards) resumed by one process's Trainer: steps 3 and 4 as
+    one process's; pp 2's `save_model` is a model directory from_pretrained loads, with one process's weights."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    root, runs = trainers
+    resumed = run_report("llm_trainer.py", tmp_path / "r.json", [
+        "--output-dir", str(tmp_path / "r"), "--batch-size", "8", "--save-steps", "10", *TRAINER[:-1],
+        "--resume", str(root / "pp2xdp_shard2-GPipe" / "checkpoint-2")])
+    one = runs["one"]
+    assert max(abs(a - b) for a, b in zip(resumed["losses"][2:], one["losses"][2:], strict=True)) <= TOLERANCE
+    assert max(abs(a - b) for a, b in zip(resumed["params"], one["params"], strict=True)) <= TOLERANCE
+    model = LlamaForCausalLM.from_pretrained(root / "pp2-1F1B" / "final")
+    flat = torch.cat([p.detach().flatten() for _, p in sorted(model.named_parameters())])
+    assert (flat - torch.tensor(one["params"])).abs().max() <= TOLERANCE
+
+
+def test_what_the_trainer_cannot_run_through_stages_is_one_line() -> None:
+    """A trainer with a loss of its own (TRL's trainers override compute_loss), compute_loss_func or label
+    smoothing on pipeline stages: refused when the trainer is built (its check, on a stand-in for it)."""
+    from types import SimpleNamespace
+
+    from hf_backend import Trainer
+    from hf_backend.core.errors import ConfigError
+    from hf_backend.strategies.pipeline_strategy import PipelineStrategy
+
+    class OwnLoss(Trainer):
+        def compute_loss(self, *args, **kwargs):
+            return super().compute_loss(*args, **kwargs)
+
+    def built(cls, **args):
+        trainer = object.__new__(cls)
+        trainer.accelerator = SimpleNamespace(strategy=object.__new__(PipelineStrategy),
+                                              parallelism_config=SimpleNamespace(pp_size=2))
+        trainer.args = SimpleNamespace(**{"label_smoothing_factor": 0.0, "average_tokens_across_devices": True,
+                                          **args})
+        trainer.compute_loss_func = None
+        return trainer
+
+    built(Trainer).check_pipeline_fits()
+    with pytest.raises(ConfigError, match="pp_size=2 with OwnLoss: it overrides compute_loss, which calls the model"):
+        built(OwnLoss).check_pipeline_fits()
+    with pytest.raises(ConfigError, match="pp_size=2 with Trainer: compute_loss_func and label_smoothing_factor"):
+        built(Trainer, label_smoothing_factor=0.1).check_pipeline_fits()
+
+
 def test_pipeline_settings_are_read_once_and_checked(monkeypatch) -> None:
     from hf_backend import ParallelismConfig
     from hf_backend.core.errors import ConfigError
@@ -186,21 +273,17 @@ def test_forward_backward_without_pipeline_stages_is_one_line() -> None:
     accelerator = Accelerator(cpu=True)
     model = accelerator.prepare(LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=8,
                                                              num_hidden_layers=1, num_attention_heads=2)))
-    with pytest.raises(HfBackendError, match="forward_backward runs a pipeline schedule: it needs "
+    with pytest.raises(HfBackendError, match="forward_backward and forward_only run a pipeline schedule: they need "
                                              r"ParallelismConfig\(pp_size=...\) above 1"):
         accelerator.forward_backward(model, {"input_ids": torch.ones(1, 4, dtype=torch.long)})
 
 
-def test_the_trainer_and_the_plan_refuse_pp_in_one_line(tmp_path) -> None:
-    from hf_backend import ParallelismConfig, TrainingArguments
-    from hf_backend.cli.plan_cmd import parse_sizes
-    from hf_backend.core.errors import ConfigError, HfBackendError
-    from hf_backend.plan.memory import plan_memory
-
-    with pytest.raises(ConfigError, match="pp_size=2: hf_backend.Trainer does not drive pipeline stages yet"):
-        TrainingArguments(output_dir=str(tmp_path), use_cpu=True,
-                          parallelism_config=ParallelismConfig(pp_size=2, dp_shard_size=1))
+def test_the_plan_refuses_pp_in_one_line() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_backend.cli.plan_cmd import parse_sizes
+    from hf_backend.core.errors import HfBackendError
+    from hf_backend.plan.memory import plan_memory
 
     model = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=8, num_hidden_layers=2,
                                          num_attention_heads=2))

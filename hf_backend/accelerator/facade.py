@@ -317,19 +317,34 @@ class Accelerator(ProcessView, SavingMembers, compat.AccelerateMembers, elastic.
         if self.sync_gradients:
             self._hooks.after_backward(self._objects.models)
 
-    def forward_backward(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    def forward_backward(self, model: torch.nn.Module, batch: Any,
+                         num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
         """Under pipeline parallelism (`ParallelismConfig(pp_size=P)`), what `loss = model(**batch).loss` and
         `accelerator.backward(loss)` do together: the batch through the schedule's microbatches, forward and
         backward. Returns the batch's mean loss on every rank (a causal LM's, from `labels` or else the
-        `input_ids`); inside `accumulate` it counts as one micro step."""
-        if not self._objects.models:
-            raise HfBackendError("forward_backward() before prepare(): call model, optimizer, ... = "
-                                 "accelerator.prepare(...) first")
-        pipelined = capability(self.strategy, Pipelined)  # type: ignore[type-abstract]
-        loss = pipelined.forward_backward(model, batch, self.gradient_state.num_steps)
+        `input_ids`; with `num_items_in_batch`, the target tokens of the global batch of every accumulated micro
+        step, their sum divided by it, as transformers' losses take it); inside `accumulate` it counts as one
+        micro step."""
+        loss = self._pipelined("forward_backward").forward_backward(model, batch, self.gradient_state.num_steps,
+                                                                    num_items_in_batch)
         if self.sync_gradients:
             self._hooks.after_backward(self._objects.models)
         return loss
+
+    def forward_only(self, model: torch.nn.Module, batch: Any, logits: bool = False) -> Any:
+        """Under pipeline parallelism, `model(**batch)` for evaluation, without gradients: a `CausalLMOutput`
+        with the batch's mean loss (None without `labels`) and, with `logits`, the batch's logits, on every
+        rank."""
+        from transformers.modeling_outputs import CausalLMOutput
+
+        loss, out = self._pipelined("forward_only").forward_only(model, batch, logits=logits)
+        return CausalLMOutput(loss=loss, logits=out)
+
+    def _pipelined(self, what: str) -> Pipelined:
+        if not self._objects.models:
+            raise HfBackendError(f"{what}() before prepare(): call model, optimizer, ... = "
+                                 "accelerator.prepare(...) first")
+        return capability(self.strategy, Pipelined)  # type: ignore[type-abstract]
 
     def _do_sync(self) -> None:
         state = self.gradient_state

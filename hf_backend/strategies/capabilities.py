@@ -42,8 +42,16 @@ class Pipelined(ABC):
     strategy of `ParallelismConfig(pp_size=P)`, whose stages sit on other ranks."""
 
     @abstractmethod
-    def forward_backward(self, model: torch.nn.Module, batch: Any, accumulation_steps: int) -> torch.Tensor:
-        """The batch's mean loss, on every rank, its gradients accumulated into the stages' parameters."""
+    def forward_backward(self, model: torch.nn.Module, batch: Any, accumulation_steps: int,
+                         num_items_in_batch: torch.Tensor | float | None = None) -> torch.Tensor:
+        """The batch's mean loss (with `num_items_in_batch`: its sum divided by that), on every rank, its
+        gradients accumulated into the stages' parameters."""
+
+    @abstractmethod
+    def forward_only(self, model: torch.nn.Module, batch: Any, num_items_in_batch: torch.Tensor | float | None = None,
+                     logits: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The batch through the stages without gradients: its loss (None without labels) and, with `logits`,
+        its logits, on every rank."""
 
 
 class ValueClipping:
@@ -57,8 +65,8 @@ class ValueClipping:
 _REFUSALS = {
     Joinable: "join_uneven_inputs is supported with DDP only: under {name} a process that runs "
               "out of data would hang the others; use even_batches=True (the default) instead",
-    Pipelined: "forward_backward runs a pipeline schedule: it needs ParallelismConfig(pp_size=...) above 1; "
-               "under {name} call model(**batch) and accelerator.backward(loss)",
+    Pipelined: "forward_backward and forward_only run a pipeline schedule: they need ParallelismConfig(pp_size=...) "
+               "above 1; under {name} call model(**batch) and accelerator.backward(loss)",
     ValueClipping: "clip_grad_value_ is not available with {name}; clip by norm instead "
                    "(clip_grad_norm_; DeepSpeed: set gradient_clipping in its config)",
 }

@@ -10,8 +10,9 @@ pp rank r; looped ones (interleaved 1F1B, looped BFS, interleaved zero bubble) `
 
 The loss is the model's causal-LM cross-entropy, each microbatch's sum over its tokens divided by the tokens of the
 whole batch, so the microbatches' losses add up to the batch's mean and their gradients to the batch's (the schedule
-scales nothing). The stages take full rows (no padding mask, positions from 0); tied embeddings across stages and a
-model without a pp plan are refused in one line. On the engine: pipeline_strategy.py (`ParallelismConfig(pp_size=P)`).
+scales nothing). Every pp rank has the rows, so each stage takes their padding mask and position ids as the decoder
+does; tied embeddings across stages and a model without a pp plan are refused in one line. On the engine:
+pipeline_strategy.py (`ParallelismConfig(pp_size=P)`).
 """
 
 from __future__ import annotations
@@ -96,8 +97,8 @@ class Decoder(nn.Module):
 
 class DecoderStage(nn.Module):
     """Part of a transformers causal LM: the decoder (`model.<base>`) with only this stage's blocks, the embeddings
-    on the first stage, the final norm and the head on the last. Its forward is the decoder's for full rows (no
-    padding mask, positions 0..n-1): token ids or hidden states in, hidden states or logits out."""
+    on the first stage, the final norm and the head on the last. Its forward is the decoder's: token ids or hidden
+    states in, hidden states or logits out."""
 
     lm_head: nn.Module | None
 
@@ -123,19 +124,22 @@ class DecoderStage(nn.Module):
     def part(self) -> Decoder:
         return cast(Decoder, getattr(self, self.base_name))
 
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+    def forward(self, inputs: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """`attention_mask` and `position_ids` (every pp rank has its rows') as the decoder takes them: a padding
+        mask, positions that restart where packed sequences do."""
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         part = self.part
         hidden = part.embed_tokens(inputs) if part.embed_tokens is not None else inputs
-        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        masks = {"full_attention": create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None,
-                                                      past_key_values=None, position_ids=positions)}
+        positions = position_ids if position_ids is not None else \
+            torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        given: dict[str, Any] = {"config": self.config, "inputs_embeds": hidden, "attention_mask": attention_mask,
+                 "past_key_values": None, "position_ids": positions}
+        masks = {"full_attention": create_causal_mask(**given)}
         layer_types = getattr(self.config, "layer_types", None) or []
         if "sliding_attention" in layer_types:
-            masks["sliding_attention"] = create_sliding_window_causal_mask(
-                config=self.config, inputs_embeds=hidden, attention_mask=None, past_key_values=None,
-                position_ids=positions)
+            masks["sliding_attention"] = create_sliding_window_causal_mask(**given)
         rotations = part.rotary_emb(hidden, position_ids=positions)
         for index, layer in part.layers.items():
             kind = layer_types[int(index)] if layer_types else "full_attention"
@@ -179,6 +183,7 @@ class Pipeline:
         self.data_parallel = data_parallel
         self.dp = dist.get_world_size(data_parallel) if data_parallel is not None else 1
         num_layers = len(getattr(model, model.base_model_prefix).layers)
+        self.schedule_name = schedule
         self.layout = layout(schedule, self.pp, rank, num_layers, stages_per_rank)
         device = next(model.parameters()).device
         last = self.layout.num_stages - 1
@@ -189,6 +194,10 @@ class Pipeline:
         stages = [PipelineStage(module, s, self.layout.num_stages, device, group=group)
                   for module, s in zip(self.modules, self.layout.stages)]
         self.holds_last = last in self.layout.stages
+        # the pp rank holding the last stage (V-shaped schedules: rank 0)
+        self.last_rank = next(r for r in range(self.pp) if last in layout(schedule, self.pp, r, num_layers,
+                                                                            stages_per_rank).stages)
+        self._shape: tuple[bool, tuple[int, ...]] | None = None  # (training?, input shape) of the last batch
         self._scale = torch.ones(())  # what each microbatch's summed loss is divided by, set by step
         self.microbatches = microbatches or self.layout.num_stages  # by default one per stage
         cls = schedule_class(schedule)
@@ -204,22 +213,84 @@ class Pipeline:
                                             reduction="sum")
         return total / self._scale
 
-    def step(self, input_ids: torch.Tensor, labels: torch.Tensor, gradient_scale: float = 1.0) -> torch.Tensor:
+    def step(self, input_ids: torch.Tensor, labels: torch.Tensor, gradient_scale: float = 1.0,
+             num_items: torch.Tensor | float | None = None, **extra: torch.Tensor) -> torch.Tensor:
         """One forward and backward of this rank's rows of the global batch; the global batch's mean loss.
-        `gradient_scale`: what the gradients are multiplied by (1 / the accumulation steps)."""
-        tokens = (labels[..., 1:] != -100).sum().float()
-        if self.data_parallel is not None:
-            dist.all_reduce(tokens, group=self.data_parallel)
-        self._scale = tokens.clamp(min=1) / self.dp / gradient_scale
+        `gradient_scale`: what the gradients are multiplied by (1 / the accumulation steps). `num_items`: the
+        target tokens of every rank's rows of the whole accumulation window (transformers' `num_items_in_batch`):
+        the loss is then the window's sum so far divided by them, and so are the gradients. `extra`: the
+        `attention_mask` and `position_ids` of the rows, given to every stage."""
+        self._check_shape(input_ids, training=True)
+        if num_items is None:
+            tokens = (labels[..., 1:] != -100).sum().float()
+            if self.data_parallel is not None:
+                dist.all_reduce(tokens, group=self.data_parallel)
+            divisor = tokens.clamp(min=1) / gradient_scale
+        else:
+            divisor = torch.as_tensor(num_items, dtype=torch.float32).clamp(min=1)
+        self._scale = divisor / self.dp  # FSDP averages the data-parallel ranks' gradients
         losses: list[torch.Tensor] = []
         inputs = (input_ids,) if 0 in self.layout.stages else ()
         # the logits stay on the last stage, a microbatch at a time: never merged into the whole batch's
-        self.schedule.step(*inputs, target=labels if self.holds_last else None, losses=losses, return_outputs=False)
-        loss = torch.stack(losses).sum().detach() / (self.dp * gradient_scale) if self.holds_last else torch.zeros(())
-        dist.all_reduce(loss, group=self.group)  # from the last stage's rank to every pp rank
-        if self.data_parallel is not None:
-            dist.all_reduce(loss, group=self.data_parallel)
+        self.schedule.step(*inputs, target=labels if self.holds_last else None, losses=losses, return_outputs=False,
+                           **extra)
+        loss = self._batch_loss(losses, self.dp, self.data_parallel)
+        return loss if num_items is not None else loss / gradient_scale
+
+    @torch.no_grad()
+    def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor | None,
+                 num_items: torch.Tensor | float | None = None, logits: bool = False,
+                 **extra: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Forward only, through the stages: the loss of this rank's rows (their mean over their targets; with
+        `num_items`, every rank's sum divided by it) on every pp rank, None without labels; with `logits`, the
+        rows' logits in fp32, sent from the last stage's rank to every pp rank."""
+        if self.schedule_name in V_SHAPED:
+            raise ConfigError(f"evaluation through pipeline stages with pp_schedule={self.schedule_name}: torch's "
+                              "V-shaped schedules run no forward-only step; to evaluate, train with GPipe, 1F1B, "
+                              "Interleaved1F1B, LoopedBFS or InterleavedZeroBubble")
+        self._check_shape(input_ids, training=False)
+        if labels is not None:
+            local = num_items is None
+            divisor = (labels[..., 1:] != -100).sum().float() if local else torch.as_tensor(num_items).float()
+            self._scale = divisor.clamp(min=1)
+        losses: list[torch.Tensor] = []
+        inputs = (input_ids,) if 0 in self.layout.stages else ()
+        # the schedule computes a loss whenever it has a loss function: without labels, the ids' (not returned)
+        target = (labels if labels is not None else input_ids) if self.holds_last else None
+        out = self.schedule.eval(*inputs, target=target, losses=losses, **extra)
+        loss = None if labels is None else \
+            self._batch_loss(losses, 1, None if num_items is None else self.data_parallel)
+        if not logits:
+            return loss, None
+        vocab = self.modules[-1].config.vocab_size
+        buffer = out.float() if self.holds_last else torch.empty((*input_ids.shape, vocab), device=input_ids.device)
+        dist.broadcast(buffer, group=self.group, group_src=self.last_rank)
+        return loss, buffer
+
+    def _batch_loss(self, losses: list[torch.Tensor], ranks: int, over: dist.ProcessGroup | None) -> torch.Tensor:
+        """The microbatches' losses (on the last stage) summed, divided by `ranks`, summed over the pp ranks (from
+        the last stage's) and over `over`."""
+        device = self._scale.device
+        loss = torch.stack(losses).sum().detach() / ranks if self.holds_last else torch.zeros((), device=device)
+        dist.all_reduce(loss, group=self.group)
+        if over is not None:
+            dist.all_reduce(loss, group=over)
         return loss
+
+    def _check_shape(self, input_ids: torch.Tensor, training: bool) -> None:
+        """torch's stages size their buffers from the first batch after each switch between training and
+        evaluation; a batch of another shape in between is refused here, on every rank at once, rather than left
+        to break the stages' sends and receives."""
+        shape = (training, tuple(input_ids.shape))
+        changed = torch.tensor(int(self._shape is not None and self._shape[0] == training and self._shape != shape))
+        if self.data_parallel is not None:  # the pp ranks of one data-parallel index read the same rows
+            dist.all_reduce(changed, op=dist.ReduceOp.MAX, group=self.data_parallel)
+        if changed:
+            before = self._shape[1] if self._shape is not None else ()
+            raise ConfigError(f"pipeline stages: a batch of {' x '.join(map(str, shape[1]))} tokens after batches of "
+                              f"{' x '.join(map(str, before))}; every batch of a run must have one shape: pad to "
+                              "a fixed length (padding='max_length') or pack the sequences")
+        self._shape = shape
 
     def parameters(self) -> Iterator[nn.Parameter]:
         seen: set[int] = set()

@@ -33,6 +33,8 @@ class PipelinedModel(nn.Module):
     """This rank's stages of a causal LM, as one module under the model's names (`model.layers.4...`, `lm_head`):
     `parameters()` and `state_dict()` are the whole model's restricted to them. `pipeline` runs them."""
 
+    accepts_loss_kwargs = True  # the stages' loss takes transformers' num_items_in_batch (Trainer: no probe)
+
     def __init__(self, pipeline: Pipeline, config: Any) -> None:
         super().__init__()
         self.config = config
@@ -51,7 +53,8 @@ class PipelinedModel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise HfBackendError("under pipeline parallelism (pp_size > 1) forward and backward run together through "
                              "the schedule: loss = accelerator.forward_backward(model, batch) instead of "
-                             "model(**batch) and accelerator.backward(loss)")
+                             "model(**batch) and accelerator.backward(loss); to evaluate, "
+                             "accelerator.forward_only(model, batch)")
 
 
 class PipelineStrategy(FSDPStrategy, Pipelined):
@@ -96,22 +99,21 @@ class PipelineStrategy(FSDPStrategy, Pipelined):
             group["params"] = [p for p in group["params"] if id(p) in self._new_params or id(p) in held]
         return super().setup_optimizer(optimizer)
 
-    def forward_backward(self, model: nn.Module, batch: Mapping[str, Any], accumulation_steps: int) -> torch.Tensor:
-        input_ids, labels = batch.get("input_ids"), batch.get("labels", batch.get("input_ids"))
-        if not isinstance(model, PipelinedModel) or not isinstance(input_ids, torch.Tensor):
-            raise HfBackendError("forward_backward(model, batch): pass the prepared model and a batch with "
-                                 "input_ids (and labels; without them the input ids are the targets)")
-        mask = batch.get("attention_mask")
-        if isinstance(mask, torch.Tensor) and not bool(mask.all()):
-            raise HfBackendError("forward_backward: the batch has padding (attention_mask with zeros); pipeline "
-                                 "stages take full rows so far: pack the sequences or pad the labels with -100 only")
-        pipeline, rows = model.pipeline, len(input_ids)
-        if rows < pipeline.microbatches:
-            raise HfBackendError(f"forward_backward: this rank's batch has {rows} rows, fewer than the schedule's "
-                                 f"{pipeline.microbatches} microbatches; give ParallelismConfig(pp_microbatches="
-                                 f"{rows}) or fewer, or a larger batch")
+    def forward_backward(self, model: nn.Module, batch: Mapping[str, Any], accumulation_steps: int,
+                         num_items_in_batch: torch.Tensor | float | None = None) -> torch.Tensor:
+        input_ids, labels, extra = _rows(model, batch, "forward_backward")
+        assert isinstance(model, PipelinedModel) and labels is not None  # _rows checked both
         device = self.process.device
-        return pipeline.step(input_ids.to(device), labels.to(device), 1.0 / accumulation_steps)
+        return model.pipeline.step(input_ids.to(device), labels.to(device), 1.0 / accumulation_steps,
+                                   num_items_in_batch, **{k: v.to(device) for k, v in extra.items()})
+
+    def forward_only(self, model: nn.Module, batch: Mapping[str, Any], num_items_in_batch: torch.Tensor | float | None
+                     = None, logits: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        input_ids, labels, extra = _rows(model, batch, "forward_only", targets=False)
+        assert isinstance(model, PipelinedModel)
+        device = self.process.device
+        return model.pipeline.evaluate(input_ids.to(device), labels.to(device) if labels is not None else None,
+                                       num_items_in_batch, logits, **{k: v.to(device) for k, v in extra.items()})
 
     def backward(self, loss: torch.Tensor, accumulation_steps: int, sync: bool, **kwargs: Any) -> None:
         raise HfBackendError("accelerator.backward under pipeline parallelism (pp_size > 1): the schedule "
@@ -183,6 +185,30 @@ class PipelineStrategy(FSDPStrategy, Pipelined):
         dist.gather_object(part, parts if self.process.is_main_process else None,
                            group=self.mesh["pp"].get_group(), group_dst=0)
         return {k: v for theirs in parts for k, v in theirs.items()}
+
+
+def _rows(model: nn.Module, batch: Mapping[str, Any], what: str,
+          targets: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+    """A batch's input ids, targets (`labels`; else the ids when `targets`) and what every stage takes besides
+    (`attention_mask`, `position_ids`), checked for what the stages cannot take."""
+    input_ids = batch.get("input_ids")
+    labels = batch.get("labels", batch.get("input_ids") if targets else None)
+    if not isinstance(model, PipelinedModel) or not isinstance(input_ids, torch.Tensor):
+        raise HfBackendError(f"{what}(model, batch): pass the prepared model and a batch with input_ids (and "
+                             "labels; without them the input ids are the targets)")
+    rows, microbatches = len(input_ids), model.pipeline.microbatches
+    if rows < microbatches:
+        raise HfBackendError(f"{what}: this rank's batch has {rows} rows, fewer than the schedule's {microbatches} "
+                             f"microbatches; give ParallelismConfig(pp_microbatches={rows}) or fewer, or a larger "
+                             "batch")
+    unused = sorted(k for k in ("shift_labels", "inputs_embeds", "token_type_ids") if k in batch)
+    if unused:
+        raise HfBackendError(f"{what}: the batch has {', '.join(unused)}; pipeline stages take input_ids, labels, "
+                             "attention_mask and position_ids")
+    extra = {k: batch[k] for k in ("attention_mask", "position_ids") if isinstance(batch.get(k), torch.Tensor)}
+    if "attention_mask" in extra and bool(extra["attention_mask"].all()):
+        del extra["attention_mask"]  # nothing padded: the causal mask alone, as the decoder makes it then
+    return input_ids, labels, extra
 
 
 def _to_cpu(tree: Any) -> Any:

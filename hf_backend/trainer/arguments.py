@@ -66,10 +66,6 @@ class TrainingArguments(_EngineNamed):
         if self.parallelism_config is not None:
             self.parallelism_config = ParallelismConfig.of(self.parallelism_config,
                                                            "TrainingArguments.parallelism_config")
-            if self.parallelism_config.pp_enabled:  # its training_step calls the model (issue 56)
-                raise ConfigError(f"TrainingArguments.parallelism_config pp_size={self.parallelism_config.pp_size}: "
-                                  "hf_backend.Trainer does not drive pipeline stages yet; an Accelerate loop does "
-                                  "(accelerator.forward_backward, docs/parallelism.md)")
         # transformers types the field as given (dict, JSON path or None); read, it is an AcceleratorConfig
         self.accelerator_config = _accelerator_config(self.accelerator_config)  # type: ignore[assignment]
         self.replica_group = fault_tolerance.resolve(self.fault_tolerance)

@@ -64,6 +64,7 @@ from .accelerate_names import engine_named
 from .arguments import TrainingArguments
 from .jit_checkpoint import JITCheckpoint
 from .loss import LossMembers
+from .pipeline_steps import PipelineSteps
 from .replica_groups import ReplicaGroupSteps, writes_for_the_run
 
 # older than transformers_compat.OLDEST is an ImportError, newer than NEWEST a warning
@@ -94,7 +95,7 @@ else:
     _EngineNamed = engine_named(transformers.Trainer)
 
 
-class Trainer(LossMembers, _EngineNamed):
+class Trainer(PipelineSteps, LossMembers, _EngineNamed):
     def __init__(self, model: Any = None, args: TrainingArguments | None = None, *rest: Any, **kwargs: Any) -> None:
         if args is None:
             args = TrainingArguments(output_dir="tmp_trainer")
@@ -130,6 +131,7 @@ class Trainer(LossMembers, _EngineNamed):
             callbacks.insert(flow[0] + 1 if flow else 0, ReplicaGroupSteps(self))
         if args.enable_jit_checkpoint:
             self._coordinate_jit_checkpoint()
+        self.check_pipeline_fits()
 
     def _coordinate_jit_checkpoint(self) -> None:
         """transformers' per-process SIGTERM callback is replaced by one all processes act on together.
@@ -335,7 +337,10 @@ class Trainer(LossMembers, _EngineNamed):
             io.save_weights(self.model_wrapped, output_dir, writes=self._async_writes)
             self._save_model_files(output_dir)
             return
-        if getattr(self.model, "is_distributed_loading_by_transformers", False) and not adapter:
+        if self.pipeline is not None and not adapter:  # the stages' weights gathered, with the model's config
+            io.save_pretrained(self.model_wrapped, output_dir, "5GB", safe_serialization=True)
+            self._save_model_files(output_dir)
+        elif getattr(self.model, "is_distributed_loading_by_transformers", False) and not adapter:
             # on every process: save_pretrained gathers the model transformers sharded itself
             self._save(output_dir)
         else:

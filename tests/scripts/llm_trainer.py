@@ -71,13 +71,14 @@ def backend(args: argparse.Namespace) -> dict:
 
         return {"parallelism_config": ParallelismConfig(sp_size=args.alst, sp_backend="deepspeed"),
                 **backend(argparse.Namespace(**{**vars(args), "alst": 0}))}
-    if args.grid:  # dp_replicate x dp_shard x tp [x cp [x sp [x ep]]], on the FSDP options below
+    if args.grid or args.pp > 1:  # [pp x] dp_replicate x dp_shard x tp [x cp [x sp [x ep]]], on the FSDP options
         from hf_backend import ParallelismConfig
 
-        replicate, shard, tp, cp, sp, ep = [*map(int, args.grid.split("x")), 1, 1, 1, 1][:6]
+        replicate, shard, tp, cp, sp, ep = [*map(int, (args.grid or "1x1").split("x")), 1, 1, 1, 1][:6]
+        pp = {"pp_size": args.pp, "pp_schedule": args.schedule} if args.pp > 1 else {}
         return {"parallelism_config": ParallelismConfig(dp_replicate_size=replicate, dp_shard_size=shard, tp_size=tp,
-                                                        cp_size=cp, sp_size=sp, ep_size=ep),
-                **backend(argparse.Namespace(**{**vars(args), "grid": None, "strategy": "fsdp_sharded"}))}
+                                                        cp_size=cp, sp_size=sp, ep_size=ep, **pp),
+                **backend(argparse.Namespace(**{**vars(args), "grid": None, "pp": 1, "strategy": "fsdp_sharded"}))}
     if args.strategy.startswith("fsdp"):
         state_dict_type = "SHARDED_STATE_DICT" if args.strategy == "fsdp_sharded" else "FULL_STATE_DICT"
         block = "Qwen3MoeDecoderLayer" if args.model == "qwen3_moe" else "LlamaDecoderLayer"
@@ -118,6 +119,9 @@ def main() -> int:
                    help="ddp: one process or DDP, by the number of processes")
     p.add_argument("--grid", default=None,
                    help="a ParallelismConfig: dp_replicate x dp_shard x tp [x cp [x sp]], e.g. 1x2x2")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (pp_size), with the --grid's sizes")
+    p.add_argument("--schedule", default="1F1B", help="the pp_schedule")
+    p.add_argument("--eval", action="store_true", help="evaluate and predict on 16 held-out rows at the end")
     p.add_argument("--pad-multiple", type=int, default=1, help="pad each batch to a multiple of this many tokens")
     p.add_argument("--model", default="llama", choices=("llama", "qwen3_moe"))
     p.add_argument("--alst", type=int, default=0, help="sp_size of DeepSpeed's ALST (with a zero --strategy)")
@@ -170,24 +174,33 @@ def main() -> int:
         output_dir=args.output_dir, max_steps=args.steps, per_device_train_batch_size=args.batch_size,
         gradient_accumulation_steps=args.grad_accum, learning_rate=args.lr, lr_scheduler_type="linear",
         warmup_steps=1, max_grad_norm=0.5, logging_steps=1, save_strategy="steps", save_steps=args.save_steps,
+        per_device_eval_batch_size=2 * args.batch_size,  # the 16 held-out rows in one step of every grid here
         report_to="none", disable_tqdm=True, seed=0, gradient_checkpointing=args.gradient_checkpointing,
         **({} if args.stock else {"async_save": args.async_save}), **backend(args))
     trainer = Trainer(model=model, args=training_args, train_dataset=rows(96, 0),
+                      eval_dataset=rows(16, 1) if args.eval else None,
                       data_collator=functools.partial(pad, multiple=args.pad_multiple,
                                                       positions=args.positions or bool(args.alst)))
     trainer.train(resume_from_checkpoint=args.resume)
     logits = None
+    pipelined = getattr(trainer, "pipeline", None) is not None  # the model is this rank's pipeline stages
     if args.save_final:
         trainer.save_model(str(Path(args.output_dir) / "final"))
+    if args.save_final and not pipelined:
         with torch.no_grad():  # in training mode, as the adapter is checked after loading (no dropout here)
             logits = trainer.model_wrapped(input_ids=torch.arange(12).view(2, 6)).logits.float()
+    evaluated = {}
+    if args.eval:
+        evaluated["eval_loss"] = trainer.evaluate()["eval_loss"]
+        predictions = trainer.predict(rows(16, 1)).predictions
+        evaluated["predictions"] = [list(predictions.shape), predictions.reshape(-1)[:: 97].tolist()]
     full = trainer.accelerator.get_state_dict(trainer.model_wrapped)
     unwrapped = trainer.accelerator.unwrap_model(trainer.model_wrapped)
-    trainable = {n for n, q in unwrapped.named_parameters() if q.requires_grad}
+    trainable = set(full) if pipelined else {n for n, q in unwrapped.named_parameters() if q.requires_grad}
     if trainer.is_world_process_zero():
         params = {n: v for n, v in full.items() if n in trainable}
         flat = torch.cat([v.detach().float().flatten() for _, v in sorted(params.items())]) if params else None
-        embeddings = unwrapped.get_input_embeddings().weight
+        embeddings = None if pipelined else unwrapped.get_input_embeddings().weight
         report = {
             "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
             "grad_norms": [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h],
@@ -195,11 +208,12 @@ def main() -> int:
             "params": flat.tolist() if flat is not None else [],
             "checkpoints": {c.name: sorted(f.name for f in c.iterdir())
                             for c in sorted(Path(args.output_dir).glob("checkpoint-*"))},
-            "tied": unwrapped.get_output_embeddings().weight is embeddings,
+            "tied": None if pipelined else unwrapped.get_output_embeddings().weight is embeddings,
             "world_size": training_args.world_size,
             "global_step": trainer.state.global_step,
             "logits": logits.flatten().tolist() if logits is not None else None,
             "bytes": local_bytes(trainer.model_wrapped, trainer.optimizer),
+            **evaluated,
         }
         Path(args.out).write_text(json.dumps(report))
     return 0

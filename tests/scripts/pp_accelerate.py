@@ -4,8 +4,9 @@ the global batches prepared together, and the loop's one change: `loss = acceler
 in place of `model(**batch).loss` and `accelerator.backward(loss)`; clipping at 0.5 with `accelerator.clip_grad_norm_`.
 `--accumulate 2` steps every second micro batch inside `accelerator.accumulate(model)`. The one-process reference
 (the same model and batches in a plain loop, with the same accumulation) runs first in every process. Rank 0 writes
-each step's loss and clipped norm, the reference's, the largest parameter difference over the ranks, and the refusals
-of what the loop may not call.
+each step's loss and clipped norm, the reference's, the largest parameter difference over the ranks, how far
+`accelerator.forward_only` (loss and logits of 8 held-out rows padded on the left) is from the reference's, and the
+refusals of what the loop may not call.
 """
 
 from __future__ import annotations
@@ -41,12 +42,26 @@ def one_process(accumulate: int) -> dict:
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
             optimizer.step()
             optimizer.zero_grad()
-    return {"losses": losses, "norms": norms, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    with torch.no_grad():
+        evaluated = model(**held_out())
+    return {"losses": losses, "norms": norms, "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "eval": evaluated}
+
+
+def held_out() -> dict:
+    """8 rows, padded on the left by 0 to 5 tokens (the mask goes to every stage), padding not a target."""
+    ids, labels = batches()[0]
+    mask = torch.ones_like(ids)
+    for row in range(len(ids)):
+        mask[row, : row % 6] = 0
+    return {"input_ids": ids, "labels": labels.masked_fill(mask == 0, -100), "attention_mask": mask}
 
 
 def refusals(accelerator: Accelerator, model: torch.nn.Module, batch: dict) -> list[str]:
     said = []
-    for call in (lambda: model(**batch), lambda: accelerator.backward(torch.ones((), requires_grad=True))):
+    shorter = {k: v[:, :-1] for k, v in batch.items()}
+    for call in (lambda: model(**batch), lambda: accelerator.backward(torch.ones((), requires_grad=True)),
+                 lambda: accelerator.forward_backward(model, shorter)):
         try:
             call()
         except HfBackendError as refused:
@@ -88,10 +103,13 @@ def main() -> None:
                              for name, p in model.named_parameters()))
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     said = refusals(accelerator, model, next(iter(loader)))
+    evaluated = accelerator.forward_only(model, held_out(), logits=True)
     if accelerator.is_main_process:
         with open(args.out, "w") as f:
             json.dump({"losses": losses, "reference": reference["losses"], "norms": norms,
                        "reference_norms": reference["norms"], "params": float(worst), "refusals": said,
+                       "eval_loss": abs(float(evaluated.loss - reference["eval"].loss)),
+                       "eval_logits": float((evaluated.logits - reference["eval"].logits).abs().max()),
                        "held": sum(p.numel() for p in model.parameters()),
                        "parameters": sum(p.numel() for p in reference["params"].values())}, f)
     accelerator.end_training()
