@@ -15,13 +15,22 @@ from helpers import run_report
 pytest.importorskip("transformers")
 
 TOLERANCE = 1e-5
-# grid (pp, dp_shard) -> its schedules
-SCHEDULES = {(2, 1): ["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"],
-             (4, 1): ["GPipe", "1F1B", "Interleaved1F1B"],
-             (2, 2): ["GPipe", "1F1B", "Interleaved1F1B"]}
-CASES = [(f"pp{pp}" + (f"xdp_shard{dp}" if dp > 1 else ""), model, schedule)
-         for (pp, dp), names in SCHEDULES.items() for model in ("llama", "qwen3") for schedule in names]
-GRIDS = {f"pp{pp}" + (f"xdp_shard{dp}" if dp > 1 else ""): (pp, dp) for pp, dp in SCHEDULES}
+# grid (pp, dp_shard, tp) -> its schedules
+SCHEDULES = {(2, 1, 1): ["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"],
+             (4, 1, 1): ["GPipe", "1F1B", "Interleaved1F1B"],
+             (2, 2, 1): ["GPipe", "1F1B", "Interleaved1F1B"],
+             (2, 1, 2): ["GPipe", "1F1B", "Interleaved1F1B"]}
+
+
+def _grid(pp: int, dp: int, tp: int) -> str:
+    return f"pp{pp}" + (f"xdp_shard{dp}" if dp > 1 else "") + (f"xtp{tp}" if tp > 1 else "")
+
+
+# Qwen3's tp plan has a style hf_backend's tensor parallelism does not apply (replicated_with_grad_allreduce)
+MODELS = {sizes: ("llama",) if sizes[2] > 1 else ("llama", "qwen3") for sizes in SCHEDULES}
+CASES = [(_grid(*sizes), model, schedule)
+         for sizes, names in SCHEDULES.items() for model in MODELS[sizes] for schedule in names]
+GRIDS = {_grid(*sizes): sizes for sizes in SCHEDULES}
 
 
 @pytest.fixture(scope="module")
@@ -30,9 +39,11 @@ def reports(tmp_path_factory):
 
     def report(grid: str) -> dict:
         if grid not in done:
-            pp, dp = GRIDS[grid]
+            pp, dp, tp = GRIDS[grid]
             done[grid] = run_report("pp_loop.py", root / f"{grid}.json", [
-                "--schedules", ",".join(SCHEDULES[pp, dp]), "--dp-shard", str(dp)], nproc=pp * dp, timeout=300)
+                "--schedules", ",".join(SCHEDULES[pp, dp, tp]), "--dp-shard", str(dp), "--tp", str(tp),
+                "--models", ",".join(MODELS[pp, dp, tp])],
+                nproc=pp * dp * tp, timeout=300)
         return done[grid]
 
     return report
@@ -46,8 +57,8 @@ def test_a_schedule_trains_as_one_process(reports, grid, model, schedule) -> Non
     assert run["loss"] <= TOLERANCE, (run["losses"], run["reference"])
     assert run["norm"] <= TOLERANCE and run["params"] <= TOLERANCE, run
     assert run["parameters_held"] == run["parameters"]  # every parameter in exactly one stage
-    # rank r is (pp r // dp_shard, dp_shard r % dp_shard): the dp_shard ranks of a pp rank hold its stages
-    dp = report["dp_shard"]
+    # rank r is (pp r // n, the rest r % n) with n = dp_shard x tp: the n ranks of a pp rank hold its stages
+    dp = report["per_pp_rank"]
     assert all(rank == run["ranks"][i - i % dp] for i, rank in enumerate(run["ranks"]))
     ranks = run["ranks"][::dp]
     assert sorted(stage for rank in ranks for stage in rank["stages"]) == list(range(ranks[0]["num_stages"]))
@@ -97,7 +108,10 @@ def test_what_cannot_be_split_is_one_line() -> None:
 # -- on the engine: an Accelerate loop with one changed line (tests/scripts/pp_accelerate.py) -------------------------
 ENGINE = {"pp2-1F1B": (2, ["--schedule", "1F1B"]),
           "pp2xdp_shard2-Interleaved1F1B-accumulate2": (4, ["--dp-shard", "2", "--schedule", "Interleaved1F1B",
-                                                            "--accumulate", "2", "--microbatches", "2"])}
+                                                            "--accumulate", "2", "--microbatches", "2"]),
+          "pp2xtp2-1F1B": (4, ["--tp", "2", "--schedule", "1F1B"]),
+          "pp2xdp_replicate2xdp_shard2-Interleaved1F1B": (8, ["--dp-replicate", "2", "--dp-shard", "2", "--schedule",
+                                                              "Interleaved1F1B", "--microbatches", "2"])}
 
 
 @pytest.mark.parametrize("case", list(ENGINE))
@@ -109,6 +123,8 @@ def test_an_accelerate_loop_trains_on_pipeline_stages_as_one_process(case, tmp_p
     assert max(abs(a - b) for a, b in zip(run["norms"], run["reference_norms"])) <= TOLERANCE, run
     assert run["params"] <= TOLERANCE
     assert run["held"] < 0.55 * run["parameters"]  # rank 0 holds its stages only
+    if "--tp" in args or "--dp-shard" in args:  # and of them its shards
+        assert run["local"] < 0.6 * run["held"]
     assert run["eval_loss"] <= TOLERANCE and run["eval_logits"] <= TOLERANCE, run
     model_call, backward, shorter = run["refusals"]
     assert "loss = accelerator.forward_backward(model, batch) instead of model(**batch)" in model_call
@@ -257,8 +273,9 @@ def test_pipeline_settings_are_read_once_and_checked(monkeypatch) -> None:
     assert ParallelismConfig.of_shape(shape).to_json()["pp_size"] == 2
     with pytest.raises(ConfigError, match="pp_size 2 x dp_shard_size 2 makes 4 processes, but 2 run"):
         config.shape(2)
-    with pytest.raises(ConfigError, match="pp_size=2 with tp_size=2: pipeline stages compose with dp_replicate_size"):
-        ParallelismConfig(tp_size=2)
+    with pytest.raises(ConfigError, match="pp_size=2 with cp_size=2: pipeline stages compose with dp_replicate_size, "
+                                          "dp_shard_size and tp_size"):
+        ParallelismConfig(cp_size=2)
     with pytest.raises(ConfigError, match="pp_schedule='2F2B': use one of GPipe, 1F1B"):
         ParallelismConfig(pp_schedule="2F2B")
 

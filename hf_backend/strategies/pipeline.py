@@ -119,6 +119,8 @@ class DecoderStage(nn.Module):
         self.add_module(self.base_name, part)
         self.lm_head = getattr(model, "lm_head") if last else None  # noqa: B009  (a transformers attribute)
         self._no_split_modules = getattr(model, "_no_split_modules", None)  # its blocks' class (FSDP's units)
+        self.base_model_prefix = self.base_name  # with the model's names, its tp plan applies to the stage
+        self._tp_plan = getattr(model, "_tp_plan", None) if last else None
 
     @property
     def part(self) -> Decoder:

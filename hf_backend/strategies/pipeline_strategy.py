@@ -88,7 +88,7 @@ class PipelineStrategy(FSDPStrategy, Pipelined):
         for tensor in [*stage.parameters(), *stage.buffers()]:
             dist.broadcast(tensor.data, group=dp, group_src=0)
         for step in self.parallelize_plan(stage):
-            if step.name in ("fp32 masters", "activation checkpointing", "fully_shard"):
+            if step.name in ("fp32 masters", "tp", "activation checkpointing", "fully_shard"):
                 step.apply(stage)
         self.precision.wrap_forward(stage)
 
@@ -178,8 +178,9 @@ class PipelineStrategy(FSDPStrategy, Pipelined):
                 for i, group in enumerate(groups)]
 
     def _onto_main(self, part: dict[str, Any]) -> dict[str, Any]:
-        """Each stage's entries (the same on its data-parallel ranks) merged on the main process; {} elsewhere."""
-        if data_parallel_mesh(self.mesh).get_local_rank() != 0:
+        """Each stage's entries (the same on its data-parallel and tp ranks) merged on the main process; {}
+        elsewhere."""
+        if data_parallel_mesh(self.mesh).get_local_rank() != 0 or self.mesh["tp"].get_local_rank() != 0:
             return {}
         parts: list[Any] = [None] * self.shape.pp if self.process.is_main_process else []
         dist.gather_object(part, parts if self.process.is_main_process else None,

@@ -74,13 +74,16 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--dp-shard", type=int, default=1)
+    parser.add_argument("--dp-replicate", type=int, default=1)
+    parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--schedule", default="1F1B")
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--microbatches", type=int)
     args = parser.parse_args()
     torch.set_num_threads(1)
     reference = one_process(args.accumulate)
-    config = ParallelismConfig(pp_size=args.pp, dp_shard_size=args.dp_shard, pp_schedule=args.schedule,
+    config = ParallelismConfig(pp_size=args.pp, dp_shard_size=args.dp_shard, dp_replicate_size=args.dp_replicate,
+                               tp_size=args.tp, pp_schedule=args.schedule,
                                pp_microbatches=args.microbatches)
     accelerator = Accelerator(parallelism_config=config, split_batches=True,
                               gradient_accumulation_steps=args.accumulate)
@@ -111,6 +114,8 @@ def main() -> None:
                        "eval_loss": abs(float(evaluated.loss - reference["eval"].loss)),
                        "eval_logits": float((evaluated.logits - reference["eval"].logits).abs().max()),
                        "held": sum(p.numel() for p in model.parameters()),
+                       "local": sum((p.to_local() if isinstance(p, DTensor) else p).numel()
+                                    for p in model.parameters()),
                        "parameters": sum(p.numel() for p in reference["params"].values())}, f)
     accelerator.end_training()
 

@@ -1,6 +1,7 @@
 """Pipeline parallelism's stages and schedules against one process (tests/test_pipeline.py): the processes are a
-pp x dp_shard grid (`--dp-shard`, default 1), each stage sharded by FSDP2 over the dp_shard ranks (per block, then
-the stage), which split each global batch's rows. For each model (a tiny Llama and a tiny dense Qwen3, 8 decoder
+pp x dp_shard x tp grid (`--dp-shard`, `--tp`, default 1), each stage split by the model's tp plan over the tp ranks
+(which read the same rows) and sharded by FSDP2 over the dp_shard ranks (per block, then the stage), which split
+each global batch's rows. For each model (a tiny Llama and a tiny dense Qwen3, 8 decoder
 layers, from configs) and each schedule asked, every rank first trains the whole model alone (the one-process
 reference, on the same global batch of 8 sequences with some targets masked), then its stages of a fresh copy of the
 same weights through the schedule (hf_backend/strategies/pipeline.py): 3 SGD steps with clipping at 0.5. Rank 0
@@ -21,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from hf_backend.strategies.pipeline import Pipeline
+from hf_backend.strategies.tensor_parallel import apply_tensor_parallel
 
 VOCAB, SEQ, GLOBAL_BATCH, STEPS, CLIP, LR = 48, 12, 8, 3, 0.5, 0.5
 MODELS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
@@ -61,16 +63,20 @@ def one_process(name: str) -> dict:
 
 
 def pipelined(name: str, schedule: str, microbatches: int, mesh: DeviceMesh) -> tuple[dict, Pipeline]:
-    dp = mesh["dp_shard"]
+    dp, tp = mesh["dp_shard"], mesh["tp"]
 
     def shard(stage: torch.nn.Module) -> None:
-        for block in stage.part.layers.values():
-            fully_shard(block, mesh=dp)
-        fully_shard(stage, mesh=dp)
+        if tp.size() > 1:  # the model's tp plan, by its names
+            apply_tensor_parallel(stage, tp)
+        if dp.size() > 1:
+            for block in stage.part.layers.values():
+                fully_shard(block, mesh=dp)
+            fully_shard(stage, mesh=dp)
 
     sharded = dp.size() > 1
     pipeline = Pipeline(tiny(name), mesh["pp"].get_group(), schedule, microbatches,
-                        data_parallel=dp.get_group() if sharded else None, parallelize=shard if sharded else None)
+                        data_parallel=dp.get_group() if sharded else None,
+                        parallelize=shard if sharded or tp.size() > 1 else None)
     optimizer = torch.optim.SGD(list(pipeline.parameters()), lr=LR)
     losses, norms = [], []
     rows = GLOBAL_BATCH // dp.size()
@@ -97,19 +103,22 @@ def main() -> None:
     parser.add_argument("--schedules", default="GPipe,1F1B,Interleaved1F1B")
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--dp-shard", type=int, default=1)
+    parser.add_argument("--tp", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    pp = dist.get_world_size() // args.dp_shard
-    mesh = init_device_mesh("cpu", (pp, args.dp_shard), mesh_dim_names=("pp", "dp_shard"))
-    report: dict = {"pp": pp, "dp_shard": args.dp_shard, "runs": {}}
+    pp = dist.get_world_size() // args.dp_shard // args.tp
+    mesh = init_device_mesh("cpu", (pp, args.dp_shard, args.tp), mesh_dim_names=("pp", "dp_shard", "tp"))
+    # the ranks of one pp rank (dp_shard x tp) hold its stages
+    report: dict = {"pp": pp, "per_pp_rank": args.dp_shard * args.tp, "runs": {}}
     for name in args.models.split(","):
         reference = one_process(name)
         for schedule in args.schedules.split(","):
             run, pipeline = pipelined(name, schedule, args.microbatches, mesh)
             held = run["params"]
             params = [float((p.detach() - reference["params"][n]).abs().max()) for n, p in held.items()]
-            first_shard = mesh["dp_shard"].get_local_rank() == 0  # the other shards hold the same stages
+            # the other shards hold the same stages
+            first_shard = mesh["dp_shard"].get_local_rank() == 0 and mesh["tp"].get_local_rank() == 0
             counted = torch.tensor(sum(p.numel() for p in held.values()) if first_shard else 0)
             dist.all_reduce(counted)
             layouts = [None] * dist.get_world_size()
