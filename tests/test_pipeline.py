@@ -295,17 +295,25 @@ def test_forward_backward_without_pipeline_stages_is_one_line() -> None:
         accelerator.forward_backward(model, {"input_ids": torch.ones(1, 4, dtype=torch.long)})
 
 
-def test_the_plan_refuses_pp_in_one_line() -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
+def test_the_plan_prices_each_stage_and_holds_to_the_measured_bytes(chain) -> None:
+    """`hf-backend plan` on pp 2: each rank's stages and bytes, the most loaded rank's figures; its parameters plus
+    AdamW's state within 10% of the most any rank of the chain's pp 2 run held, which is at most 0.55x one
+    process's (the chain's first run)."""
+    import torch
+    from pp_loop import tiny
 
     from hf_backend.cli.plan_cmd import parse_sizes
-    from hf_backend.core.errors import HfBackendError
     from hf_backend.plan.memory import plan_memory
 
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=8, num_hidden_layers=2,
-                                         num_attention_heads=2))
-    with pytest.raises(HfBackendError, match="plan: pp is not priced yet"):
-        plan_memory(model, "fsdp", 2, shape=parse_sizes("pp=2"))
+    with torch.device("meta"):
+        model = tiny("llama")
+    plan = plan_memory(model, "fsdp", 2, shape=parse_sizes("pp=2"))
+    one = plan_memory(model, "no", 1)
+    assert plan.notes[-1] == ("pp 2 (1F1B): rank 0 stages [0]: 38,656 parameters, 9.6 MiB; rank 1 stages [1]: "
+                              "38,688 parameters, 5.3 MiB; the figures are the most loaded, rank 0's")
+    measured, alone = chain[1][1]["bytes"], chain[1][0]["bytes"]
+    assert measured <= 0.55 * alone and alone == one.parameter_bytes + one.optimizer_bytes
+    assert abs(plan.parameter_bytes + plan.optimizer_bytes - measured) <= 0.1 * measured
 
 
 def test_a_config_files_pp_keys_reach_every_process_as_one_value(monkeypatch) -> None:

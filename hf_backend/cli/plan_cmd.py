@@ -1,7 +1,8 @@
 """`hf-backend plan`: memory per process of a training run, before launching it (hf_backend/plan/memory.py).
 
     hf-backend plan MODEL_DIR_OR_CONFIG --strategy fsdp --num_processes 8 [--mixed_precision bf16]
-        [--lora 16 [--lora_targets q_proj v_proj]] [--parallelism dp_shard=4,tp=2 | dp_shard=8,ep=4] [--batch_size 4]
+        [--lora 16 [--lora_targets q_proj v_proj]] [--parallelism dp_shard=4,tp=2 | dp_shard=8,ep=4 | pp=2,dp_shard=4
+        [--pp_schedule 1F1B] [--pp_microbatches 8]] [--batch_size 4]
         [--sequence_length 2048] [--activation_checkpointing] [--dtype bfloat16] [--json]
 
 Nothing is downloaded and no process group is made: the model is built on the meta device from its
@@ -34,7 +35,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--lora_targets", nargs="+", default=None, help="its target modules (default: q_proj v_proj)")
     p.add_argument("--parallelism", default=None, metavar="SIZES",
                    help="ParallelismConfig sizes for fsdp, e.g. "
-                        "dp_shard=4,tp=2 (dp_replicate, dp_shard, cp, sp, tp; and ep, within dp_shard x cp x sp)")
+                        "dp_shard=4,tp=2 (pp, dp_replicate, dp_shard, cp, sp, tp; and ep, within dp_shard x cp x "
+                        "sp)")
+    p.add_argument("--pp_schedule", default="1F1B", help="with pp: the schedule (GPipe, 1F1B, Interleaved1F1B, ...)")
+    p.add_argument("--pp_microbatches", type=int, default=None, help="with pp: microbatches (default one per stage)")
     p.add_argument("--batch_size", type=int, default=1, help="per process, for the activation estimate")
     p.add_argument("--sequence_length", type=int, default=512, help="for the activation estimate")
     p.add_argument("--activation_checkpointing", action="store_true",
@@ -44,8 +48,9 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=run)
 
 
-def parse_sizes(text: str | None) -> Any:
-    """`dp_shard=4,tp=2` as a MeshShape (sizes left out are 1), checked as a ParallelismConfig is."""
+def parse_sizes(text: str | None, pp_schedule: str = "1F1B", pp_microbatches: int | None = None) -> Any:
+    """`dp_shard=4,tp=2` as a MeshShape (sizes left out are 1), checked as a ParallelismConfig is; with pp, its
+    schedule and microbatches."""
     from ..parallel.config import ParallelismConfig
     from ..parallel.dims import MeshShape
 
@@ -60,8 +65,11 @@ def parse_sizes(text: str | None) -> Any:
                                  f"one of {', '.join(MeshShape.DIMS)}, ep and SIZE a whole number, "
                                  "e.g. dp_shard=4,tp=2")
         sizes[key] = int(value)
-    ParallelismConfig(**{f"{key}_size": size for key, size in sizes.items()})  # one line for ep that cannot split
-    return MeshShape(**sizes)
+    pipeline: dict[str, Any] = {"pp_schedule": pp_schedule, "pp_microbatches": pp_microbatches} \
+        if sizes.get("pp", 1) > 1 else {}
+    # one line for ep that cannot split, a schedule that is not one
+    ParallelismConfig(**{f"{key}_size": size for key, size in sizes.items()}, **pipeline)
+    return MeshShape(**sizes, **pipeline)
 
 
 def _gib(n: int) -> str:
@@ -73,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
 
     model = build_on_meta(args.model, args.lora, args.lora_targets, args.dtype)
     plan = plan_memory(model, args.strategy, args.num_processes, mixed_precision=args.mixed_precision,
-                       shape=parse_sizes(args.parallelism), batch_size=args.batch_size,
+                       shape=parse_sizes(args.parallelism, args.pp_schedule, args.pp_microbatches),
+                       batch_size=args.batch_size,
                        sequence_length=args.sequence_length, activation_checkpointing=args.activation_checkpointing)
     if args.json:
         print(json.dumps(plan.to_json(), indent=2))

@@ -18,10 +18,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..core.errors import HfBackendError
 from ..parallel.dims import MeshShape
+from . import stages
 
 # torch is imported where a model is built: the command line's parser loads without it
 if TYPE_CHECKING:
@@ -78,7 +80,7 @@ def plan_memory(model: torch.nn.Module, strategy: str, num_processes: int = 1, *
     if num_processes == 1:
         # the engine trains one process unsharded whatever was asked (docs/fsdp.md, docs/deepspeed.md)
         strategy = "no"
-    from ..strategies.placement import PLACEMENTS, Sums
+    from ..strategies.placement import PLACEMENTS
 
     placement = PLACEMENTS[strategy]
     if shape is None:
@@ -88,8 +90,9 @@ def plan_memory(model: torch.nn.Module, strategy: str, num_processes: int = 1, *
                              f"{dict(zip(MeshShape.DIMS, shape.sizes))} make "
                              f"{shape.world} processes, not {num_processes}; "
                              f"make them multiply to {num_processes}")
-    if shape.pp > 1:
-        raise HfBackendError("plan: pp is not priced yet (issue 56); plan the grid without pp_size")
+    if shape.pp > 1 and hasattr(model, "peft_config"):
+        raise HfBackendError("plan: pipeline stages take a transformers causal LM, not a PEFT model; drop pp or "
+                             "--lora")
     if shape.needs_mesh and not placement.takes_mesh:
         raise HfBackendError("plan: dp_shard, cp and tp sizes run under FSDP (the engine's mesh), "
                              f"not {strategy}; pass --strategy fsdp")
@@ -99,11 +102,36 @@ def plan_memory(model: torch.nn.Module, strategy: str, num_processes: int = 1, *
     tp_dims = _tp_dims(model) if shape.tp > 1 else {}
     experts, experts_per_rank = _expert_tensors(model, shape.ep) if shape.ep > 1 else (set(), 0)
     shards = placement.shards(shape, num_processes)
+    ranks = stages.pp_ranks(model, shape) if shape.pp > 1 else [stages.EVERYTHING]
+    priced = []
+    for rank in ranks:
+        sums, count, _ = _sums(model, rank.holds, tp_dims, experts, shape, placement, shards)
+        held = placement.held(sums, num_processes)
+        activations = _activations(model, mixed_precision, batch_size, sequence_length, shape,
+                                   activation_checkpointing, rank)
+        priced.append((held.parameters + held.gradients + held.optimizer + activations, count, rank, held,
+                       activations))
+    _, _, rank, held, activations = max(priced, key=lambda p: p[0])  # the most loaded rank, the first of equals
+    notes = held.notes
+    if shape.pp > 1:
+        notes += (stages.describe(shape, [(p[2], p[1], p[0]) for p in priced], rank),)
+    _, count, trainable = _sums(model, None, tp_dims, experts, shape, placement, shards)
+    return MemoryPlan(strategy=strategy, shape=shape, parameters=count, trainable=trainable,
+                      parameter_bytes=held.parameters, gradient_bytes=held.gradients, optimizer_bytes=held.optimizer,
+                      activation_bytes=activations, notes=notes, experts_per_rank=experts_per_rank)
+
+
+def _sums(model: torch.nn.Module, holds: Callable[[str], bool] | None, tp_dims: dict[str, int], experts: set[str],
+          shape: MeshShape, placement: Any, shards: int) -> tuple[Any, int, int]:
+    """What one process holds of the parameters `holds` says are its (None: all): the placement's sums, and how
+    many parameters and trainable ones there are."""
+    from ..strategies.placement import Sums
+
     weights = grads = full_trainable = 0
     seen: set[int] = set()
     count = trainable = 0
     for name, param in model.named_parameters():
-        if id(param) in seen:
+        if id(param) in seen or (holds is not None and not holds(name)):
             continue  # a tied weight is held once
         seen.add(id(param))
         count += param.numel()
@@ -122,11 +150,7 @@ def plan_memory(model: torch.nn.Module, strategy: str, num_processes: int = 1, *
             trainable += param.numel()
             grads += numel * size
             full_trainable += math.prod(local) * size
-    held = placement.held(Sums(weights, grads, full_trainable, trainable, _element_size(model)), num_processes)
-    activations = _activations(model, mixed_precision, batch_size, sequence_length, shape, activation_checkpointing)
-    return MemoryPlan(strategy=strategy, shape=shape, parameters=count, trainable=trainable,
-                      parameter_bytes=held.parameters, gradient_bytes=held.gradients, optimizer_bytes=held.optimizer,
-                      activation_bytes=activations, notes=held.notes, experts_per_rank=experts_per_rank)
+    return Sums(weights, grads, full_trainable, trainable, _element_size(model)), count, trainable
 
 
 def _element_size(model: torch.nn.Module) -> int:
@@ -170,11 +194,13 @@ def _tp_dims(model: torch.nn.Module) -> dict[str, int]:
 
 
 def _activations(model: torch.nn.Module, mixed_precision: str, batch: int, seq: int, shape: MeshShape,
-                 checkpointing: bool) -> int:
+                 checkpointing: bool, rank: stages.Rank) -> int:
     """What backward keeps of one micro batch, for a transformer (an estimate; 0 for a model without a
     config that says its width): per layer about 8 hidden-wide and 5 MLP-wide tensors per token
     (norms, q/k/v, attention output, residuals; gate, up, activation, product, down input), only the
-    layer's input under activation checkpointing; plus the fp32 logits and their gradient."""
+    layer's input under activation checkpointing; plus the fp32 logits and their gradient. On pipeline stages
+    (`rank`): the rank's layers, for each of the microbatches its schedule holds at once, and the logits on the
+    last stage's rank."""
     config = getattr(model, "config", None)
     text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
     hidden = getattr(text, "hidden_size", None)
@@ -183,12 +209,15 @@ def _activations(model: torch.nn.Module, mixed_precision: str, batch: int, seq: 
         return 0
     width = getattr(text, "intermediate_size", None) or 4 * hidden
     element = 2 if mixed_precision in ("bf16", "fp16") else 4
-    tokens = batch * math.ceil(seq / shape.sequence_slices)
+    rows, logits_held = batch, 1
+    if rank.holds is not None:  # pipeline stages: the layers of each microbatch kept at once
+        rows, layers, logits_held = stages.microbatch_rows(batch, shape), rank.layer_microbatches, rank.logits_held
+    tokens = rows * math.ceil(seq / shape.sequence_slices)
     per_layer = tokens * element * (8 * hidden + 5 * width // shape.tp)
     kept = layers * tokens * element * hidden + per_layer if checkpointing else layers * per_layer
     output_embeddings = getattr(model, "get_output_embeddings", None)
     vocab = getattr(text, "vocab_size", 0) if callable(output_embeddings) and output_embeddings() is not None else 0
-    return kept + 2 * tokens * vocab * 4
+    return kept + logits_held * 2 * tokens * vocab * 4
 
 
 def build_on_meta(source: str, lora_rank: int = 0, lora_targets: list[str] | None = None,

@@ -4,7 +4,8 @@ grid, `--trained S` says how many steps it had trained; the run then trains `--s
 `--save` (`--state sharded`: each process's shards, DCP; `full`: gathered files). The loop is an Accelerate loop with
 AdamW, a linear learning-rate decay and clipping at 0.5 (on pp stages `accelerator.forward_backward`), every global
 batch 8 rows with the same targets per row, so that a rank's mean loss is the global batch's. Rank 0 writes each
-step's loss beside one uninterrupted process's (run first, in every process) and, with `--model-dir`, the model
+step's loss beside one uninterrupted process's (run first, in every process), the most bytes of parameters and
+optimizer state a process holds, and, with `--model-dir`, the model
 written there by `save_model` and its largest difference from one process's parameters after the same steps.
 """
 
@@ -12,9 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 import torch
 from pp_loop import CLIP, SEQ, VOCAB, tiny
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from hf_backend import Accelerator, FullyShardedDataParallelPlugin, ParallelismConfig
@@ -50,6 +53,19 @@ def one_process(steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
         optimizer.zero_grad()
         losses.append(float(loss.detach()))
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def held_bytes(model: torch.nn.Module, optimizer: Any) -> int:
+    """This process's bytes of parameters and optimizer state (its shards of DTensors; AdamW's step counts left
+    out)."""
+    def size(t: torch.Tensor) -> int:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        return local.numel() * local.element_size()
+
+    inner = getattr(optimizer, "optimizer", optimizer)
+    state = sum(size(v) for entry in inner.state.values() for v in entry.values()
+                if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return sum(size(p) for p in model.parameters()) + state
 
 
 def main() -> None:
@@ -94,7 +110,10 @@ def main() -> None:
         if len(losses) == args.steps:
             break
     accelerator.save_state(args.save)
-    report = {"losses": losses, "reference": reference[args.trained:end], "lr": scheduler.get_last_lr()[0]}
+    mine = torch.tensor(float(held_bytes(model, optimizer)))
+    torch.distributed.all_reduce(mine, op=torch.distributed.ReduceOp.MAX) if accelerator.num_processes > 1 else None
+    report = {"losses": losses, "reference": reference[args.trained:end], "lr": scheduler.get_last_lr()[0],
+              "bytes": int(mine)}
     if args.model_dir:
         accelerator.save_model(model, args.model_dir)
         state = accelerator.get_state_dict(model)
