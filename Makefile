@@ -3,7 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test test-oldest test-newest test-torch test-install test-gpu gpu-wheels lint bench bench-checkpoint bench-fault-soak bench-gpu bench-gpu-llm demo demo-sft clean
+.PHONY: setup test test-oldest test-newest test-torch test-install test-gpu gpu-wheels lint bench bench-checkpoint bench-fault-soak bench-pipeline bench-gpu bench-gpu-llm demo demo-sft clean
 
 setup: $(STAMP)
 
@@ -124,6 +124,9 @@ bench: setup
 	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/distributed.py
 	$(PY) benchmarks/trainer.py
 	$(PY) benchmarks/startup.py
+
+bench-pipeline: setup  # about 5 minutes: pp 2 by schedule against one process (docs/benchmarks.md)
+	$(PY) benchmarks/pipeline.py --steps 5 --repeats 3
 
 bench-fault-soak: setup  # about 14 minutes: 2 replica groups x 2 processes, a kill every 30 s for 10 minutes
 	$(PY) benchmarks/fault_soak.py --minutes 10 --kill-every 30 --json fault_soak.json

@@ -15,19 +15,21 @@ from helpers import run_report
 pytest.importorskip("transformers")
 
 TOLERANCE = 1e-5
-# grid (pp, dp_shard, tp) -> its schedules
-SCHEDULES = {(2, 1, 1): ["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"],
-             (4, 1, 1): ["GPipe", "1F1B", "Interleaved1F1B"],
-             (2, 2, 1): ["GPipe", "1F1B", "Interleaved1F1B"],
-             (2, 1, 2): ["GPipe", "1F1B", "Interleaved1F1B"]}
+# grid (pp, dp_replicate, dp_shard, tp) -> its schedules
+SCHEDULES = {(2, 1, 1, 1): ["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"],
+             (4, 1, 1, 1): ["GPipe", "1F1B", "Interleaved1F1B"],
+             (2, 1, 2, 1): ["GPipe", "1F1B", "Interleaved1F1B"],
+             (2, 1, 1, 2): ["GPipe", "1F1B", "Interleaved1F1B"],
+             (2, 2, 2, 1): ["GPipe", "1F1B", "Interleaved1F1B"]}
 
 
-def _grid(pp: int, dp: int, tp: int) -> str:
-    return f"pp{pp}" + (f"xdp_shard{dp}" if dp > 1 else "") + (f"xtp{tp}" if tp > 1 else "")
+def _grid(pp: int, replicate: int, shard: int, tp: int) -> str:
+    sizes = {"dp_replicate": replicate, "dp_shard": shard, "tp": tp}
+    return f"pp{pp}" + "".join(f"x{name}{size}" for name, size in sizes.items() if size > 1)
 
 
 # Qwen3's tp plan has a style hf_backend's tensor parallelism does not apply (replicated_with_grad_allreduce)
-MODELS = {sizes: ("llama",) if sizes[2] > 1 else ("llama", "qwen3") for sizes in SCHEDULES}
+MODELS = {sizes: ("llama",) if sizes[3] > 1 else ("llama", "qwen3") for sizes in SCHEDULES}
 CASES = [(_grid(*sizes), model, schedule)
          for sizes, names in SCHEDULES.items() for model in MODELS[sizes] for schedule in names]
 GRIDS = {_grid(*sizes): sizes for sizes in SCHEDULES}
@@ -39,11 +41,13 @@ def reports(tmp_path_factory):
 
     def report(grid: str) -> dict:
         if grid not in done:
-            pp, dp, tp = GRIDS[grid]
+            sizes = GRIDS[grid]
+            pp, replicate, shard, tp = sizes
             done[grid] = run_report("pp_loop.py", root / f"{grid}.json", [
-                "--schedules", ",".join(SCHEDULES[pp, dp, tp]), "--dp-shard", str(dp), "--tp", str(tp),
-                "--models", ",".join(MODELS[pp, dp, tp])],
-                nproc=pp * dp * tp, timeout=300)
+                "--schedules", ",".join(SCHEDULES[sizes]), "--dp-replicate", str(replicate), "--dp-shard", str(shard),
+                "--tp", str(tp), "--models", ",".join(MODELS[sizes]),
+                "--microbatches", str(min(4, 8 // (replicate * shard)))],  # 8 rows a step over the dp ranks
+                nproc=pp * replicate * shard * tp, timeout=300)
         return done[grid]
 
     return report

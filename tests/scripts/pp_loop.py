@@ -1,12 +1,13 @@
 """Pipeline parallelism's stages and schedules against one process (tests/test_pipeline.py): the processes are a
-pp x dp_shard x tp grid (`--dp-shard`, `--tp`, default 1), each stage split by the model's tp plan over the tp ranks
-(which read the same rows) and sharded by FSDP2 over the dp_shard ranks (per block, then the stage), which split
-each global batch's rows. For each model (a tiny Llama and a tiny dense Qwen3, 8 decoder
-layers, from configs) and each schedule asked, every rank first trains the whole model alone (the one-process
-reference, on the same global batch of 8 sequences with some targets masked), then its stages of a fresh copy of the
-same weights through the schedule (hf_backend/strategies/pipeline.py): 3 SGD steps with clipping at 0.5. Rank 0
-writes a JSON report: per model and schedule, the largest differences over the ranks of each step's loss, the
-clipped norm and the parameters at the end from one process's, and each rank's stages.
+pp x dp_replicate x dp_shard x tp grid (`--dp-replicate`, `--dp-shard`, `--tp`, default 1), each stage split by the
+model's tp plan over the tp ranks (which read the same rows) and sharded by FSDP2 over the dp_shard ranks (per block,
+then the stage; HSDP with dp_replicate), the data-parallel ranks splitting each global batch's rows. For each model
+(a tiny Llama and a tiny dense Qwen3, 8 decoder layers, from configs) and each schedule asked, every rank first
+trains the whole model alone (the one-process reference, on the same global batch of 8 sequences with some targets
+masked), then its stages of a fresh copy of the same weights through the schedule
+(hf_backend/strategies/pipeline.py): 3 SGD steps with clipping at 0.5. Rank 0 writes a JSON report: per model and
+schedule, the largest differences over the ranks of each step's loss, the clipped norm and the parameters at the
+end from one process's, and each rank's stages.
 """
 
 from __future__ import annotations
@@ -62,16 +63,18 @@ def one_process(name: str) -> dict:
     return {"losses": losses, "norms": norms, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-def pipelined(name: str, schedule: str, microbatches: int, mesh: DeviceMesh) -> tuple[dict, Pipeline]:
-    dp, tp = mesh["dp_shard"], mesh["tp"]
+def pipelined(name: str, schedule: str, microbatches: int, mesh: DeviceMesh, dp: DeviceMesh) -> tuple[dict, Pipeline]:
+    """`dp`: every rank with other rows (dp_replicate x dp_shard, flattened)."""
+    tp = mesh["tp"]
+    fsdp = mesh["dp_replicate", "dp_shard"] if mesh["dp_replicate"].size() > 1 else mesh["dp_shard"]  # HSDP, FSDP
 
     def shard(stage: torch.nn.Module) -> None:
         if tp.size() > 1:  # the model's tp plan, by its names
             apply_tensor_parallel(stage, tp)
         if dp.size() > 1:
             for block in stage.part.layers.values():
-                fully_shard(block, mesh=dp)
-            fully_shard(stage, mesh=dp)
+                fully_shard(block, mesh=fsdp)
+            fully_shard(stage, mesh=fsdp)
 
     sharded = dp.size() > 1
     pipeline = Pipeline(tiny(name), mesh["pp"].get_group(), schedule, microbatches,
@@ -102,23 +105,26 @@ def main() -> None:
     parser.add_argument("--models", default="llama,qwen3")
     parser.add_argument("--schedules", default="GPipe,1F1B,Interleaved1F1B")
     parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--dp-replicate", type=int, default=1)
     parser.add_argument("--dp-shard", type=int, default=1)
     parser.add_argument("--tp", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    pp = dist.get_world_size() // args.dp_shard // args.tp
-    mesh = init_device_mesh("cpu", (pp, args.dp_shard, args.tp), mesh_dim_names=("pp", "dp_shard", "tp"))
-    # the ranks of one pp rank (dp_shard x tp) hold its stages
-    report: dict = {"pp": pp, "per_pp_rank": args.dp_shard * args.tp, "runs": {}}
+    per_pp_rank = args.dp_replicate * args.dp_shard * args.tp  # the ranks holding one pp rank's stages
+    pp = dist.get_world_size() // per_pp_rank
+    mesh = init_device_mesh("cpu", (pp, args.dp_replicate, args.dp_shard, args.tp),
+                            mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
+    report: dict = {"pp": pp, "per_pp_rank": per_pp_rank, "runs": {}}
+    dp = mesh["dp_replicate", "dp_shard"]._flatten("dp")
     for name in args.models.split(","):
         reference = one_process(name)
         for schedule in args.schedules.split(","):
-            run, pipeline = pipelined(name, schedule, args.microbatches, mesh)
+            run, pipeline = pipelined(name, schedule, args.microbatches, mesh, dp)
             held = run["params"]
             params = [float((p.detach() - reference["params"][n]).abs().max()) for n, p in held.items()]
             # the other shards hold the same stages
-            first_shard = mesh["dp_shard"].get_local_rank() == 0 and mesh["tp"].get_local_rank() == 0
+            first_shard = all(mesh[dim].get_local_rank() == 0 for dim in ("dp_replicate", "dp_shard", "tp"))
             counted = torch.tensor(sum(p.numel() for p in held.values()) if first_shard else 0)
             dist.all_reduce(counted)
             layouts = [None] * dist.get_world_size()
