@@ -148,13 +148,11 @@ class ParallelismConfig:
             self.pp_microbatches = int(raw) or None  # the launcher's 0: the default
         if self.pp_microbatches is not None:
             self.pp_microbatches = whole(self.pp_microbatches, "ParallelismConfig pp_microbatches", minimum=1)
-        assert self.pp_size is not None  # set by __post_init__
-        others = [f"{name}={getattr(self, name)}" for name in ("cp_size", "sp_size", "ep_size")
-                  if getattr(self, name) > 1]
-        if self.pp_size > 1 and others:
-            raise ConfigError(f"ParallelismConfig pp_size={self.pp_size} with {', '.join(others)}: pipeline "
-                              "stages compose with dp_replicate_size, dp_shard_size and tp_size so far; set the "
-                              "others to 1")
+        assert self.pp_size is not None and self.ep_size is not None  # set by __post_init__
+        if self.pp_size > 1 and self.ep_size > 1:
+            raise ConfigError(f"ParallelismConfig pp_size={self.pp_size} with ep_size={self.ep_size}: pipeline "
+                              "stages compose with dp_replicate_size, dp_shard_size, tp_size, cp_size and sp_size so "
+                              "far; set ep_size=1")
 
     def _check_experts(self) -> None:
         assert self.dp_shard_size is not None and self.cp_size is not None and self.sp_size is not None

@@ -157,12 +157,6 @@ def expert_meshes(mesh: DeviceMesh, shape: MeshShape) -> ExpertMeshes:
     return ExpertMeshes(split["ep"], _with_replicas(mesh, shape, split["efsdp"]))
 
 
-def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """`dp`: every rank holding the same parameters with other rows of each batch (replicas and shards as one
-    dimension, the one made with the mesh)."""
-    return mesh[FLATTENED["dp"]]._flatten("dp")
-
-
 def _shards(mesh: DeviceMesh) -> DeviceMesh:
     """`dp_shard_cp`: the data-parallel shards with the cp or sp ranks, the one made with the mesh."""
     return mesh[FLATTENED["dp_shard_cp"]]._flatten("dp_shard_cp")

@@ -177,7 +177,8 @@ class Pipeline:
     def __init__(self, model: PreTrainedModel, group: dist.ProcessGroup, schedule: str = "1F1B",
                  microbatches: int | None = None, stages_per_rank: int = 2,
                  data_parallel: dist.ProcessGroup | None = None,
-                 parallelize: Callable[[nn.Module], object] | None = None) -> None:
+                 parallelize: Callable[[nn.Module], object] | None = None,
+                 sequence: dist.ProcessGroup | None = None) -> None:
         from torch.distributed.pipelining import PipelineStage
 
         check_splittable(model)
@@ -186,6 +187,9 @@ class Pipeline:
         self.dp = dist.get_world_size(data_parallel) if data_parallel is not None else 1
         num_layers = len(getattr(model, model.base_model_prefix).layers)
         self.schedule_name = schedule
+        # the ranks holding the other slices of this rank's sequences (cp, sp), whose targets come shifted
+        self.sequence = sequence
+        self.shifted = sequence is not None
         self.layout = layout(schedule, self.pp, rank, num_layers, stages_per_rank)
         device = next(model.parameters()).device
         last = self.layout.num_stages - 1
@@ -210,7 +214,7 @@ class Pipeline:
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The model's causal-LM loss (targets shifted by one, -100 ignored), summed over this microbatch and
         divided by the global batch's target tokens (times the data-parallel size: FSDP averages)."""
-        targets = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+        targets = labels if self.shifted else nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
         total = nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100,
                                             reduction="sum")
         return total / self._scale
@@ -224,7 +228,7 @@ class Pipeline:
         `attention_mask` and `position_ids` of the rows, given to every stage."""
         self._check_shape(input_ids, training=True)
         if num_items is None:
-            tokens = (labels[..., 1:] != -100).sum().float()
+            tokens = self._targets(labels)
             if self.data_parallel is not None:
                 dist.all_reduce(tokens, group=self.data_parallel)
             divisor = tokens.clamp(min=1) / gradient_scale
@@ -245,7 +249,8 @@ class Pipeline:
                  **extra: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Forward only, through the stages: the loss of this rank's rows (their mean over their targets; with
         `num_items`, every rank's sum divided by it) on every pp rank, None without labels; with `logits`, the
-        rows' logits in fp32, sent from the last stage's rank to every pp rank."""
+        rows' logits in fp32, sent from the last stage's rank to every pp rank. With `sequence`, the rows are
+        every slice's: their loss is summed over the slices."""
         if self.schedule_name in V_SHAPED:
             raise ConfigError(f"evaluation through pipeline stages with pp_schedule={self.schedule_name}: torch's "
                               "V-shaped schedules run no forward-only step; to evaluate, train with GPipe, 1F1B, "
@@ -253,7 +258,9 @@ class Pipeline:
         self._check_shape(input_ids, training=False)
         if labels is not None:
             local = num_items is None
-            divisor = (labels[..., 1:] != -100).sum().float() if local else torch.as_tensor(num_items).float()
+            divisor = self._targets(labels) if local else torch.as_tensor(num_items).float()
+            if local and self.sequence is not None:  # this rank's rows are every slice's
+                dist.all_reduce(divisor, group=self.sequence)
             self._scale = divisor.clamp(min=1)
         losses: list[torch.Tensor] = []
         inputs = (input_ids,) if 0 in self.layout.stages else ()
@@ -261,13 +268,16 @@ class Pipeline:
         target = (labels if labels is not None else input_ids) if self.holds_last else None
         out = self.schedule.eval(*inputs, target=target, losses=losses, **extra)
         loss = None if labels is None else \
-            self._batch_loss(losses, 1, None if num_items is None else self.data_parallel)
+            self._batch_loss(losses, 1, self.sequence if num_items is None else self.data_parallel)
         if not logits:
             return loss, None
         vocab = self.modules[-1].config.vocab_size
         buffer = out.float() if self.holds_last else torch.empty((*input_ids.shape, vocab), device=input_ids.device)
         dist.broadcast(buffer, group=self.group, group_src=self.last_rank)
         return loss, buffer
+
+    def _targets(self, labels: torch.Tensor) -> torch.Tensor:
+        return ((labels if self.shifted else labels[..., 1:]) != -100).sum().float()
 
     def _batch_loss(self, losses: list[torch.Tensor], ranks: int, over: dist.ProcessGroup | None) -> torch.Tensor:
         """The microbatches' losses (on the last stage) summed, divided by `ranks`, summed over the pp ranks (from

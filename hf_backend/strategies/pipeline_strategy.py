@@ -20,7 +20,6 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from ..core.errors import HfBackendError
 from ..core.notes import note
-from ..parallel.dims import data_parallel_mesh
 from .capabilities import Pipelined
 from .fsdp import FSDPStrategy, clip_grad_norm
 from .pipeline import Decoder, DecoderStage, Pipeline, check_splittable
@@ -69,9 +68,12 @@ class PipelineStrategy(FSDPStrategy, Pipelined):
         before = list(model.parameters())
         if device_placement:
             model = model.to(self.process.device)
-        shape, dp = self.shape, data_parallel_mesh(self.mesh)
+        shape = self.shape
+        # every rank of a stage with other tokens: the data-parallel ranks and the sequence slices
         pipeline = Pipeline(cast("PreTrainedModel", model), self.mesh["pp"].get_group(), shape.pp_schedule,
-                            shape.pp_microbatches, data_parallel=dp.get_group(), parallelize=self._stage_plan)
+                            shape.pp_microbatches, data_parallel=self.mesh["dp_cp"].get_group(),
+                            parallelize=self._stage_plan,
+                            sequence=self.sequences.group if self.sequences is not None else None)
         held = {id(p) for p in pipeline.parameters()}
         self._new_params.update({id(old): new for old, new in zip(before, model.parameters()) if id(new) in held})
         note(f"pp {shape.pp}: {shape.pp_schedule} over {pipeline.microbatches} microbatches, rank 0 holds stages "
@@ -81,14 +83,13 @@ class PipelineStrategy(FSDPStrategy, Pipelined):
 
     def _stage_plan(self, stage: nn.Module) -> None:
         """A stage as the mesh path prepares a model, less what spans the whole model: its weights made equal
-        over the data-parallel ranks that hold it, fp32 masters, activation checkpointing, `fully_shard` per
-        block then the stage; autocast around its forward."""
+        over the ranks that hold it, fp32 masters, tp, the sequence split (cp, sp), activation checkpointing,
+        `fully_shard` per block then the stage; autocast around its forward."""
         assert isinstance(stage, DecoderStage)
-        dp = data_parallel_mesh(self.mesh).get_group()
         for tensor in [*stage.parameters(), *stage.buffers()]:
-            dist.broadcast(tensor.data, group=dp, group_src=0)
+            dist.broadcast(tensor.data, group=self.mesh["dp_cp"].get_group(), group_src=0)
         for step in self.parallelize_plan(stage):
-            if step.name in ("fp32 masters", "tp", "activation checkpointing", "fully_shard"):
+            if step.name in ("fp32 masters", "tp", "cp", "sp", "activation checkpointing", "fully_shard"):
                 step.apply(stage)
         self.precision.wrap_forward(stage)
 
@@ -103,17 +104,46 @@ class PipelineStrategy(FSDPStrategy, Pipelined):
                          num_items_in_batch: torch.Tensor | float | None = None) -> torch.Tensor:
         input_ids, labels, extra = _rows(model, batch, "forward_backward")
         assert isinstance(model, PipelinedModel) and labels is not None  # _rows checked both
-        device = self.process.device
-        return model.pipeline.step(input_ids.to(device), labels.to(device), 1.0 / accumulation_steps,
-                                   num_items_in_batch, **{k: v.to(device) for k, v in extra.items()})
+        with self._sliced(input_ids, labels, extra) as (input_ids, labels, extra):
+            return model.pipeline.step(input_ids, labels, 1.0 / accumulation_steps, num_items_in_batch, **extra)
 
     def forward_only(self, model: nn.Module, batch: Mapping[str, Any], num_items_in_batch: torch.Tensor | float | None
                      = None, logits: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         input_ids, labels, extra = _rows(model, batch, "forward_only", targets=False)
         assert isinstance(model, PipelinedModel)
+        if logits and self.sequences is not None:
+            raise HfBackendError(f"forward_only(logits=True) with {self.sequences.kind}_size="
+                                 f"{self.sequences.size}: each rank holds a slice of every sequence's logits; "
+                                 "evaluate the loss only (prediction_loss_only=True), or without the split")
+        with self._sliced(input_ids, labels, extra) as (input_ids, labels, extra):
+            return model.pipeline.evaluate(input_ids, labels, num_items_in_batch, logits, **extra)
+
+    @contextlib.contextmanager
+    def _sliced(self, input_ids: torch.Tensor, labels: torch.Tensor | None,
+                extra: dict[str, torch.Tensor]) -> Iterator[tuple[torch.Tensor, Any, dict[str, torch.Tensor]]]:
+        """The batch on this rank's device and, with cp or sp, cut into this rank's slice of every sequence
+        (the targets shifted first, the positions the whole sequences'), the stages' attention seeing across
+        the slices while the schedule runs."""
         device = self.process.device
-        return model.pipeline.evaluate(input_ids.to(device), labels.to(device) if labels is not None else None,
-                                       num_items_in_batch, logits, **{k: v.to(device) for k, v in extra.items()})
+        moved = {k: v.to(device) for k, v in extra.items()}
+        input_ids, labels = input_ids.to(device), labels.to(device) if labels is not None else None
+        if self.sequences is None:
+            yield input_ids, labels, moved
+            return
+        rows, length = input_ids.shape
+        buffers = {"input_ids": input_ids.clone(), **{k: v.clone() for k, v in moved.items()}}
+        buffers.setdefault("position_ids", torch.arange(length, device=device).expand(rows, -1).clone())
+        if labels is not None:
+            buffers["labels"] = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:].contiguous()
+        tensors = list(buffers.values())
+        with self.sequences.split(tensors, [1] * len(tensors), keep=tensors):
+            sliced = dict(buffers)
+            yield sliced.pop("input_ids"), sliced.pop("labels", None), sliced
+
+    @contextlib.contextmanager
+    def context_parallel(self, buffers: Any, seq_dims: Any, keep: Any) -> Iterator[None]:
+        """A loop's `maybe_context_parallel` under pp: `forward_backward` cuts the sequences itself."""
+        yield
 
     def backward(self, loss: torch.Tensor, accumulation_steps: int, sync: bool, **kwargs: Any) -> None:
         raise HfBackendError("accelerator.backward under pipeline parallelism (pp_size > 1): the schedule "
@@ -178,9 +208,9 @@ class PipelineStrategy(FSDPStrategy, Pipelined):
                 for i, group in enumerate(groups)]
 
     def _onto_main(self, part: dict[str, Any]) -> dict[str, Any]:
-        """Each stage's entries (the same on its data-parallel and tp ranks) merged on the main process; {}
-        elsewhere."""
-        if data_parallel_mesh(self.mesh).get_local_rank() != 0 or self.mesh["tp"].get_local_rank() != 0:
+        """Each stage's entries (the same on its data-parallel, cp, sp and tp ranks) merged on the main process;
+        {} elsewhere."""
+        if self.mesh["dp_cp"].get_local_rank() != 0 or self.mesh["tp"].get_local_rank() != 0:
             return {}
         parts: list[Any] = [None] * self.shape.pp if self.process.is_main_process else []
         dist.gather_object(part, parts if self.process.is_main_process else None,

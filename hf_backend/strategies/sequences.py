@@ -211,6 +211,8 @@ class SequenceSplit:
         return Layout(segments=starts.cumsum(-1)) if bool(starts[:, 1:].any()) else Layout()
 
     def _after_forward(self, _: torch.nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> Any:
+        if isinstance(output, torch.Tensor) and output.requires_grad:  # a pipeline stage's (pipeline.py)
+            return _Restore.apply(output, self, (self.layout, self.length))
         if not self.counted or getattr(output, "loss", None) is None:
             return output
         share = output.loss  # this rank's tokens' sum over the group's count
@@ -220,3 +222,19 @@ class SequenceSplit:
         # which the gradients' mean over the data-parallel and sequence ranks divides out again
         output.loss = share * self.size + (total - share.detach() * self.size)
         return output
+
+
+class _Restore(torch.autograd.Function):
+    """The identity on a pipeline stage's output whose backward, the first of the stage's, gives the split back
+    the layout of this forward: a schedule runs the forwards of several microbatches before their backwards, and
+    the attention's backward (and activation checkpointing's recomputed forward) read the split's layout."""
+
+    @staticmethod
+    def forward(ctx: Any, output: torch.Tensor, split: SequenceSplit, state: tuple[Layout, int]) -> torch.Tensor:
+        ctx.split, ctx.state = split, state
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        ctx.split.layout, ctx.split.length = ctx.state
+        return grad, None, None
