@@ -118,21 +118,25 @@ ENGINE = {"pp2-1F1B": (2, ["--schedule", "1F1B"]),
              for model in ("llama", "qwen3") for schedule in ("GPipe", "1F1B", "Interleaved1F1B")},
           "pp2xsp2-1F1B": (4, ["--sp", "2", "--schedule", "1F1B"]),
           "pp2xdp_replicate2xdp_shard2-Interleaved1F1B": (8, ["--dp-replicate", "2", "--dp-shard", "2", "--schedule",
-                                                              "Interleaved1F1B", "--microbatches", "2"])}
+                                                              "Interleaved1F1B", "--microbatches", "2"]),
+          # autocast per stage over fp32 masters, against one process under autocast
+          "pp2-1F1B-bf16": (2, ["--schedule", "1F1B", "--mixed-precision", "bf16"])}
+BF16 = 5e-3  # bf16's rounding of other matmul shapes (the microbatches') over 3 steps
 
 
 @pytest.mark.parametrize("case", list(ENGINE))
 def test_an_accelerate_loop_trains_on_pipeline_stages_as_one_process(case, tmp_path) -> None:
     nproc, args = ENGINE[case]
     run = run_report("pp_accelerate.py", tmp_path / "r.json", args, nproc=nproc, timeout=300)
+    tolerance = BF16 if "bf16" in args else TOLERANCE
     assert len(run["losses"]) == len(run["reference"]) and len(run["norms"]) == 3
-    assert max(abs(a - b) for a, b in zip(run["losses"], run["reference"])) <= TOLERANCE, run
-    assert max(abs(a - b) for a, b in zip(run["norms"], run["reference_norms"])) <= TOLERANCE, run
-    assert run["params"] <= TOLERANCE
+    assert max(abs(a - b) for a, b in zip(run["losses"], run["reference"])) <= tolerance, run
+    assert max(abs(a - b) for a, b in zip(run["norms"], run["reference_norms"])) <= tolerance, run
+    assert run["params"] <= tolerance and run["dtypes"] == ["torch.float32"]
     assert run["held"] < 0.55 * run["parameters"]  # rank 0 holds its stages only
     if any(flag in args for flag in ("--tp", "--dp-shard", "--cp", "--sp")):  # and of them its shards
         assert run["local"] < 0.6 * run["held"]
-    assert run["eval_loss"] <= TOLERANCE and run["eval_logits"] <= TOLERANCE, run
+    assert run["eval_loss"] <= tolerance and run["eval_logits"] <= 2 * tolerance, run
     model_call, backward, shorter = run["refusals"]
     assert "loss = accelerator.forward_backward(model, batch) instead of model(**batch)" in model_call
     assert backward.startswith("accelerator.backward under pipeline parallelism")

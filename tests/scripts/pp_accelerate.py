@@ -29,13 +29,14 @@ def rows() -> list[dict]:
     return [{"input_ids": ids[i], "labels": labels[i]} for ids, labels in batches() for i in range(len(ids))]
 
 
-def one_process(accumulate: int, name: str) -> dict:
+def one_process(accumulate: int, name: str, bf16: bool = False) -> dict:
     model = tiny(name)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     losses, norms = [], []
     micro = DataLoader(rows(), batch_size=8 // accumulate)
     for step, batch in enumerate(micro, 1):
-        loss = model(**batch).loss
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = model(**batch).loss
         (loss / accumulate).backward()
         losses.append(float(loss.detach()))
         if step % accumulate == 0:
@@ -82,15 +83,16 @@ def main() -> None:
     parser.add_argument("--sp", type=int, default=1)
     parser.add_argument("--schedule", default="1F1B")
     parser.add_argument("--model", default="llama", choices=("llama", "qwen3"))
+    parser.add_argument("--mixed-precision", default="no", choices=("no", "bf16"))
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--microbatches", type=int)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    reference = one_process(args.accumulate, args.model)
+    reference = one_process(args.accumulate, args.model, args.mixed_precision == "bf16")
     config = ParallelismConfig(pp_size=args.pp, dp_shard_size=args.dp_shard, dp_replicate_size=args.dp_replicate,
                                tp_size=args.tp, cp_size=args.cp, sp_size=args.sp, pp_schedule=args.schedule,
                                pp_microbatches=args.microbatches)
-    accelerator = Accelerator(parallelism_config=config, split_batches=True,
+    accelerator = Accelerator(parallelism_config=config, split_batches=True, mixed_precision=args.mixed_precision,
                               gradient_accumulation_steps=args.accumulate)
     model = tiny(args.model)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
@@ -121,6 +123,7 @@ def main() -> None:
                        "eval_logits": 0.0 if sliced else
                        float((evaluated.logits - reference["eval"].logits).abs().max()),
                        "held": sum(p.numel() for p in model.parameters()),
+                       "dtypes": sorted({str(p.dtype) for p in model.parameters()}),
                        "local": sum((p.to_local() if isinstance(p, DTensor) else p).numel()
                                     for p in model.parameters()),
                        "parameters": sum(p.numel() for p in reference["params"].values())}, f)
