@@ -197,7 +197,10 @@ TRAINER_GRIDS = {"pp2-1F1B": (2, ["--pp", "2", "--batch-size", "8", "--save-fina
                  "pp2xdp_shard2-GPipe": (4, ["--pp", "2", "--grid", "1x2", "--schedule", "GPipe", "--batch-size", "4",
                                              "--save-steps", "2", "--eval"]),
                  # (no evaluation: gather_for_metrics is refused under cp, with or without pp)
-                 "pp2xcp2-1F1B": (4, ["--pp", "2", "--grid", "1x1x1x2", "--batch-size", "8", "--save-steps", "10"])}
+                 "pp2xcp2-1F1B": (4, ["--pp", "2", "--grid", "1x1x1x2", "--batch-size", "8", "--save-steps", "10"]),
+                 # no parallelism_config: what `hf-backend launch --parallelism_config_pp_size 2` sets
+                 "launched-pp2": (2, ["--batch-size", "8", "--save-steps", "10"])}
+LAUNCHED = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_PP_SIZE": "2"}
 
 
 @pytest.fixture(scope="module")
@@ -208,7 +211,8 @@ def trainers(tmp_path_factory):
                                                                     "--eval", *TRAINER])}
     for name, (nproc, args) in TRAINER_GRIDS.items():
         runs[name] = run_report("llm_trainer.py", root / f"{name}.json", ["--output-dir", str(root / name), *args,
-                                                                          *TRAINER], nproc=nproc, timeout=300)
+                                                                          *TRAINER], nproc=nproc, timeout=300,
+                                env=LAUNCHED if name.startswith("launched") else None)
     return root, runs
 
 
