@@ -233,7 +233,7 @@ class Pipeline:
                 dist.all_reduce(tokens, group=self.data_parallel)
             divisor = tokens.clamp(min=1) / gradient_scale
         else:
-            divisor = torch.as_tensor(num_items, dtype=torch.float32).clamp(min=1)
+            divisor = torch.as_tensor(num_items, dtype=torch.float32, device=labels.device).clamp(min=1)
         self._scale = divisor / self.dp  # FSDP averages the data-parallel ranks' gradients
         losses: list[torch.Tensor] = []
         inputs = (input_ids,) if 0 in self.layout.stages else ()
@@ -258,7 +258,8 @@ class Pipeline:
         self._check_shape(input_ids, training=False)
         if labels is not None:
             local = num_items is None
-            divisor = self._targets(labels) if local else torch.as_tensor(num_items).float()
+            divisor = self._targets(labels) if local else \
+                torch.as_tensor(num_items, dtype=torch.float32, device=labels.device)
             if local and self.sequence is not None:  # this rank's rows are every slice's
                 dist.all_reduce(divisor, group=self.sequence)
             self._scale = divisor.clamp(min=1)
@@ -294,7 +295,8 @@ class Pipeline:
         evaluation; a batch of another shape in between is refused here, on every rank at once, rather than left
         to break the stages' sends and receives."""
         shape = (training, tuple(input_ids.shape))
-        changed = torch.tensor(int(self._shape is not None and self._shape[0] == training and self._shape != shape))
+        changed = torch.tensor(int(self._shape is not None and self._shape[0] == training and self._shape != shape),
+                               device=input_ids.device)  # (NCCL reduces device tensors only)
         if self.data_parallel is not None:  # the pp ranks of one data-parallel index read the same rows
             dist.all_reduce(changed, op=dist.ReduceOp.MAX, group=self.data_parallel)
         if changed:
