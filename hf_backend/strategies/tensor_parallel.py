@@ -44,6 +44,26 @@ class VocabularyParallelEmbedding(RowwiseParallel):
         return module
 
 
+class ReplicatedWithGradAllReduce(ParallelStyle):
+    """A module applied to each rank's own heads with one weight for every head (Qwen3's `q_norm` and `k_norm`,
+    RMSNorms over the head dimension, the dimension before the last): its input's heads gathered from every tp rank,
+    the module run on all of them with its weight replicated, and this rank's heads handed on. Every rank then
+    computes the weight's whole gradient, a replicated one (as FSDP and clipping take it); on this rank's heads
+    alone it would be a partial sum. The cost: the heads all-gathered, forward and backward."""
+
+    def _apply(self, module: torch.nn.Module, device_mesh: DeviceMesh) -> torch.nn.Module:
+        def every_head(_: torch.nn.Module, inputs: Any, mesh: DeviceMesh) -> Any:
+            x = inputs[0]
+            whole = DTensor.from_local(x, mesh, (Shard(x.dim() - 2),), run_check=False)
+            return (whole.redistribute(placements=(Replicate(),)), *inputs[1:])
+
+        def own_heads(_: torch.nn.Module, output: Any, mesh: DeviceMesh) -> Any:
+            return output.redistribute(placements=(Shard(output.dim() - 2),)).to_local()
+
+        # no partition function: every parameter a replicated DTensor
+        return distribute_module(module, device_mesh, input_fn=every_head, output_fn=own_heads)
+
+
 STYLES: dict[str, Callable[[], ParallelStyle | None]] = {
     "colwise": ColwiseParallel,
     "rowwise": RowwiseParallel,
@@ -54,6 +74,7 @@ STYLES: dict[str, Callable[[], ParallelStyle | None]] = {
     # an nn.Embedding: vocabulary rows
     "embedding_rowwise": VocabularyParallelEmbedding,
     "replicate": lambda: None,  # every rank keeps the whole module
+    "replicated_with_grad_allreduce": ReplicatedWithGradAllReduce,
 }
 
 
