@@ -18,6 +18,8 @@ transformers' own code. Overridden, and only these:
   `hf_backend_checkpoint.json`: a checkpoint resumes under any strategy and world size with the
   exact batch order, and (one process, DDP) under transformers.Trainer too. transformers still
   writes and reads its own files around them (trainer_state.json, RNG, scaler, arguments, config).
+- under pipeline parallelism, `training_step`, `prediction_step` and `get_total_train_batch_size`
+  (pipeline_steps.py): the steps through the schedule;
 - `_save_checkpoint` seals a manifest of every file into the checkpoint;
   `train(resume_from_checkpoint=...)` verifies it before loading anything, and `True` resumes the
   newest *complete and intact* checkpoint.
