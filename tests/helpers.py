@@ -43,8 +43,18 @@ def run_script(script: str | Path, args: list[str], nproc: int = 1, timeout: int
                     f"{hung.stdout[-3000:]}\n{hung.stderr[-6000:]}")
     if check and proc.returncode != 0:
         pytest.fail(f"{script} {' '.join(map(str, args))} in {nproc} process(es) exited {proc.returncode}\n"
-                    f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+                    f"{proc.stdout[-3000:]}\n{_failed_ranks_first(proc)}")
     return proc
+
+
+def _failed_ranks_first(proc: subprocess.CompletedProcess) -> str:
+    """The stderr of the ranks that failed by themselves (not stopped by the launcher's SIGKILL) first, then the
+    others', so that the rank that started a failure is not cut off by the errors it caused elsewhere."""
+    codes = getattr(proc, "returncodes", [proc.returncode])
+    errors = getattr(proc, "rank_stderr", [proc.stderr])
+    order = sorted(range(len(codes)), key=lambda r: codes[r] in (0, -9))
+    return "\n".join(f"[rank {r} exited {codes[r]}]\n{errors[r][-(5000 if i == 0 else 1500):]}"
+                     for i, r in enumerate(order))
 
 
 def run_report(script: str, out: Path, args: list[str], nproc: int = 1, **kw) -> dict:

@@ -1,9 +1,9 @@
 """Pipeline parallelism's stages and schedules (hf_backend/strategies/pipeline.py; issue 56's first part), against one
-process: tests/scripts/pp_loop.py on pp 2, pp 4 and pp 2 x dp_shard 2 (FSDP2 inside each stage), a tiny Llama and a
-tiny dense Qwen3 of 8 decoder layers, each schedule 3 SGD steps with clipping, every step's loss and clipped norm and
-the parameters at the end within 1e-5 of one process's on the same global batch; an Accelerate loop on the engine
-(`accelerator.forward_backward`, tests/scripts/pp_accelerate.py) the same way; then the layout, the bubble, the
-settings and the one-line refusals."""
+process: tests/scripts/pp_loop.py on pp 2, pp 4 and pp 2 x dp_shard 2 (FSDP2 inside each stage), a tiny Llama and a tiny
+dense Qwen3 of two decoder layers a stage, each schedule 2 SGD steps with clipping, every step's loss and clipped norm
+and the parameters at the end within 1e-5 of one process's on the same global batch; an Accelerate loop on the engine
+(`accelerator.forward_backward`, tests/scripts/pp_accelerate.py) the same way; then the layout, the bubble, the settings
+and the one-line refusals."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def reports(tmp_path_factory):
 def test_a_schedule_trains_as_one_process(reports, grid, model, schedule) -> None:
     report = reports(grid)
     run = report["runs"][f"{model}/{schedule}"]
-    assert len(run["losses"]) == 3 and run["losses"] != [run["losses"][0]] * 3
+    assert len(run["losses"]) == 2 and run["losses"][0] != run["losses"][1]
     assert run["loss"] <= TOLERANCE, (run["losses"], run["reference"])
     assert run["norm"] <= TOLERANCE and run["params"] <= TOLERANCE, run
     assert run["parameters_held"] == run["parameters"]  # every parameter in exactly one stage
@@ -67,7 +67,7 @@ def test_a_schedule_trains_as_one_process(reports, grid, model, schedule) -> Non
     assert all(rank == run["ranks"][i - i % dp] for i, rank in enumerate(run["ranks"]))
     ranks = run["ranks"][::dp]
     assert sorted(stage for rank in ranks for stage in rank["stages"]) == list(range(ranks[0]["num_stages"]))
-    assert sorted(block for rank in ranks for part in rank["blocks"] for block in part) == list(range(8))
+    assert sorted(block for rank in ranks for part in rank["blocks"] for block in part) == list(range(report["layers"]))
 
 
 def test_the_layout_splits_the_blocks_evenly_and_places_the_stages() -> None:
@@ -122,7 +122,7 @@ ENGINE = {"pp2-1F1B": (2, ["--schedule", "1F1B"]),
                                                               "Interleaved1F1B", "--microbatches", "2"]),
           # autocast per stage over fp32 masters, against one process under autocast
           "pp2-1F1B-bf16": (2, ["--schedule", "1F1B", "--mixed-precision", "bf16"])}
-BF16 = 5e-3  # bf16's rounding of other matmul shapes (the microbatches') over 3 steps
+BF16 = 5e-3  # bf16's rounding of other matmul shapes (the microbatches') over 2 steps
 
 
 @pytest.mark.parametrize("case", list(ENGINE))
@@ -130,7 +130,7 @@ def test_an_accelerate_loop_trains_on_pipeline_stages_as_one_process(case, tmp_p
     nproc, args = ENGINE[case]
     run = run_report("pp_accelerate.py", tmp_path / "r.json", args, nproc=nproc, timeout=300)
     tolerance = BF16 if "bf16" in args else TOLERANCE
-    assert len(run["losses"]) == len(run["reference"]) and len(run["norms"]) == 3
+    assert len(run["losses"]) == len(run["reference"]) and len(run["norms"]) == 2
     assert max(abs(a - b) for a, b in zip(run["losses"], run["reference"])) <= tolerance, run
     assert max(abs(a - b) for a, b in zip(run["norms"], run["reference_norms"])) <= tolerance, run
     assert run["params"] <= tolerance and run["dtypes"] == ["torch.float32"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import faulthandler
 import gc
 import importlib
 import json
@@ -108,7 +109,8 @@ def run(script: str | Path, args: list[str], nproc: int = 1, env: dict[str, str]
     """Run `script args` in `nproc` processes (torchrun's environment when nproc > 1, or when `torchrun`: one
     process as `torchrun --nproc_per_node 1` starts it), like subprocess.run with
     capture_output: returncode 0 when every process succeeded, else that of the first failure seen (negative for a
-    signal), and `returncodes` each rank's; stdout and stderr hold every process's output, rank by rank. Raises
+    signal), and `returncodes` each rank's; stdout and stderr hold every process's output, rank by rank
+    (`rank_stderr` each rank's stderr). Raises
     subprocess.TimeoutExpired after `timeout`."""
     global _SERVER
     job_env = {**(os.environ if env is None else env), **_OFFLINE}
@@ -124,15 +126,17 @@ def run(script: str | Path, args: list[str], nproc: int = 1, env: dict[str, str]
     reply = _SERVER.submit({"script": str(script), "args": [str(a) for a in args], "nproc": nproc, "env": job_env,
                             "cwd": os.getcwd(), "timeout": timeout, "logs": str(logs),
                             "torchrun": torchrun or nproc > 1})
-    streams = {}
+    streams, ranks = {}, {}
     for stream in ("out", "err"):
-        parts = [(logs / f"rank{r}.{stream}").read_text(errors="replace") for r in range(nproc)]
-        streams[stream] = parts[0] if nproc == 1 else "".join(f"[rank {r}]\n{p}" for r, p in enumerate(parts))
+        ranks[stream] = [(logs / f"rank{r}.{stream}").read_text(errors="replace") for r in range(nproc)]
+        streams[stream] = ranks[stream][0] if nproc == 1 else "".join(
+            f"[rank {r}]\n{p}" for r, p in enumerate(ranks[stream]))
     cmd = [f"{script}", *args]
     if reply["timed_out"]:
         raise subprocess.TimeoutExpired(cmd, timeout, streams["out"], streams["err"])
     proc = subprocess.CompletedProcess(cmd, reply["first_failure"], streams["out"], streams["err"])
     proc.returncodes = reply["returncodes"]  # each rank's
+    proc.rank_stderr = ranks["err"]
     return proc
 
 
@@ -252,6 +256,7 @@ def _child(request: dict, rank: int, port: int, pgid: int, server: int) -> None:
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
         os.close(devnull)
+        faulthandler.enable(all_threads=True)  # a crash in native code (SIGSEGV) leaves every thread's Python stack
         os.environ.clear()
         os.environ.update(request["env"])
         nproc = request["nproc"]

@@ -29,8 +29,8 @@ def rows() -> list[dict]:
     return [{"input_ids": ids[i], "labels": labels[i]} for ids, labels in batches() for i in range(len(ids))]
 
 
-def one_process(accumulate: int, name: str, bf16: bool = False) -> dict:
-    model = tiny(name)
+def one_process(accumulate: int, name: str, layers: int, bf16: bool = False) -> dict:
+    model = tiny(name, layers)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     losses, norms = [], []
     micro = DataLoader(rows(), batch_size=8 // accumulate)
@@ -88,13 +88,14 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    reference = one_process(args.accumulate, args.model, args.mixed_precision == "bf16")
+    layers = 2 * args.pp  # two blocks a stage (pp_loop.py)
+    reference = one_process(args.accumulate, args.model, layers, args.mixed_precision == "bf16")
     config = ParallelismConfig(pp_size=args.pp, dp_shard_size=args.dp_shard, dp_replicate_size=args.dp_replicate,
                                tp_size=args.tp, cp_size=args.cp, sp_size=args.sp, pp_schedule=args.schedule,
                                pp_microbatches=args.microbatches)
     accelerator = Accelerator(parallelism_config=config, split_batches=True, mixed_precision=args.mixed_precision,
                               gradient_accumulation_steps=args.accumulate)
-    model = tiny(args.model)
+    model = tiny(args.model, layers)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     loader = DataLoader(rows(), batch_size=8 // args.accumulate)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)

@@ -1,13 +1,12 @@
-"""Pipeline parallelism's stages and schedules against one process (tests/test_pipeline.py): the processes are a
-pp x dp_replicate x dp_shard x tp grid (`--dp-replicate`, `--dp-shard`, `--tp`, default 1), each stage split by the
-model's tp plan over the tp ranks (which read the same rows) and sharded by FSDP2 over the dp_shard ranks (per block,
-then the stage; HSDP with dp_replicate), the data-parallel ranks splitting each global batch's rows. For each model
-(a tiny Llama and a tiny dense Qwen3, 8 decoder layers, from configs) and each schedule asked, every rank first
+"""Pipeline parallelism's stages and schedules against one process (tests/test_pipeline.py): the processes are a pp x
+dp_replicate x dp_shard x tp grid (`--dp-replicate`, `--dp-shard`, `--tp`, default 1), each stage split by the model's
+tp plan over the tp ranks (which read the same rows) and sharded by FSDP2 over the dp_shard ranks (per block, then the
+stage; HSDP with dp_replicate), the data-parallel ranks splitting each global batch's rows. For each model (a tiny Llama
+and a tiny dense Qwen3 from configs, two decoder layers a stage: 2 x pp) and each schedule asked, every rank first
 trains the whole model alone (the one-process reference, on the same global batch of 8 sequences with some targets
-masked), then its stages of a fresh copy of the same weights through the schedule
-(hf_backend/strategies/pipeline.py): 3 SGD steps with clipping at 0.5. Rank 0 writes a JSON report: per model and
-schedule, the largest differences over the ranks of each step's loss, the clipped norm and the parameters at the
-end from one process's, and each rank's stages.
+masked), then its stages of a fresh copy of the same weights through the schedule (hf_backend/strategies/pipeline.py): 2
+SGD steps with clipping at 0.5. Rank 0 writes a JSON report: per model and schedule, the largest differences over the
+ranks of each step's loss, the clipped norm and the parameters at the end from one process's, and each rank's stages.
 """
 
 from __future__ import annotations
@@ -25,14 +24,14 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 from hf_backend.strategies.pipeline import Pipeline
 from hf_backend.strategies.tensor_parallel import apply_tensor_parallel
 
-VOCAB, SEQ, GLOBAL_BATCH, STEPS, CLIP, LR = 48, 12, 8, 3, 0.5, 0.5
+VOCAB, SEQ, GLOBAL_BATCH, STEPS, CLIP, LR = 48, 12, 8, 2, 0.5, 0.5
 MODELS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
 
 
-def tiny(name: str) -> torch.nn.Module:
+def tiny(name: str, layers: int = 8) -> torch.nn.Module:
     config_class, model_class = MODELS[name]
     torch.manual_seed(0)
-    return model_class(config_class(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
+    return model_class(config_class(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                                     num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                                     max_position_embeddings=64, tie_word_embeddings=False, use_cache=False))
 
@@ -49,8 +48,8 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def one_process(name: str) -> dict:
-    model = tiny(name)
+def one_process(name: str, layers: int) -> dict:
+    model = tiny(name, layers)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     losses, norms = [], []
     for ids, labels in batches():
@@ -77,7 +76,7 @@ def pipelined(name: str, schedule: str, microbatches: int, mesh: DeviceMesh, dp:
             fully_shard(stage, mesh=fsdp)
 
     sharded = dp.size() > 1
-    pipeline = Pipeline(tiny(name), mesh["pp"].get_group(), schedule, microbatches,
+    pipeline = Pipeline(tiny(name, 2 * mesh["pp"].size()), mesh["pp"].get_group(), schedule, microbatches,
                         data_parallel=dp.get_group() if sharded else None,
                         parallelize=shard if sharded or tp.size() > 1 else None)
     optimizer = torch.optim.SGD(list(pipeline.parameters()), lr=LR)
@@ -115,10 +114,11 @@ def main() -> None:
     pp = dist.get_world_size() // per_pp_rank
     mesh = init_device_mesh("cpu", (pp, args.dp_replicate, args.dp_shard, args.tp),
                             mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
-    report: dict = {"pp": pp, "per_pp_rank": per_pp_rank, "runs": {}}
+    # two blocks a stage, so that the schedules with two stages a rank (interleaved, V) split the model too
+    report: dict = {"pp": pp, "per_pp_rank": per_pp_rank, "layers": 2 * pp, "runs": {}}
     dp = mesh["dp_replicate", "dp_shard"]._flatten("dp")
     for name in args.models.split(","):
-        reference = one_process(name)
+        reference = one_process(name, 2 * pp)
         for schedule in args.schedules.split(","):
             run, pipeline = pipelined(name, schedule, args.microbatches, mesh, dp)
             held = run["params"]
