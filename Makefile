@@ -76,9 +76,9 @@ lint: setup
 	$(VENV)/bin/mypy
 
 # Two pytest workers, a test file each at a time (a file's module fixtures, such as its Ray cluster, stay shared): one
-# at a time, the suite keeps about one of the two cores busy (docs/development.md). The longest files go first
-# (tests/conftest.py). The type checker runs beside them; its verdict is waited for.
-PARALLEL := -n 2 --dist loadfile --no-loadscope-reorder
+# at a time, the suite keeps about one of the two cores busy (docs/development.md). The type checker runs beside
+# them; its verdict is waited for.
+PARALLEL := -n 2 --dist loadfile
 test: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy > $(VENV)/mypy.log 2>&1 & checker=$$!; \

@@ -82,19 +82,6 @@ def tiny(tmp_path_factory) -> tuple[Path, Path]:
 
 
 # -- seconds per test file, printed at the end of every run (the README's table of the suite comes from it) ------------
-# The files that take longest (the summary below, `make test` on a fresh clone, 2026-12-04), in that order. `make
-# test`'s two workers take whole files (`--dist loadfile --no-loadscope-reorder`), each its next when it has two tests
-# left: started first, the long files do not leave one worker running the last of them alone at the end.
-LONGEST_FIRST = ("test_parallelism.py", "test_trainer.py", "test_ray.py", "test_fault_tolerance.py", "test_pipeline.py",
-                 "test_compile.py", "test_deepspeed.py", "test_benchmarks.py", "test_elastic.py", "test_hangs.py",
-                 "test_fsdp.py", "test_memory_plan.py", "test_experts.py", "test_cli.py", "test_trl.py")
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's tests keep their order
-
-
 _seconds_per_file: collections.Counter[str] = collections.Counter()
 
 

@@ -53,6 +53,10 @@ class TrainingArguments(_EngineNamed):
         "hf_backend: a checkpoint's large files are copied to host memory and written in the "
         "background while training goes on; the checkpoint counts (trainer_state.json, rotation) "
         "once every file is written")})
+    chunked_loss: bool = dataclasses.field(default=True, metadata={"help": (
+        "hf_backend: a causal LM's training loss from its last hidden state a chunk of tokens at a "
+        "time, never holding the whole logits (docs/memory.md); the model's own loss exactly, where it "
+        "applies (training/chunked_loss.py); False: the model's own forward")})
     fault_tolerance: bool | None = dataclasses.field(default=None, metadata={"help": (
         "hf_backend: this job is one replica group of a torchft run (docs/fault_tolerance.md); None: as "
         "`hf-backend launch --fault_tolerance` says")})

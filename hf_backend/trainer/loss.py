@@ -1,6 +1,7 @@
 """hf_backend.Trainer's members about the loss: whether the model's loss honours
-`num_items_in_batch` (asked of the model once), the logged loss's NaN/inf filter on the device, the
-flop estimate with the parameters counted once, and the sequences split over the cp or sp ranks.
+`num_items_in_batch` (asked of the model once), the causal-LM loss by chunks while training, the logged
+loss's NaN/inf filter on the device, the flop estimate with the parameters counted once, and the
+sequences split over the cp or sp ranks.
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
+import transformers
 from transformers.utils import is_torch_xla_available
 
 from ..core.notes import note
+from ..training import chunked_loss
 from . import transformers_compat as compat
 
 if TYPE_CHECKING:  # the mixin's methods run on hf_backend.Trainer, a transformers.Trainer
@@ -71,6 +74,19 @@ class LossMembers(_Mixed):
                    and (name != "attention_mask" or inputs[name].dim() == 2)]
         return functools.partial(self.accelerator.maybe_context_parallel, buffers=buffers,
                                  buffer_seq_dims=[1] * len(buffers), no_restore_buffers=set(buffers)), inputs
+
+    # -- the causal-LM loss by chunks (training/chunked_loss.py) ------------------------------------
+    def _chunked_loss(self) -> contextlib.AbstractContextManager:
+        """For `train()`: a causal LM's loss computed without its whole logits, where it is the model's
+        own loss exactly and nothing reads the training logits: `chunked_loss` (the default), transformers'
+        compute_loss (a trainer's own, TRL's among them, may read the logits), no pipeline stages (whose
+        last stage computes the loss itself). Label smoothing and compute_loss_func take the labels
+        from the batch, so the model's own forward runs for them."""
+        if (not self.args.chunked_loss or getattr(self, "pipeline", None) is not None
+                or type(self).compute_loss is not transformers.Trainer.compute_loss
+                or chunked_loss.unsupported(self.model) is not None):
+            return contextlib.nullcontext()
+        return chunked_loss.ChunkedLoss(self.model).installed()
 
     # -- the logged loss ---------------------------------------------------------------------------
     def _loss_to_log(self, loss: torch.Tensor) -> torch.Tensor:

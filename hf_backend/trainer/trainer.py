@@ -287,7 +287,8 @@ class Trainer(PipelineSteps, LossMembers, _EngineNamed):
             raise ConfigError(f"{RESUME}: Can't find a valid checkpoint at "
                               f"{resume_from_checkpoint}: no such directory; pass a checkpoint-* "
                               "directory, or True for the newest in output_dir")
-        result = super().train(resume_from_checkpoint, *args, **kwargs)
+        with self._chunked_loss():
+            result = super().train(resume_from_checkpoint, *args, **kwargs)
         self.accelerator.checkpoint_io.wait()
         return result
 
