@@ -121,3 +121,29 @@ def test_nan_inf_filter_logs_transformers_numbers_on_the_device(tmp_path, nan_in
     assert all(math.isfinite(x) for x in logged) is nan_inf_filter
     assert ours == []
     assert (len(theirs) >= 8) is nan_inf_filter  # transformers reads the loss back at every step
+
+
+def test_the_loss_check_leaves_each_module_in_its_own_mode(tmp_path):
+    """The one-time check of whether the loss divides by `num_items_in_batch` also runs inside evaluation (its
+    prediction_step asks for the count), where the model is in eval mode but its DDP wrapper may still say training:
+    afterwards every module is in the mode it was in (it once set the whole model back to training there, so the
+    first evaluation of a 2-process run ran with dropout on)."""
+
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2))
+    args = hf_backend.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    trainer = hf_backend.Trainer(model=model, args=args)
+    class Wrapper(torch.nn.Module):  # as DDP: left in training mode around a model put in eval mode
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+        def forward(self, **kwargs):
+            return self.module(**kwargs)
+
+    wrapper = Wrapper(model)
+    model.eval()
+    trainer.model_wrapped = wrapper
+    ids = torch.randint(0, 32, (2, 6))
+    assert trainer._loss_divides_by_item_count({"input_ids": ids, "labels": ids})  # a causal LM: a sum / count
+    assert wrapper.training and not any(module.training for module in model.modules())

@@ -151,13 +151,16 @@ class LossMembers(_Mixed):
             with context():
                 return _loss_of(model(**copy, num_items_in_batch=count))
 
-        was_training = model.training
+        # each module's own mode back afterwards: in evaluation (prediction_step asks too) the model inside is in
+        # eval mode while its DDP wrapper may still say training, and train(wrapper.training) would flip it back
+        modes = [(module, module.training) for module in model.modules()]
         model.eval()
         try:
             with torch.random.fork_rng(devices=[]), self.accelerator.strategy.outside_training():
                 one, two = loss(count), loss(count * 2)
         finally:
-            model.train(was_training)
+            for module, training in modes:
+                module.training = training
         divides = bool(torch.isclose(one, 2 * two, rtol=1e-3)) and not bool(torch.isclose(one, two, rtol=1e-3))
         return bool(self.accelerator.gather(torch.tensor([divides], device=self.args.device)).all())
 

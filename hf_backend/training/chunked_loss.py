@@ -150,8 +150,10 @@ class ChunkedLoss:
         self.lm = causal_lm(model)
         self.head = self.lm.get_output_embeddings()
         self.chunk = chunk
+        # one forward's progress: the targets handed to the head, then whether the head returned the loss (the
+        # tensor itself may come back wrapped: DeepSpeed's ZeRO-3 wraps what its modules return)
         self._targets: dict[str, Any] | None = None
-        self._loss: torch.Tensor | None = None
+        self._returned = False
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
@@ -162,14 +164,14 @@ class ChunkedLoss:
         head_forward = head.forward
 
         def forward(hidden: torch.Tensor) -> torch.Tensor:
-            if self._targets is None:
-                return head_forward(hidden)
             targets, self._targets = self._targets, None
-            self._loss = linear_cross_entropy(hidden, head.weight, chunk=self.chunk, **targets)
-            return self._loss
+            if targets is None or type(head.weight) is not torch.nn.Parameter:  # a DTensor: tensor parallelism
+                return head_forward(hidden)
+            self._returned = True
+            return linear_cross_entropy(hidden, head.weight, chunk=self.chunk, **targets)
 
         def loss_function(logits: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-            return logits if logits is self._loss else own_loss(logits, *args, **kwargs)
+            return logits if self._returned else own_loss(logits, *args, **kwargs)
 
         head.forward = forward
         lm.loss_function = loss_function  # transformers' setter: the instance's own loss function
@@ -180,10 +182,10 @@ class ChunkedLoss:
                 handle.remove()
             del head.forward
             del lm._loss_function
-            self._targets = self._loss = None
+            self._targets, self._returned = None, False
 
     def _arm(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-        self._targets = self._loss = None
+        self._targets, self._returned = None, False
         keep = kwargs.get("logits_to_keep", 0)
         if not module.training or args or isinstance(keep, torch.Tensor) or keep != 0:
             return
@@ -192,7 +194,7 @@ class ChunkedLoss:
         self._targets = {key: kwargs.get(key) for key in ("labels", "shift_labels", "num_items_in_batch")}
 
     def _drop_logits(self, module: torch.nn.Module, args: tuple, outputs: Any) -> Any:
-        if self._loss is None or getattr(outputs, "logits", None) is not self._loss:
+        returned, self._targets, self._returned = self._returned, None, False
+        if not returned:
             return None
-        self._loss = None
         return type(outputs)(**{key: value for key, value in outputs.items() if key != "logits"})
