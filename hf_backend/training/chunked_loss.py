@@ -41,7 +41,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, divisor: torch.Tensor,
                 chunk: int, compute_dtype: torch.dtype) -> torch.Tensor:
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        # each token's loss kept, then summed once in float64: the sum's own rounding (a sum of thousands of fp32
+        # terms, cross_entropy's in its order) is left out of the difference from the model's loss
+        losses = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         w = weight.to(compute_dtype)
         for start in range(0, hidden.shape[0], chunk):
@@ -51,10 +53,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
             target = targets[rows]
             kept = target != IGNORE_INDEX
             picked = logits.gather(1, target.clamp(min=0).unsqueeze(1)).squeeze(1)
-            total += torch.where(kept, lse[rows] - picked, 0.0).sum()
+            losses[rows] = torch.where(kept, lse[rows] - picked, 0.0)
         ctx.save_for_backward(hidden, weight, targets, lse, divisor)
         ctx.chunk, ctx.compute_dtype = chunk, compute_dtype
-        return total / divisor
+        return (losses.double().sum() / divisor.double()).float()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
