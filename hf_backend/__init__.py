@@ -46,6 +46,7 @@ if TYPE_CHECKING:  # the public names (redundant aliases: explicit re-exports)
     from .trainer import Trainer as Trainer
     from .trainer import TrainingArguments as TrainingArguments
     from .trainer import on_engine as on_engine
+    from .training.chunked_loss import chunked_loss as chunked_loss
     from .training.local_sgd import LocalSGD as LocalSGD
     from .training.memory import find_executable_batch_size as find_executable_batch_size
 

@@ -103,3 +103,19 @@ def test_the_sequence_memory_benchmark_runs_and_splits_the_memory(tmp_path):
     one, cp = results["one process"]["2048"]["step_mib"], results["cp 2"]["2048"]["step_mib"]
     assert 0 < cp < 0.75 * one, (one, cp)
     assert results["cp 2"]["planned_mib"] < results["one process"]["planned_mib"]
+
+
+def test_the_logits_memory_benchmark_runs_and_the_chunks_hold_a_fraction(tmp_path):
+    """benchmarks/logits_memory.py at a smaller size (vocabulary 65,536, 2,048 tokens: 512 MiB of fp32 logits), the
+    Trainer on the whole logits against its default: under a quarter of the peak, the same losses and parameters
+    within 1e-6."""
+    out = tmp_path / "logits.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "logits_memory.py"), "--vocab", "65536",
+                           "--tokens", "2048", "--variants", "hf_backend chunked_loss=False,hf_backend",
+                           "--json", str(out)], capture_output=True, text=True, env=cli_env(), timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    runs = json.loads(out.read_text())["runs"]
+    whole, chunked = runs["hf_backend chunked_loss=False"], runs["hf_backend"]
+    assert 0 < chunked["step_mib"] < 0.25 * whole["step_mib"], (whole, chunked)
+    assert len(chunked["losses"]) == 2 and chunked["loss_difference"] <= 1e-6
+    assert chunked["parameter_difference"] <= 1e-6

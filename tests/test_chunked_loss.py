@@ -211,3 +211,65 @@ def test_a_trainer_with_a_loss_of_its_own_keeps_the_models() -> None:
     args = hf_backend.TrainingArguments(output_dir="unused", report_to=[], use_cpu=True)
     assert isinstance(Own(model=llama(), args=args)._chunked_loss(), contextlib.nullcontext)
     assert not isinstance(hf_backend.Trainer(model=llama(), args=args)._chunked_loss(), contextlib.nullcontext)
+
+
+# -- under each strategy: tests/scripts/llm_trainer.py in 2 processes, by chunks and on the whole logits -----------
+STRATEGIES = ["ddp", "fsdp", "zero3"]
+
+
+@pytest.fixture(scope="module")
+def strategy_runs(tmp_path_factory) -> dict:
+    from helpers import run_report
+
+    root, runs = tmp_path_factory.mktemp("chunked"), {}
+    for strategy in STRATEGIES:
+        if strategy == "zero3":
+            pytest.importorskip("deepspeed")
+        for full in (False, True):
+            name = f"{strategy}-{'full' if full else 'chunked'}"
+            runs[name] = run_report("llm_trainer.py", root / f"{name}.json", [
+                "--output-dir", str(root / name), "--strategy", strategy, "--steps", "3", "--save-steps", "10",
+                "--grad-accum", "2", *(["--full-logits"] if full else [])], nproc=2, timeout=300)
+    return runs
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_every_strategy_trains_by_chunks_as_on_the_whole_logits(strategy_runs, strategy) -> None:
+    """hf_backend.Trainer (3 AdamW steps of 2 padded micro batches a process, clipping at 0.5) by chunks and with
+    `chunked_loss=False`: the logged losses and gradient norms within 1e-6, the parameters within 1e-5 (AdamW, lr
+    1e-2: see the one-process test); the head computed the loss at every step of the chunked run only."""
+    chunked, full = strategy_runs[f"{strategy}-chunked"], strategy_runs[f"{strategy}-full"]
+    assert chunked["chunked"] == [True] * 3 and full["chunked"] == [False] * 3
+    for key in ("losses", "grad_norms"):
+        assert max(abs(a - b) for a, b in zip(chunked[key], full[key], strict=True)) <= EXACT, key
+    assert max(abs(a - b) for a, b in zip(chunked["params"], full["params"], strict=True)) <= 1e-5
+
+
+def test_an_accelerate_loop_takes_it_in_one_line() -> None:
+    """`with hf_backend.chunked_loss(model):` around a loop on a prepared model: the losses and parameters of the
+    loop without it, within 1e-6 (SGD); a model whose loss it would not be is refused in one line."""
+    import hf_backend
+    from hf_backend.core.errors import HfBackendError
+
+    def loop(chunked: bool) -> tuple[list[float], torch.Tensor]:
+        accelerator = hf_backend.Accelerator(cpu=True)
+        model = llama()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        losses = []
+        with hf_backend.chunked_loss(model) if chunked else contextlib.nullcontext():
+            for _ in range(2):
+                outputs = model(**padded())
+                assert (outputs.logits is None) is chunked
+                accelerator.backward(outputs.loss)
+                optimizer.step()
+                optimizer.zero_grad()
+                losses.append(float(outputs.loss))
+        accelerator.end_training()
+        return losses, torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    (losses, params), (full_losses, full_params) = loop(True), loop(False)
+    assert max(abs(a - b) for a, b in zip(losses, full_losses)) <= EXACT
+    assert float((params - full_params).abs().max()) <= EXACT
+    with pytest.raises(HfBackendError, match=r"^chunked_loss: LlamaForCausalLM transforms its logits"):
+        hf_backend.chunked_loss(llama(final_logit_softcapping=30.0))

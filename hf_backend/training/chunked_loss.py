@@ -8,7 +8,8 @@ gradients (the head weight's accumulated over the chunks). The arithmetic is tra
 labels shifted by one unless `shift_labels` is given, -100 ignored, the sum divided by `num_items_in_batch` when
 given, else the mean over the targets.
 
-`linear_cross_entropy` is the function; `ChunkedLoss` puts it into a model's own training forward, through hooks.
+`linear_cross_entropy` is the function; `ChunkedLoss` puts it into a model's own training forward, through hooks;
+`chunked_loss(model)` is that for a loop (hf_backend.Trainer uses it by default).
 Where the result would not be transformers' (a head with a bias, logits scaled or soft-capped, a loss type other
 than ForCausalLM), `unsupported` says why and the model is left as it is.
 """
@@ -21,6 +22,9 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
+
+from ..core.errors import HfBackendError
+from .unwrap import extract_model_from_parallel
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -200,3 +204,15 @@ class ChunkedLoss:
         if not returned:
             return None
         return type(outputs)(**{key: value for key, value in outputs.items() if key != "logits"})
+
+
+def chunked_loss(model: torch.nn.Module, chunk: int | None = None) -> contextlib.AbstractContextManager:
+    """A context in which the (prepared) causal LM's training calls with `labels` compute their loss by chunks,
+    never holding the whole logits: `with hf_backend.chunked_loss(model): loss = model(**batch).loss` (the
+    outputs' `logits` is None there). Refused in one line for a model whose loss it would not be."""
+    inner = extract_model_from_parallel(model, keep_torch_compile=False)
+    why = unsupported(inner)
+    if why is not None:
+        raise HfBackendError(f"chunked_loss: {why}, so its loss by chunks would not be its own; train it "
+                             "without chunked_loss")
+    return ChunkedLoss(inner, chunk).installed()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 from datasets import Dataset
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
 
 VOCAB = 48
 
@@ -141,6 +141,7 @@ def main() -> int:
     p.add_argument("--save-final", action="store_true",
                    help="trainer.save_model(output_dir/final) at the end; the logits of a fixed batch in the report")
     p.add_argument("--stock", action="store_true", help="transformers' own Trainer (on Accelerate), one process")
+    p.add_argument("--full-logits", action="store_true", help="TrainingArguments(chunked_loss=False)")
     args = p.parse_args()
 
     if args.stock:
@@ -176,11 +177,16 @@ def main() -> int:
         warmup_steps=1, max_grad_norm=0.5, logging_steps=1, save_strategy="steps", save_steps=args.save_steps,
         per_device_eval_batch_size=2 * args.batch_size,  # the 16 held-out rows in one step of every grid here
         report_to="none", disable_tqdm=True, seed=0, gradient_checkpointing=args.gradient_checkpointing,
-        **({} if args.stock else {"async_save": args.async_save}), **backend(args))
+        **({} if args.stock else {"async_save": args.async_save, "chunked_loss": not args.full_logits}),
+        **backend(args))
     trainer = Trainer(model=model, args=training_args, train_dataset=rows(96, 0),
                       eval_dataset=rows(16, 1) if args.eval else None,
                       data_collator=functools.partial(pad, multiple=args.pad_multiple,
                                                       positions=args.positions or bool(args.alst)))
+    head = model.get_output_embeddings()
+    chunked: list[bool] = []  # at each step: whether the head computes the loss by chunks (chunked_loss.py)
+    trainer.add_callback(type("Chunked", (TrainerCallback,), {
+        "on_step_end": lambda self, *a, **k: chunked.append("forward" in vars(head))}))
     trainer.train(resume_from_checkpoint=args.resume)
     logits = None
     pipelined = getattr(trainer, "pipeline", None) is not None  # the model is this rank's pipeline stages
@@ -213,6 +219,7 @@ def main() -> int:
             "global_step": trainer.state.global_step,
             "logits": logits.flatten().tolist() if logits is not None else None,
             "bytes": local_bytes(trainer.model_wrapped, trainer.optimizer),
+            "chunked": chunked,
             **evaluated,
         }
         Path(args.out).write_text(json.dumps(report))
