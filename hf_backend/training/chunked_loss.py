@@ -3,14 +3,13 @@
 transformers' causal LMs compute `lm_head(hidden)` for every token, upcast those logits to fp32 and take the
 cross-entropy: at 4,096 tokens and a 128k vocabulary that is 2 GiB of fp32 logits a sequence, and their gradient,
 larger than a small model. Here the hidden states are multiplied by the head's weight a chunk of tokens at a time;
-each chunk's loss is summed and its logits dropped, and the backward computes each chunk's logits again for its
-gradients (the head weight's accumulated over the chunks). The arithmetic is transformers' (`ForCausalLMLoss`):
+each chunk's token losses are kept and its logits dropped, and the backward computes each chunk's logits again for
+its gradients (the head weight's accumulated over the chunks). The arithmetic is transformers' (`ForCausalLMLoss`):
 labels shifted by one unless `shift_labels` is given, -100 ignored, the sum divided by `num_items_in_batch` when
 given, else the mean over the targets.
 
 `linear_cross_entropy` is the function; `ChunkedLoss` puts it into a model's own training forward, through hooks;
-`chunked_loss(model)` is that for a loop (hf_backend.Trainer uses it by default).
-Where the result would not be transformers' (a head with a bias, logits scaled or soft-capped, a loss type other
+`chunked_loss(model)` is that for a loop (hf_backend.Trainer uses it by default). Where the result would not be transformers' (a head with a bias, logits scaled or soft-capped, a loss type other
 than ForCausalLM), `unsupported` says why and the model is left as it is.
 """
 
