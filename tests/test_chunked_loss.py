@@ -273,3 +273,18 @@ def test_an_accelerate_loop_takes_it_in_one_line() -> None:
     assert float((params - full_params).abs().max()) <= EXACT
     with pytest.raises(HfBackendError, match=r"^chunked_loss: LlamaForCausalLM transforms its logits"):
         hf_backend.chunked_loss(llama(final_logit_softcapping=30.0))
+
+
+def test_a_compiled_model_takes_it() -> None:
+    """torch.compile of the whole model (AOT autograd, which traces the backward as inductor does, without
+    generating code): the hooks and the chunks' autograd function are captured; the loss and every gradient are
+    the eager model's on the whole logits, within 1e-6. (Regional compilation compiles the blocks only: the head and
+    its loss stay eager.)"""
+    own = llama()
+    chunked = copy.deepcopy(own)
+    expected, expected_grads = _loss_and_grads(own, padded())
+    with ChunkedLoss(chunked, chunk=7).installed():
+        got, _ = _loss_and_grads(torch.compile(chunked, backend="aot_eager"), padded())
+    grads = {name: p.grad for name, p in chunked.named_parameters()}
+    assert got.logits is None and abs(float(got.loss) - float(expected.loss)) <= EXACT
+    assert _largest(grads, expected_grads) <= EXACT

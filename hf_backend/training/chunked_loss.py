@@ -9,8 +9,9 @@ labels shifted by one unless `shift_labels` is given, -100 ignored, the sum divi
 given, else the mean over the targets.
 
 `linear_cross_entropy` is the function; `ChunkedLoss` puts it into a model's own training forward, through hooks;
-`chunked_loss(model)` is that for a loop (hf_backend.Trainer uses it by default). Where the result would not be transformers' (a head with a bias, logits scaled or soft-capped, a loss type other
-than ForCausalLM), `unsupported` says why and the model is left as it is.
+`chunked_loss(model)` is that for a loop (hf_backend.Trainer uses it by default). Where the result would not be
+transformers' (a head with a bias, logits scaled or soft-capped, a loss type other than ForCausalLM), `unsupported`
+says why and the model is left as it is.
 """
 
 from __future__ import annotations
