@@ -133,6 +133,8 @@ def test_the_trainer_trains_on_a_grid_as_one_process(trainer_alone, grid, tmp_pa
                       ["--output-dir", str(tmp_path / "grid"), "--batch-size", str(per_rank), "--grid", grid,
                        *TRAINER], nproc=math.prod(sizes))
     assert many["world_size"] == math.prod(sizes) and len(one["losses"]) == 4
+    # the loss by chunks (training/chunked_loss.py) at every step, but under tp (its head's vocabulary is sharded)
+    assert one["chunked"] == [True] * 4 and many["chunked"] == [sizes[2] == 1] * 4
     assert _steps(one["losses"], many["losses"]) <= LOSS
     assert _steps(one["grad_norms"], many["grad_norms"]) <= NORM
     assert max(abs(x - y) for x, y in zip(one["params"], many["params"], strict=True)) <= ADAMW_PARAMS

@@ -80,9 +80,12 @@ class LossMembers(_Mixed):
         """For `train()`: a causal LM's loss computed without its whole logits, where it is the model's
         own loss exactly and nothing reads the training logits: `chunked_loss` (the default), transformers'
         compute_loss (a trainer's own, TRL's among them, may read the logits), no pipeline stages (whose
-        last stage computes the loss itself). Label smoothing and compute_loss_func take the labels
-        from the batch, so the model's own forward runs for them."""
+        last stage computes the loss itself), no tensor parallelism (the head's vocabulary is sharded:
+        its chunks are not built yet). Label smoothing and compute_loss_func take the labels from the
+        batch, so the model's own forward runs for them."""
+        config = getattr(self.accelerator, "parallelism_config", None)
         if (not self.args.chunked_loss or getattr(self, "pipeline", None) is not None
+                or (config is not None and config.tp_size > 1)
                 or type(self).compute_loss is not transformers.Trainer.compute_loss
                 or chunked_loss.unsupported(self.model) is not None):
             return contextlib.nullcontext()
